@@ -1,0 +1,55 @@
+# gpuferry — the two commands (`make demo`, `make test`) and the local stacks.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+UV_VERSION := 0.13.8
+# Heavy, machine-wide caches live outside the repo.
+export GPUFERRY_CACHE ?= $(HOME)/.cache/gpuferry
+# Where pip/uv may find prebuilt wheels on this machine (the CPU build of torch).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: venv demo demo-stop test test-fast bench-overhead lock clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(BIN)/uv pip sync --python $(BIN)/python $(FIND_LINKS) requirements.lock
+	$(BIN)/uv pip install --python $(BIN)/python --no-deps -e .
+	touch $@
+
+# Re-resolve the lock after changing dependencies in pyproject.toml.
+lock: venv
+	$(BIN)/uv pip compile pyproject.toml --extra workload --extra test --python-version 3.11 \
+	  $(FIND_LINKS) -c lock-constraints.txt -o requirements.lock
+
+# ---- the embedded demo ---------------------------------------------------------------------
+# State of the embedded backends (MLflow store, checkpoints, job dirs, the local server).
+export GPUFERRY_HOME ?= $(CURDIR)/.gpuferry
+DEMO_ENV := PREFECT_HOME=$(GPUFERRY_HOME)/prefect PREFECT_SERVER_ANALYTICS_ENABLED=false
+
+demo: venv
+	@mkdir -p $(GPUFERRY_HOME)/prefect
+	$(DEMO_ENV) $(BIN)/python -m flows.demo
+
+demo-stop: venv
+	$(DEMO_ENV) $(BIN)/python -m flows.demo stop
+
+# ---- tests -----------------------------------------------------------------------------------
+PYTEST := PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -p no:cacheprovider --durations=10
+
+# Everything: unit tests, the embedded pipeline and (as they land) the integration stacks.
+test: venv
+	$(PYTEST) tests
+
+# Unit tests and the embedded pipeline only: no outside servers.
+test-fast: venv
+	$(PYTEST) -m "not integration" tests
+
+bench-overhead: venv
+	$(BIN)/python bench/pipeline_overhead.py
+
+clean:
+	rm -rf $(VENV) .gpuferry

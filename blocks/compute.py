@@ -1,0 +1,328 @@
+"""Compute backends: where a training job runs.
+
+``ComputeBackend`` is the interface every backend implements (local processes here; Slurm over SSH
+in ``blocks/slurm.py``):
+
+* ``submit(job)`` starts the job, or adopts the job that already carries ``job.key`` — a retried
+  submit never creates a second job;
+* ``poll(handles)`` reads the state of many jobs in one query;
+* ``cancel(handle)``, ``read_log(handle, offset)``, ``read_progress(handle)``;
+* ``watch(handle, ...)`` polls until the job is terminal, starting fast and backing off.
+
+Preempted jobs (exit code ``EXIT_PREEMPTED`` of the contract) are requeued by the backend up to
+``resources.max_requeues`` times, and resume from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+from blocks._proc import alive, start_time
+from blocks.home import gpuferry_home
+from blocks.errors import ConfigurationError, JobFailed, explain_exit_code
+from blocks.specs import JobHandle, JobResult, JobStatus, Resources, TrainingJob
+from workload import contract
+
+WORKLOAD_ROOT = Path(contract.__file__).resolve().parent.parent
+
+
+class ComputeBackend(Block, ABC):
+    """Where training jobs run."""
+
+    _block_type_name = "gpuferry Compute Backend"
+
+    workdir_root: str | None = Field(
+        None, description="Directory under which each job gets its own (None: $GPUFERRY_HOME/jobs)."
+    )
+    poll_interval_start: float = Field(0.25, gt=0, description="First wait between two polls, in seconds.")
+    poll_interval_max: float = Field(10.0, gt=0, description="Longest wait between two polls, in seconds.")
+
+    @property
+    def backend_name(self) -> str:
+        return self.get_block_type_slug()
+
+    def job_workdir(self, key: str) -> str:
+        """The directory job ``key`` owns (checkpoints, progress, log); on a cluster, a shared path."""
+        root = Path(self.workdir_root) if self.workdir_root else gpuferry_home() / "jobs"
+        return str(root / key)
+
+    @abstractmethod
+    def validate_job(self, job: TrainingJob) -> None:
+        """Raise ``ConfigurationError`` when this backend cannot run the job as asked (no side effect)."""
+
+    @abstractmethod
+    def submit(self, job: TrainingJob) -> JobHandle:
+        """Start the job, or adopt the one that already has ``job.key``."""
+
+    @abstractmethod
+    def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
+        """Current state of every job, in one query."""
+
+    @abstractmethod
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop the job; it is not requeued."""
+
+    def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+        """New output of the job since ``offset``, and the next offset."""
+        path = Path(handle.log_path)
+        if not path.exists():
+            return "", offset
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        return data.decode("utf-8", "replace"), offset + len(data)
+
+    def read_progress(self, handle: JobHandle) -> dict[str, Any] | None:
+        try:
+            return json.loads((Path(handle.workdir) / "progress.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def log_tail(self, handle: JobHandle, lines: int = 30) -> str:
+        text, _ = self.read_log(handle, max(0, _size(handle.log_path) - 64_000))
+        return "\n".join(text.splitlines()[-lines:])
+
+    def watch(
+        self,
+        handle: JobHandle,
+        *,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_output: Callable[[str], None] | None = None,
+        timeout_seconds: float | None = None,
+    ) -> JobStatus:
+        """Poll until the job is terminal; stream its output and progress meanwhile.
+
+        The interval starts at ``poll_interval_start`` and grows by half each poll up to
+        ``poll_interval_max``: short jobs are seen finishing at once, long ones cost little.
+        """
+        interval = self.poll_interval_start
+        offset = 0
+        last_progress: dict[str, Any] | None = None
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        while True:
+            status = self.poll([handle])[handle.job_id]
+            if on_output is not None:
+                text, offset = self.read_log(handle, offset)
+                if text:
+                    on_output(text)
+            progress = self.read_progress(handle)
+            if on_progress is not None and progress and progress != last_progress:
+                on_progress(progress)
+                last_progress = progress
+            if status.terminal:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                self.cancel(handle)
+                raise JobFailed(
+                    f"job {handle.job_id} ran past the {timeout_seconds:.0f} s deadline and was cancelled",
+                    state="TIMEOUT",
+                    log_tail=self.log_tail(handle),
+                )
+            time.sleep(interval)
+            interval = min(interval * 1.5, self.poll_interval_max)
+
+    def result(self, handle: JobHandle, status: JobStatus, *, gpus: int = 0, cpus: int = 1) -> JobResult:
+        """Turn a terminal status into a result, or raise an actionable ``JobFailed``."""
+        if status.state != "COMPLETED":
+            raise JobFailed(
+                f"training job {handle.job_id} ended {status.state}: {status.reason or explain_exit_code(status.exit_code)}",
+                state=status.state,
+                exit_code=status.exit_code,
+                log_tail=self.log_tail(handle),
+            )
+        hours = status.elapsed_seconds / 3600
+        return JobResult(
+            handle=handle,
+            status=status,
+            checkpoint_dir=str(Path(handle.workdir) / "checkpoints"),
+            requeues=self._requeues(handle),
+            wall_seconds=status.elapsed_seconds,
+            gpu_hours=hours * gpus,
+            cpu_hours=hours * cpus,
+        )
+
+    def _requeues(self, handle: JobHandle) -> int:
+        return 0
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def job_environment(job: TrainingJob, workdir: Path) -> dict[str, str]:
+    """The contract's variables for a job whose files live in ``workdir``."""
+    return {
+        **job.env,
+        contract.CHECKPOINT_DIR: str(workdir / "checkpoints"),
+        contract.PROGRESS_FILE: str(workdir / "progress.json"),
+    }
+
+
+class LocalProcesses(ComputeBackend):
+    """Runs the training job as processes on this machine (torchrun standalone for several).
+
+    The embedded default: no cluster needed. Each job gets a directory under ``workdir_root``
+    holding its checkpoints, progress and log, and a supervisor process that records its exit
+    code, so a job outlives the flow run that started it.
+    """
+
+    _block_type_name = "gpuferry Local Processes"
+    _description = "Runs training jobs as local processes (torchrun standalone when more than one)."
+
+    python: str = Field(default_factory=lambda: sys.executable, description="Python interpreter of the job.")
+    entrypoint: str = Field("workload/train.py", description="Training script, relative to code_dir.")
+    code_dir: str = Field(str(WORKLOAD_ROOT), description="Directory the job runs in (holds the entrypoint).")
+    threads_per_process: int | None = Field(
+        None, ge=1, description="OMP/torch threads per process (None: the cores divided among the processes)."
+    )
+    poll_interval_max: float = Field(2.0, gt=0, description="Longest wait between two polls, in seconds.")
+
+    _RUNNING_STATES: ClassVar[frozenset[str]] = frozenset({"PENDING", "RUNNING", "REQUEUED"})
+
+    def validate_job(self, job: TrainingJob) -> None:
+        res = job.resources
+        if res.nodes != 1:
+            raise ConfigurationError(
+                f"resources.nodes={res.nodes}: the local-process backend runs on this one machine; "
+                "set nodes=1, or run on a Slurm stack for multi-node jobs"
+            )
+        if res.gpus_per_node and res.gpus_per_node < res.processes_per_node:
+            raise ConfigurationError(
+                f"resources.processes_per_node={res.processes_per_node} exceeds gpus_per_node="
+                f"{res.gpus_per_node}: use one process per GPU"
+            )
+        script = Path(self.code_dir) / self.entrypoint
+        if not script.is_file():
+            raise ConfigurationError(f"entrypoint {script} does not exist: fix code_dir or entrypoint")
+
+    def command(self, resources: Resources) -> list[str]:
+        script = str(Path(self.code_dir) / self.entrypoint)
+        if resources.processes_per_node == 1:
+            return [self.python, script]
+        return [
+            self.python, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={resources.processes_per_node}", script,
+        ]  # fmt: skip
+
+    def submit(self, job: TrainingJob) -> JobHandle:
+        self.validate_job(job)
+        workdir = Path(job.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        state = self._state(workdir)
+        if state is not None:
+            if state["key"] != job.key:
+                raise ConfigurationError(
+                    f"{workdir} already holds job {state['key']!r}; give job {job.key!r} its own workdir"
+                )
+            return self._handle(workdir, state)  # adopt: never a second job for one key
+        state = {"key": job.key, "attempt": 0, "max_requeues": job.resources.max_requeues, "cancelled": False}
+        state.update(self._start(job, workdir))
+        state["job"] = job.model_dump(mode="json")
+        self._write_state(workdir, state)
+        return self._handle(workdir, state)
+
+    def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
+        return {h.job_id: self._status(Path(h.workdir), h.job_id) for h in handles}
+
+    def cancel(self, handle: JobHandle) -> None:
+        workdir = Path(handle.workdir)
+        state = self._state(workdir)
+        if state is None:
+            return
+        state["cancelled"] = True
+        self._write_state(workdir, state)
+        if alive(state["pid"], state["pid_start"]):
+            os.kill(state["pid"], signal.SIGTERM)
+
+    def _requeues(self, handle: JobHandle) -> int:
+        state = self._state(Path(handle.workdir))
+        return 0 if state is None else int(state["attempt"])
+
+    # ---- internals ----
+
+    def _start(self, job: TrainingJob, workdir: Path) -> dict[str, Any]:
+        res = job.resources
+        env = {**os.environ, **job_environment(job, workdir)}
+        threads = self.threads_per_process or max(1, (os.cpu_count() or 1) // res.processes_per_node)
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if res.gpus_per_node:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(res.gpus_per_node))
+        argv = [sys.executable, "-m", "blocks._job_runner", str(workdir), "--", *self.command(res)]
+        runner_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKLOAD_ROOT), env.get("PYTHONPATH")]))}
+        proc = subprocess.Popen(
+            argv, cwd=self.code_dir, env=runner_env, start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        return {"pid": proc.pid, "pid_start": start_time(proc.pid), "submitted": time.time()}
+
+    def _status(self, workdir: Path, job_id: str) -> JobStatus:
+        state = self._state(workdir)
+        if state is None:
+            return JobStatus(job_id=job_id, state="FAILED", reason=f"no job state in {workdir}")
+        elapsed = time.time() - state["submitted"]
+        exit_path = workdir / "exit.json"
+        if exit_path.exists():
+            code = json.loads(exit_path.read_text())["exit_code"]
+            if code == contract.EXIT_OK:
+                return JobStatus(job_id=job_id, state="COMPLETED", exit_code=code, elapsed_seconds=elapsed)
+            if state["cancelled"]:
+                return JobStatus(job_id=job_id, state="CANCELLED", exit_code=code, elapsed_seconds=elapsed,
+                                 reason="cancelled on request")  # fmt: skip
+            if code == contract.EXIT_PREEMPTED and state["attempt"] < state["max_requeues"]:
+                self._requeue(workdir, state)
+                return JobStatus(job_id=job_id, state="REQUEUED", exit_code=code, elapsed_seconds=elapsed,
+                                 reason=f"preempted; requeued (attempt {state['attempt']})")  # fmt: skip
+            reason = explain_exit_code(code)
+            name = "OUT_OF_MEMORY" if code in (137, -9) else "FAILED"
+            return JobStatus(job_id=job_id, state=name, exit_code=code, elapsed_seconds=elapsed, reason=reason)
+        if alive(state["pid"], state["pid_start"]):
+            return JobStatus(job_id=job_id, state="RUNNING", elapsed_seconds=elapsed)
+        # The supervisor is gone without recording an exit: the machine's equivalent of NODE_FAIL.
+        if exit_path.exists():  # it may have finished between the two checks
+            return self._status(workdir, job_id)
+        return JobStatus(
+            job_id=job_id, state="FAILED", elapsed_seconds=elapsed,
+            reason="the job's supervisor process died without recording an exit code",
+        )  # fmt: skip
+
+    def _requeue(self, workdir: Path, state: dict[str, Any]) -> None:
+        state["attempt"] += 1
+        os.replace(workdir / "exit.json", workdir / f"exit.{state['attempt']}.json")
+        state.update(self._start(TrainingJob.model_validate(state["job"]), workdir))
+        self._write_state(workdir, state)
+
+    def _handle(self, workdir: Path, state: dict[str, Any]) -> JobHandle:
+        return JobHandle(
+            backend=self.backend_name, job_id=f"local-{state['key']}", key=state["key"],
+            workdir=str(workdir), log_path=str(workdir / "job.log"),
+        )  # fmt: skip
+
+    @staticmethod
+    def _state(workdir: Path) -> dict[str, Any] | None:
+        try:
+            return json.loads((workdir / "job.json").read_text())
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _write_state(workdir: Path, state: dict[str, Any]) -> None:
+        tmp = workdir / "job.json.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, workdir / "job.json")
+

@@ -1,0 +1,138 @@
+"""Node providers: where the GPUs come from.
+
+``NodeProvider`` is the interface every provider implements: ``acquire(count, requirements)``
+hands out nodes (re-running it reuses what it already acquired), ``check(nodes, requirements)``
+verifies them before any work lands on them, ``release(nodes)`` gives them back.
+
+The embedded default, ``LocalMachine``, is this machine: its GPUs from ``nvidia-smi`` when there is
+one, else CPU only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from abc import ABC, abstractmethod
+
+from prefect.blocks.core import Block
+from pydantic import BaseModel, ConfigDict, Field
+
+from blocks.errors import ConfigurationError
+from blocks.specs import GpuInfo, Node
+
+NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+
+
+class NodeRequirements(BaseModel):
+    """What each node must offer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpus: int = Field(0, ge=0)
+    min_gpu_memory_mib: int = Field(0, ge=0)
+    min_driver_version: str | None = None
+
+
+def parse_nvidia_smi(csv_text: str, cuda_version: str | None = None) -> list[GpuInfo]:
+    """Parse ``nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits``."""
+    gpus = []
+    for line in csv_text.strip().splitlines():
+        index, name, memory, driver = (part.strip() for part in line.split(","))
+        gpus.append(GpuInfo(index=int(index), name=name, memory_mib=int(float(memory)), driver_version=driver,
+                            cuda_version=cuda_version))  # fmt: skip
+    return gpus
+
+
+def parse_cuda_version(nvidia_smi_banner: str) -> str | None:
+    """The 'CUDA Version: 12.4' field of plain ``nvidia-smi`` output."""
+    marker = "CUDA Version:"
+    if marker not in nvidia_smi_banner:
+        return None
+    return nvidia_smi_banner.split(marker, 1)[1].split()[0].strip("|")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def check_node(node: Node, requirements: NodeRequirements) -> list[str]:
+    """Failed checks of one node, each naming what was found and what is required."""
+    problems = []
+    if len(node.gpus) < requirements.gpus:
+        problems.append(f"{node.name}: {len(node.gpus)} GPU(s) found, {requirements.gpus} required")
+    for gpu in node.gpus[: requirements.gpus]:
+        if gpu.memory_mib < requirements.min_gpu_memory_mib:
+            problems.append(
+                f"{node.name}: GPU {gpu.index} ({gpu.name}) has {gpu.memory_mib} MiB, "
+                f"{requirements.min_gpu_memory_mib} MiB required"
+            )
+        if requirements.min_driver_version and _version_tuple(gpu.driver_version) < _version_tuple(
+            requirements.min_driver_version
+        ):
+            problems.append(
+                f"{node.name}: driver {gpu.driver_version} is older than {requirements.min_driver_version}"
+            )
+    return problems
+
+
+class NodeProvider(Block, ABC):
+    """Hands out nodes to train on and takes them back."""
+
+    _block_type_name = "gpuferry Node Provider"
+
+    @abstractmethod
+    def acquire(self, count: int, requirements: NodeRequirements, key: str) -> list[Node]:
+        """``count`` nodes for the run ``key``; acquiring again for the same key reuses them."""
+
+    @abstractmethod
+    def inspect(self, nodes: list[Node]) -> list[Node]:
+        """The nodes with what they really have (GPUs, driver, CUDA), read from the nodes themselves."""
+
+    @abstractmethod
+    def release(self, nodes: list[Node]) -> None:
+        """Give the nodes back; releasing twice is harmless."""
+
+    def check(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
+        """Inspect the nodes and fail, naming each node and check, when one falls short."""
+        inspected = self.inspect(nodes)
+        problems = [p for node in inspected for p in check_node(node, requirements)]
+        if problems:
+            raise ConfigurationError("node preflight failed:\n  " + "\n  ".join(problems))
+        return inspected
+
+
+class LocalMachine(NodeProvider):
+    """This machine, as the one node (its GPUs from nvidia-smi, or none)."""
+
+    _block_type_name = "gpuferry Local Machine"
+    _description = "Provides this machine as the only node; GPUs are read from nvidia-smi when present."
+
+    nvidia_smi: str = Field("nvidia-smi", description="nvidia-smi command (a path or a name on PATH).")
+
+    def acquire(self, count: int, requirements: NodeRequirements, key: str) -> list[Node]:
+        if count != 1:
+            raise ConfigurationError(
+                f"resources.nodes={count}: the local machine is one node; set nodes=1 or use a Slurm stack"
+            )
+        return [Node(name=socket.gethostname(), provider=self.get_block_type_slug(), labels={"run": key})]
+
+    def inspect(self, nodes: list[Node]) -> list[Node]:
+        gpus = self._gpus()
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+        return [n.model_copy(update={"gpus": gpus, "cpus": os.cpu_count() or 1, "memory_mib": mem}) for n in nodes]
+
+    def release(self, nodes: list[Node]) -> None:
+        """Nothing to give back: the machine stays."""
+
+    def _gpus(self) -> list[GpuInfo]:
+        exe = shutil.which(self.nvidia_smi)
+        if exe is None:
+            return []
+        try:
+            query = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=30, check=True)
+            banner = subprocess.run([exe], capture_output=True, text=True, timeout=30).stdout
+        except (subprocess.SubprocessError, OSError):
+            return []  # an nvidia-smi that cannot talk to a driver: no usable GPU
+        return parse_nvidia_smi(query.stdout, parse_cuda_version(banner))

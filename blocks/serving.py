@@ -1,0 +1,202 @@
+"""Serving backends: where the inference service runs.
+
+``ServingBackend.deploy(spec, release)`` brings up the new model version, checks it (ready, then a
+smoke prediction) and only then moves traffic to it and retires the previous version. A version that
+fails its checks never receives traffic and the previous one keeps serving. Deploying the version
+that already serves changes nothing.
+
+The embedded default, ``LocalServing``, runs ``workload/serve.py`` as a process on a free port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prefect.blocks.core import Block
+from pydantic import BaseModel, ConfigDict, Field
+
+from blocks._proc import alive, free_port, start_time, stop
+from blocks.errors import ConfigurationError, DeployFailed
+from blocks.home import gpuferry_home
+from blocks.specs import Endpoint, ImageRef, ServingSpec
+from workload import contract
+
+WORKLOAD_ROOT = Path(contract.__file__).resolve().parent.parent
+
+
+class Release(BaseModel):
+    """The model version to serve."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model_name: str
+    version: str
+    model_uri: str
+    image: ImageRef | None = None
+
+
+def smoke_test(url: str, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """POST the smoke request to ``/predict``; it must answer 200 with one prediction per input row."""
+    response = httpx.post(f"{url}/predict", json=request, timeout=timeout)
+    if response.status_code != 200:
+        raise DeployFailed(f"smoke test: /predict answered {response.status_code}: {response.text[:500]}")
+    body = response.json()
+    rows = len(request.get("inputs", []))
+    if len(body.get("predictions", [])) != rows:
+        raise DeployFailed(f"smoke test: sent {rows} rows, got {len(body.get('predictions', []))} predictions")
+    return body
+
+
+class ServingBackend(Block, ABC):
+    """Where the inference service runs."""
+
+    _block_type_name = "gpuferry Serving Backend"
+
+    @abstractmethod
+    def validate(self, spec: ServingSpec) -> None:
+        """Raise ``ConfigurationError`` when this backend cannot serve ``spec`` (no side effect)."""
+
+    @abstractmethod
+    def deploy(self, spec: ServingSpec, release: Release) -> Endpoint:
+        """Serve ``release``; the previous version stops only after the new one is ready."""
+
+    @abstractmethod
+    def undeploy(self, service: str) -> bool:
+        """Stop the service; True if something was running."""
+
+    @abstractmethod
+    def current(self, service: str) -> dict[str, Any] | None:
+        """What serves ``service`` now (version, url, ...), or None."""
+
+
+class LocalServing(ServingBackend):
+    """Runs the inference server as a process on this machine, one per service."""
+
+    _block_type_name = "gpuferry Local Serving"
+    _description = "Serves the model with workload/serve.py as a local process on a free port."
+
+    python: str = Field(default_factory=lambda: sys.executable, description="Python interpreter of the server.")
+    host: str = Field("127.0.0.1", description="Address the server listens on.")
+    state_dir: str | None = Field(None, description="Where service state and logs live (None: $GPUFERRY_HOME/serving).")
+    drain_seconds: float = Field(30, gt=0, description="How long the old version may take to drain before SIGKILL.")
+
+    def _dir(self) -> Path:
+        path = Path(self.state_dir) if self.state_dir else gpuferry_home() / "serving"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def validate(self, spec: ServingSpec) -> None:
+        if spec.mig_profile:
+            raise ConfigurationError(
+                f"mig_profile={spec.mig_profile!r}: local serving cannot pin a MIG slice; use a Kubernetes stack"
+            )
+        if spec.replicas != 1:
+            raise ConfigurationError(f"replicas={spec.replicas}: local serving runs one replica; set replicas=1")
+
+    def current(self, service: str) -> dict[str, Any] | None:
+        try:
+            state = json.loads((self._dir() / f"{service}.json").read_text())
+        except FileNotFoundError:
+            return None
+        return state if alive(state["pid"], state["pid_start"]) else None
+
+    def deploy(self, spec: ServingSpec, release: Release) -> Endpoint:
+        self.validate(spec)
+        previous = self.current(spec.service_name)
+        if previous and previous["version"] == release.version and previous["model_uri"] == release.model_uri:
+            if _ready(previous["url"]):
+                return self._endpoint(spec, release, previous, previous_version=previous["version"], changed=False)
+
+        port = free_port(self.host)
+        log_path = self._dir() / f"{spec.service_name}-v{release.version}-{port}.log"
+        env = {
+            **os.environ,
+            contract.MODEL_URI: release.model_uri,
+            contract.HOST: self.host,
+            contract.PORT: str(port),
+            contract.MAX_BATCH_SIZE: str(spec.max_batch_size),
+            contract.MAX_BATCH_WAIT_MS: str(spec.max_batch_wait_ms),
+            contract.MAX_QUEUE: str(spec.max_queue),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKLOAD_ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        if not spec.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [self.python, "-m", "workload.serve"], cwd=WORKLOAD_ROOT, env=env, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        state = {
+            "pid": proc.pid, "pid_start": start_time(proc.pid), "url": f"http://{self.host}:{port}",
+            "version": release.version, "model_uri": release.model_uri, "model_name": release.model_name,
+            "log": str(log_path), "started": time.time(),
+        }  # fmt: skip
+        try:
+            self._wait_ready(state, spec.ready_timeout_seconds)
+            smoke_test(state["url"], spec.smoke_request)
+        except BaseException:
+            stop(state["pid"], state["pid_start"], grace_seconds=5)
+            raise
+        tmp = self._dir() / f".{spec.service_name}.json.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self._dir() / f"{spec.service_name}.json")  # traffic now goes to the new version
+        if previous:
+            stop(previous["pid"], previous["pid_start"], grace_seconds=self.drain_seconds)
+        return self._endpoint(spec, release, state, previous_version=previous["version"] if previous else None)
+
+    def undeploy(self, service: str) -> bool:
+        state = self.current(service)
+        (self._dir() / f"{service}.json").unlink(missing_ok=True)
+        return bool(state) and stop(state["pid"], state["pid_start"], grace_seconds=self.drain_seconds)
+
+    def _wait_ready(self, state: dict[str, Any], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        interval = 0.1
+        while time.monotonic() < deadline:
+            if not alive(state["pid"], state["pid_start"]):
+                raise DeployFailed(
+                    f"the server for version {state['version']} exited before it was ready; "
+                    f"last lines of {state['log']}:\n{_tail(state['log'])}"
+                )
+            if _ready(state["url"]):
+                return
+            time.sleep(interval)
+            interval = min(interval * 1.5, 1.0)
+        raise DeployFailed(
+            f"version {state['version']} was not ready within {timeout:.0f} s (ready_timeout_seconds); "
+            f"last lines of {state['log']}:\n{_tail(state['log'])}"
+        )
+
+    def _endpoint(
+        self, spec: ServingSpec, release: Release, state: dict[str, Any], previous_version: str | None, changed: bool = True
+    ) -> Endpoint:
+        return Endpoint(
+            service=spec.service_name,
+            url=state["url"],
+            model_version=release.version,
+            backend=self.get_block_type_slug(),
+            previous_version=previous_version,
+            detail={"pid": state["pid"], "log": state["log"], "changed": changed},
+        )
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

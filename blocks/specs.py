@@ -1,0 +1,272 @@
+"""Typed inputs and outputs of the pipeline's steps.
+
+The inputs (``TrainingSpec``, ``ServingSpec``, ``PromotionPolicy``) are flow parameters: Prefect
+renders them as forms in the UI, and pydantic rejects a bad value before anything runs, naming the
+field and what it allows. The outputs are the small records the steps hand to each other.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def check_name(value: str, field: str) -> str:
+    """Validate a name that ends up in paths, job names and labels (no shell metacharacters)."""
+    if not _NAME.match(value):
+        raise ValueError(f"{field}={value!r} is not allowed: use {_NAME_HELP}")
+    return value
+
+
+class _Spec(BaseModel):
+    # Unknown keys are errors: a typo in a parameter must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HyperParameters(_Spec):
+    """What the example training job accepts (``workload/train.py`` reads them from ``HPARAMS``)."""
+
+    epochs: int = Field(20, ge=1, le=10_000, description="Passes over the training data.")
+    lr: float = Field(0.05, gt=0, le=10, description="Learning rate.")
+    batch_size: int = Field(64, ge=1, le=65_536, description="Rows per optimizer step, per process.")
+    hidden: int = Field(128, ge=1, le=65_536, description="Width of the hidden layer.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability of the hidden layer.")
+    seed: int = Field(0, ge=0, description="Random seed: the same seed gives the same model.")
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer.")
+
+
+class Resources(_Spec):
+    """What one training job asks of the cluster."""
+
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes for one job (more than one: multi-node torchrun).")
+    processes_per_node: int = Field(
+        1, ge=1, le=64, description="Training processes per node; usually one per GPU."
+    )
+    gpus_per_node: int = Field(0, ge=0, le=16, description="GPUs per node (0: CPU only).")
+    cpus_per_task: int = Field(1, ge=1, le=1024, description="CPU cores per training process.")
+    mem_gb: float | None = Field(None, gt=0, description="Memory per node in GiB (None: the cluster default).")
+    time_limit_minutes: int = Field(60, ge=1, le=60 * 24 * 30, description="Wall-clock limit of the job.")
+    partition: str | None = Field(None, description="Slurm partition (None: the cluster default).")
+    max_requeues: int = Field(
+        3, ge=0, le=100, description="How often a preempted job is requeued and resumed before giving up."
+    )
+
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, value: str | None) -> str | None:
+        return None if value is None else check_name(value, "partition")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+class TrainingSpec(_Spec):
+    """One training run of the example workload."""
+
+    experiment: str = Field("gpuferry", description="MLflow experiment the run is logged to.")
+    model_name: str = Field("digits-mlp", description="Registered model name in the MLflow registry.")
+    hyperparameters: HyperParameters = Field(default_factory=HyperParameters)
+    resources: Resources = Field(default_factory=Resources)
+    checkpoint_every: int = Field(50, ge=1, description="Save a checkpoint every this many optimizer steps.")
+
+    @field_validator("experiment", "model_name")
+    @classmethod
+    def _names(cls, value: str, info: Any) -> str:
+        return check_name(value, info.field_name)
+
+
+MIG_PROFILES = (
+    "1g.5gb", "1g.10gb", "1g.12gb", "1g.18gb", "1g.20gb", "1g.23gb", "1g.24gb", "1g.45gb",
+    "2g.10gb", "2g.20gb", "2g.24gb", "2g.35gb", "2g.45gb", "3g.20gb", "3g.40gb", "3g.47gb",
+    "3g.71gb", "3g.90gb", "4g.20gb", "4g.40gb", "4g.47gb", "4g.71gb", "4g.90gb", "7g.40gb",
+    "7g.80gb", "7g.94gb", "7g.141gb", "7g.180gb",
+)  # fmt: skip
+
+
+class ServingSpec(_Spec):
+    """How the inference service runs."""
+
+    service_name: str = Field("digits", description="Name of the service (Kubernetes Deployment, local process).")
+    replicas: int = Field(1, ge=1, le=1000, description="Serving replicas (Kubernetes).")
+    gpus: int = Field(0, ge=0, le=16, description="Whole GPUs per replica (0: CPU).")
+    mig_profile: str | None = Field(
+        None, description="A MIG slice per replica instead of whole GPUs, e.g. '1g.10gb'."
+    )
+    max_batch_size: int = Field(64, ge=1, le=65_536, description="Dynamic batching: most rows per forward pass.")
+    max_batch_wait_ms: float = Field(2.0, ge=0, le=10_000, description="Dynamic batching: longest wait for a batch.")
+    max_queue: int = Field(256, ge=1, description="Requests queued before the server answers 503.")
+    ready_timeout_seconds: float = Field(
+        120, gt=0, description="How long a new version may take to become ready before the deploy fails."
+    )
+    smoke_request: dict[str, Any] = Field(
+        default_factory=lambda: {"inputs": [[0.0] * 64, [1.0] * 64]},
+        description="A /predict body sent to a new version before traffic moves to it.",
+    )
+
+    @field_validator("service_name")
+    @classmethod
+    def _service_name(cls, value: str) -> str:
+        return check_name(value, "service_name")
+
+    @field_validator("mig_profile")
+    @classmethod
+    def _mig(cls, value: str | None) -> str | None:
+        if value is not None and value not in MIG_PROFILES:
+            raise ValueError(f"mig_profile={value!r} is not a MIG profile; use one of: {', '.join(MIG_PROFILES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _gpu_or_mig(self) -> ServingSpec:
+        if self.mig_profile and self.gpus:
+            raise ValueError("set either gpus or mig_profile, not both (a MIG slice is a fraction of one GPU)")
+        return self
+
+
+class PromotionPolicy(_Spec):
+    """When a new model version becomes the champion (and gets deployed)."""
+
+    metric: str = Field("val_accuracy", description="Validation metric logged by the training run.")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="Which way is better.")
+    min_improvement: float = Field(0.0, ge=0, description="How much better than the champion it must be.")
+    alias: str = Field("champion", description="Registry alias that marks the version in production.")
+
+    @field_validator("alias")
+    @classmethod
+    def _alias(cls, value: str) -> str:
+        return check_name(value, "alias")
+
+    def beats(self, candidate: float, champion: float | None) -> bool:
+        if champion is None:
+            return True
+        if self.direction == "maximize":
+            return candidate > champion + self.min_improvement
+        return candidate < champion - self.min_improvement
+
+
+# ---- records handed from step to step -------------------------------------------------------
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class GpuInfo(_Record):
+    index: int
+    name: str
+    memory_mib: int
+    driver_version: str
+    cuda_version: str | None = None
+
+
+class Node(_Record):
+    """A machine a provider handed us."""
+
+    name: str
+    provider: str
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    cpus: int = 0
+    memory_mib: int = 0
+    state: str = "ready"
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class ImageRef(_Record):
+    """What the training job and the server run in."""
+
+    builder: str
+    content_tag: str = Field(description="Hash of the build context, Dockerfile and build args.")
+    reference: str | None = Field(None, description="image@sha256:... pinned by digest; None: no image.")
+    built: bool = False
+    note: str = ""
+
+
+class TrainingJob(_Record):
+    """A training job as a compute backend receives it."""
+
+    key: str = Field(description="Deterministic key (flow run + step): a resubmit adopts the job that has it.")
+    workdir: str = Field(description="Directory the job owns: checkpoints, progress, logs.")
+    env: dict[str, str] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources)
+    image: ImageRef | None = None
+
+
+class JobHandle(_Record):
+    backend: str
+    job_id: str
+    key: str
+    workdir: str
+    log_path: str
+
+
+JobStateName = Literal["PENDING", "RUNNING", "PREEMPTED", "REQUEUED", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"]
+TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"})
+
+
+class JobStatus(_Record):
+    job_id: str
+    state: JobStateName
+    exit_code: int | None = None
+    reason: str = ""
+    elapsed_seconds: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+class JobResult(_Record):
+    handle: JobHandle
+    status: JobStatus
+    checkpoint_dir: str = Field(description="CHECKPOINT_DIR of the job; the trained model is in its final/.")
+    requeues: int = 0
+    wall_seconds: float = 0.0
+    gpu_hours: float = 0.0
+    cpu_hours: float = 0.0
+
+
+class CheckpointRef(_Record):
+    """A checkpoint in storage: its manifest (path, size, sha256 of each file) was written last."""
+
+    uri: str
+    sha256: str = Field(description="sha256 of the manifest, which lists every file's sha256.")
+    size_bytes: int
+    files: int
+    bytes_uploaded: int = 0
+
+
+class ModelVersionRef(_Record):
+    name: str
+    version: str
+    run_id: str
+    source: str
+    metric: str
+    value: float
+    promoted: bool
+    champion_before: str | None = None
+    champion_value: float | None = None
+
+
+class Endpoint(_Record):
+    service: str
+    url: str
+    model_version: str
+    backend: str
+    previous_version: str | None = None
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class PipelineResult(_Record):
+    run_id: str
+    run_url: str
+    image: ImageRef
+    checkpoint: CheckpointRef
+    model_version: ModelVersionRef
+    metrics: dict[str, float]
+    endpoint: Endpoint | None = None
+    deployed: bool = False

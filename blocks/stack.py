@@ -1,0 +1,53 @@
+"""A stack: one block for each step of the pipeline.
+
+A flow run is given a stack (by the name of a saved ``Stack`` block) and each step uses the backend
+in it. With no stack the run uses ``Stack.embedded()``: local processes, a local directory, no
+image, a local server and a SQLite MLflow store under ``$GPUFERRY_HOME`` — nothing to set up.
+"""
+
+from __future__ import annotations
+
+from prefect.blocks.core import Block
+from prefect.filesystems import LocalFileSystem
+from pydantic import Field
+
+from blocks.compute import ComputeBackend, LocalProcesses
+from blocks.home import gpuferry_home
+from blocks.images import CurrentEnvironment, ImageBuilder
+from blocks.provision import LocalMachine, NodeProvider
+from blocks.serving import LocalServing, ServingBackend
+from blocks.storage import CheckpointStore, LocalCheckpointStore
+from blocks.tracking import MlflowTracking
+
+
+class Stack(Block):
+    """The backends one pipeline run uses, step by step."""
+
+    _block_type_name = "gpuferry Stack"
+    _description = "Which backend each pipeline step uses: provisioning, image, compute, storage, tracking, serving."
+
+    provider: NodeProvider = Field(description="Where the nodes come from.")
+    images: ImageBuilder = Field(description="How the workload's image is built.")
+    compute: ComputeBackend = Field(description="Where training runs.")
+    storage: CheckpointStore = Field(description="Where checkpoints are stored.")
+    tracking: MlflowTracking = Field(description="MLflow tracking and registry.")
+    serving: ServingBackend = Field(description="Where the inference service runs.")
+
+    @classmethod
+    def embedded(cls) -> Stack:
+        home = gpuferry_home()
+        return cls(
+            provider=LocalMachine(),
+            images=CurrentEnvironment(),
+            compute=LocalProcesses(),
+            storage=LocalCheckpointStore(filesystem=LocalFileSystem(basepath=str(home / "storage"))),
+            tracking=MlflowTracking(),
+            serving=LocalServing(),
+        )
+
+    def backends(self) -> dict[str, str]:
+        """The block type of each step, for the run's tags."""
+        return {
+            step: getattr(self, step).get_block_type_slug()
+            for step in ("provider", "images", "compute", "storage", "tracking", "serving")
+        }

@@ -1,0 +1,168 @@
+"""MLflow tracking and model registry.
+
+One MLflow run per pipeline run: params, metrics, tags (git sha, the backend of each step), the
+checkpoint's URI and sha256. The model version points at the stored checkpoint (no second copy of
+the weights) and the promotion alias moves only to a better version.
+
+The embedded default is a SQLite store under ``$GPUFERRY_HOME``; point ``tracking_uri`` at an
+MLflow server (``http://...``) for a shared one.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+from blocks.home import gpuferry_home
+from blocks.specs import CheckpointRef
+
+
+def _default_tracking_uri() -> str:
+    return f"sqlite:///{gpuferry_home() / 'mlflow.db'}"
+
+
+def _default_artifacts() -> str:
+    return (gpuferry_home() / "mlartifacts").as_uri()
+
+
+class MlflowTracking(Block):
+    """An MLflow tracking server (or local store) and its model registry."""
+
+    _block_type_name = "gpuferry MLflow Tracking"
+    _description = "MLflow tracking URI, registry and experiment settings used by the pipeline."
+
+    tracking_uri: str = Field(default_factory=_default_tracking_uri, description="MLflow tracking URI.")
+    registry_uri: str | None = Field(None, description="Model registry URI (None: the tracking URI).")
+    artifact_location: str | None = Field(
+        default_factory=_default_artifacts,
+        description="Artifact root for new experiments (None: the server's default).",
+    )
+    ui_url: str | None = Field(
+        None, description="Base URL of the MLflow UI for links (None: the tracking URI when it is http(s)).",
+    )
+
+    @cached_property
+    def client(self) -> Any:
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri or self.tracking_uri)
+
+    # ---- runs ----
+
+    def experiment_id(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=self.artifact_location)
+        except Exception:
+            # Another run created it in between.
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def start_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> str:
+        """Create the pipeline's run, or return the one already created for this flow run (``tags['prefect.flow_run_id']``)."""
+        exp = self.experiment_id(experiment)
+        flow_run_id = tags.get("prefect.flow_run_id")
+        if flow_run_id:
+            found = self.client.search_runs([exp], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+            if found:
+                return found[0].info.run_id
+        return self.client.create_run(exp, run_name=run_name, tags=tags).info.run_id
+
+    def log(
+        self,
+        run_id: str,
+        *,
+        params: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        now = _now_ms()
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+            params=[Param(k, str(v)) for k, v in (params or {}).items()],
+            tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
+        )
+
+    def run_metrics(self, run_id: str) -> dict[str, float]:
+        return dict(self.client.get_run(run_id).data.metrics)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def run_url(self, run_id: str) -> str:
+        base = self.ui_url or (self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else None)
+        run = self.client.get_run(run_id)
+        if base:
+            return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+        return f"mlflow ui --backend-store-uri {self.tracking_uri}  →  experiment {run.info.experiment_id}, run {run_id}"
+
+    # ---- registry ----
+
+    def register(self, model_name: str, run_id: str, checkpoint: CheckpointRef, metric: str, value: float) -> str:
+        """A new version of ``model_name`` whose source is the stored checkpoint; idempotent per run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(model_name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        for existing in self.client.search_model_versions(f"name = '{model_name}' and run_id = '{run_id}'"):
+            if existing.source == checkpoint.uri:
+                return str(existing.version)
+        version = self.client.create_model_version(
+            model_name,
+            source=checkpoint.uri,
+            run_id=run_id,
+            tags={
+                "checkpoint_uri": checkpoint.uri,
+                "checkpoint_sha256": checkpoint.sha256,
+                "checkpoint_size_bytes": str(checkpoint.size_bytes),
+                metric: repr(value),
+            },
+        )
+        return str(version.version)
+
+    def version_metric(self, model_name: str, version: str, metric: str) -> float | None:
+        mv = self.client.get_model_version(model_name, version)
+        if metric in mv.tags:
+            return float(mv.tags[metric])
+        if mv.run_id:
+            return self.client.get_run(mv.run_id).data.metrics.get(metric)
+        return None
+
+    def version_by_alias(self, model_name: str, alias: str) -> str | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return str(self.client.get_model_version_by_alias(model_name, alias).version)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None
+            raise
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(model_name, alias, version)
+
+    def model_source(self, model_name: str, version: str) -> str:
+        return self.client.get_model_version(model_name, version).source
+
+    def tag_version(self, model_name: str, version: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(model_name, version, key, value)
+
+
+def _now_ms() -> int:
+    import time
+
+    return int(time.time() * 1000)

@@ -1,0 +1,178 @@
+"""The retraining pipeline: provision → build → train → upload → register → deploy → release."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.runtime import flow_run
+
+from blocks.errors import ConfigurationError
+from blocks.provision import NodeRequirements
+from blocks.serving import Release
+from blocks.specs import PipelineResult, PromotionPolicy, ServingSpec, TrainingJob, TrainingSpec
+from blocks.stack import Stack
+from tasks.build import build_image
+from tasks.deploy import deploy
+from tasks.provision import provision_nodes, release_nodes
+from tasks.track import finish_run, log_run, register_model, run_metrics, start_run
+from tasks.train import train
+from tasks.upload import upload_checkpoint
+from workload import contract
+
+
+@flow(name="retrain", log_prints=True)
+def retrain(
+    training: TrainingSpec = TrainingSpec(),
+    serving: ServingSpec = ServingSpec(),
+    promotion: PromotionPolicy = PromotionPolicy(),
+    stack: str | None = None,
+    force_deploy: bool = False,
+) -> PipelineResult:
+    """Train the workload, store and register the model, and serve it if it beats the champion.
+
+    Args:
+        training: what to train and on what resources.
+        serving: how the inference service runs.
+        promotion: when the new version replaces the champion (only a promoted version is deployed).
+        stack: name of a saved ``Stack`` block choosing the backend of each step (empty: embedded).
+        force_deploy: deploy the new version even when it is not promoted.
+    """
+    blocks = load_stack(stack)
+    preflight(blocks, training, serving)
+    run_key = f"{flow_run.get_id() or 'local'}"
+
+    nodes = provision_nodes(
+        blocks.provider, training.resources.nodes, NodeRequirements(gpus=training.resources.gpus_per_node), run_key
+    )
+    try:
+        image = build_image(blocks.images)
+        run_id = start_run(
+            blocks.tracking, training.experiment, f"retrain-{flow_run.get_name() or run_key}",
+            params=run_params(training), tags=run_tags(blocks, image.reference or image.note, run_key),
+        )  # fmt: skip
+        try:
+            job = TrainingJob(
+                key=f"{run_key}-train", workdir=blocks.compute.job_workdir(f"{run_key}-train"),
+                env=training_env(training, blocks.tracking.tracking_uri, run_id),
+                resources=training.resources, image=image if image.reference else None,
+            )  # fmt: skip
+            result = train(blocks.compute, job, timeout_seconds=training.resources.time_limit_minutes * 60)
+
+            final_dir = Path(result.checkpoint_dir) / contract.FINAL_DIRNAME
+            checkpoint = upload_checkpoint(blocks.storage, str(final_dir), f"{training.model_name}/{run_id}")
+
+            metrics = run_metrics(blocks.tracking, run_id)
+            if promotion.metric not in metrics:
+                raise ConfigurationError(
+                    f"promotion.metric={promotion.metric!r} was not logged by the run; it logged: {sorted(metrics)}"
+                )
+            log_run(
+                blocks.tracking, run_id,
+                metrics={"gpu_hours": result.gpu_hours, "cpu_hours": result.cpu_hours, "requeues": result.requeues,
+                         "train_wall_seconds": result.wall_seconds},
+                tags={"checkpoint_uri": checkpoint.uri, "checkpoint_sha256": checkpoint.sha256,
+                      "checkpoint_size_bytes": str(checkpoint.size_bytes)},
+            )  # fmt: skip
+            version = register_model(
+                blocks.tracking, run_id, training.model_name, checkpoint, promotion, metrics[promotion.metric]
+            )
+
+            endpoint = None
+            if version.promoted or force_deploy:
+                endpoint = deploy(blocks.serving, serving, Release(
+                    model_name=version.name, version=version.version, model_uri=checkpoint.uri,
+                    image=image if image.reference else None,
+                ))  # fmt: skip
+                log_run(blocks.tracking, run_id, tags={"deployed_version": version.version, "endpoint": endpoint.url})
+            else:
+                get_run_logger().info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
+        except BaseException:
+            finish_run(blocks.tracking, run_id, "FAILED")
+            raise
+        finish_run(blocks.tracking, run_id)
+    finally:
+        release_nodes(blocks.provider, nodes)
+
+    outcome = PipelineResult(
+        run_id=run_id, run_url=blocks.tracking.run_url(run_id), image=image, checkpoint=checkpoint,
+        model_version=version, metrics=metrics, endpoint=endpoint, deployed=endpoint is not None,
+    )  # fmt: skip
+    report(outcome)
+    return outcome
+
+
+# ---- composition helpers (no outside calls) ------------------------------------------------
+
+
+def load_stack(name: str | None) -> Stack:
+    """The saved ``Stack`` block called ``name``, or the embedded stack."""
+    return Stack.embedded() if not name else Stack.load(name)
+
+
+def preflight(blocks: Stack, training: TrainingSpec, serving: ServingSpec) -> None:
+    """Every check that needs no outside call, before anything is acquired or submitted."""
+    blocks.compute.validate_job(
+        TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources)
+    )
+    blocks.serving.validate(serving)
+
+
+def run_params(training: TrainingSpec) -> dict[str, object]:
+    params: dict[str, object] = dict(training.hyperparameters.model_dump())
+    params.update({f"resources.{k}": v for k, v in training.resources.model_dump().items()})
+    params["checkpoint_every"] = training.checkpoint_every
+    return params
+
+
+def run_tags(blocks: Stack, image: str, run_key: str) -> dict[str, str]:
+    tags = {f"backend.{step}": slug for step, slug in blocks.backends().items()}
+    tags.update({"git_sha": git_sha(), "image": image, "prefect.flow_run_id": run_key})
+    return tags
+
+
+def training_env(training: TrainingSpec, tracking_uri: str, run_id: str) -> dict[str, str]:
+    return {
+        contract.HPARAMS: json.dumps(training.hyperparameters.model_dump()),
+        contract.CHECKPOINT_EVERY: str(training.checkpoint_every),
+        contract.MLFLOW_TRACKING_URI: tracking_uri,
+        contract.MLFLOW_RUN_ID: run_id,
+    }
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return "unknown"
+
+
+def report(outcome: PipelineResult) -> None:
+    v = outcome.model_version
+    endpoint = outcome.endpoint.url if outcome.endpoint else "not deployed (not promoted)"
+    champion = f"v{v.champion_before} ({v.champion_value:.4f})" if v.champion_value is not None else "none"
+    create_markdown_artifact(
+        key="retrain-summary",
+        markdown=(
+            f"# Retrain: {v.name} v{v.version}\n\n"
+            f"| | |\n|---|---|\n"
+            f"| MLflow run | {outcome.run_url} |\n"
+            f"| checkpoint | `{outcome.checkpoint.uri}` |\n"
+            f"| checkpoint sha256 | `{outcome.checkpoint.sha256}` |\n"
+            f"| image | {outcome.image.reference or outcome.image.note} |\n"
+            f"| {v.metric} | {v.value:.4f} (champion before: {champion}) |\n"
+            f"| promoted | {'yes' if v.promoted else 'no'} |\n"
+            f"| endpoint | {endpoint} |\n"
+        ),
+        description="What this retrain produced and where to look",
+    )
+    create_table_artifact(
+        key="final-metrics",
+        table=[{"metric": k, "value": f"{val:.6g}"} for k, val in sorted(outcome.metrics.items())],
+        description="Final metrics of the training run",
+    )

@@ -1,0 +1,20 @@
+"""Build the workload's image."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from blocks.images import ImageBuilder
+from blocks.specs import ImageRef
+from tasks.retry import retry_options
+
+
+@task(name="build-image", **retry_options(retries=3))
+def build_image(builder: ImageBuilder) -> ImageRef:
+    image = builder.build()
+    logger = get_run_logger()
+    if image.reference is None:
+        logger.info("image: %s (content tag %s)", image.note, image.content_tag)
+    else:
+        logger.info("image: %s (%s)", image.reference, "built" if image.built else "already in the registry")
+    return image

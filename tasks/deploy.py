@@ -1,0 +1,18 @@
+"""Deploy a model version on the stack's serving backend."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from blocks.serving import Release, ServingBackend
+from blocks.specs import Endpoint, ServingSpec
+from tasks.retry import retry_options
+
+
+@task(name="deploy", **retry_options(retries=3))
+def deploy(serving: ServingBackend, spec: ServingSpec, release: Release) -> Endpoint:
+    """Bring up the new version; traffic moves only once it is ready and answered a smoke prediction."""
+    endpoint = serving.deploy(spec, release)
+    previous = f" (replaced v{endpoint.previous_version})" if endpoint.previous_version else ""
+    get_run_logger().info("%s v%s serving at %s%s", release.model_name, release.version, endpoint.url, previous)
+    return endpoint

@@ -1,0 +1,44 @@
+"""Provision and release nodes."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+
+from blocks.provision import NodeProvider, NodeRequirements
+from blocks.specs import Node
+from tasks.retry import retry_options
+
+
+def inventory_rows(nodes: list[Node]) -> list[dict[str, str]]:
+    return [
+        {
+            "host": n.name,
+            "provider": n.provider,
+            "gpus": ", ".join(f"{g.index}: {g.name} ({g.memory_mib} MiB)" for g in n.gpus) or "none (CPU only)",
+            "driver": n.gpus[0].driver_version if n.gpus else "-",
+            "cuda": (n.gpus[0].cuda_version or "-") if n.gpus else "-",
+            "cpus": str(n.cpus),
+            "memory_mib": str(n.memory_mib),
+            "state": n.state,
+        }
+        for n in nodes
+    ]
+
+
+@task(name="provision", **retry_options(retries=3))
+def provision_nodes(provider: NodeProvider, count: int, requirements: NodeRequirements, key: str) -> list[Node]:
+    """Acquire ``count`` nodes and check them; nodes that fail the check are released at once."""
+    nodes = provider.acquire(count, requirements, key)
+    try:
+        checked = provider.check(nodes, requirements)
+    except BaseException:
+        provider.release(nodes)
+        raise
+    create_table_artifact(key="node-inventory", table=inventory_rows(checked), description="Nodes of this run")
+    return checked
+
+
+@task(name="release", **retry_options(retries=5))
+def release_nodes(provider: NodeProvider, nodes: list[Node]) -> None:
+    provider.release(nodes)

@@ -1,0 +1,149 @@
+"""The local-process compute backend: idempotent submit, requeue on preemption, actionable failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from blocks.compute import LocalProcesses
+from blocks.errors import ConfigurationError, JobFailed
+from blocks.specs import Resources, TrainingJob
+
+# A stand-in job: each start appends to starts.txt, then behaves as BEHAVIOUR (a list, one per start) says.
+FAKE_JOB = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pathlib import Path
+    ckpt = Path(os.environ["CHECKPOINT_DIR"]); ckpt.mkdir(parents=True, exist_ok=True)
+    starts = ckpt / "starts.txt"
+    n = len(starts.read_text().splitlines()) if starts.exists() else 0
+    with open(starts, "a") as f: f.write("start\\n")
+    behaviour = json.loads(os.environ["BEHAVIOUR"])[min(n, len(json.loads(os.environ["BEHAVIOUR"])) - 1)]
+    print(f"attempt {n} does {behaviour}", flush=True)
+    Path(os.environ["PROGRESS_FILE"]).write_text(json.dumps({"step": n, "total_steps": 2}))
+    if behaviour == "wait":
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+        while not stop and not (ckpt / "go").exists(): time.sleep(0.02)
+        sys.exit(75 if stop else 0)
+    if behaviour == "oom": os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(behaviour))
+    """
+)
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> LocalProcesses:
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "job.py").write_text(FAKE_JOB)
+    return LocalProcesses(code_dir=str(tmp_path / "code"), entrypoint="job.py", workdir_root=str(tmp_path / "jobs"),
+                          poll_interval_max=0.2)  # fmt: skip
+
+
+def job(backend: LocalProcesses, key: str, *behaviour: str, **resources: int) -> TrainingJob:
+    return TrainingJob(
+        key=key, workdir=backend.job_workdir(key), env={"BEHAVIOUR": json.dumps(list(behaviour))},
+        resources=Resources(**resources),
+    )  # fmt: skip
+
+
+def wait_for(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def starts(backend: LocalProcesses, key: str) -> int:
+    path = Path(backend.job_workdir(key)) / "checkpoints" / "starts.txt"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_completes_and_streams_output(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "ok", "0"))
+    output: list[str] = []
+    progress: list[dict] = []
+    status = backend.watch(handle, on_output=output.append, on_progress=progress.append, timeout_seconds=120)
+    assert status.state == "COMPLETED" and status.exit_code == 0
+    assert "attempt 0 does 0" in "".join(output)
+    assert progress and progress[-1]["total_steps"] == 2
+    result = backend.result(handle, status)
+    assert result.checkpoint_dir == str(Path(handle.workdir) / "checkpoints")
+
+
+def test_resubmit_adopts_the_running_job(backend: LocalProcesses) -> None:
+    first = backend.submit(job(backend, "once", "wait"))
+    wait_for(lambda: starts(backend, "once") == 1)
+    second = backend.submit(job(backend, "once", "wait"))
+    assert second == first
+    (Path(first.workdir) / "checkpoints" / "go").touch()
+    assert backend.watch(first, timeout_seconds=120).state == "COMPLETED"
+    assert backend.submit(job(backend, "once", "wait")) == first  # a finished job is adopted too
+    assert starts(backend, "once") == 1
+
+
+def test_preempted_job_is_requeued_and_resumes(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "pre", "75", "0", max_requeues=2))
+    status = backend.watch(handle, timeout_seconds=120)
+    assert status.state == "COMPLETED"
+    assert backend.result(handle, status).requeues == 1
+    assert starts(backend, "pre") == 2
+
+
+def test_requeues_are_bounded(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "loop", "75", max_requeues=1))
+    status = backend.watch(handle, timeout_seconds=120)
+    assert status.state == "FAILED" and status.exit_code == 75
+    assert starts(backend, "loop") == 2
+    with pytest.raises(JobFailed, match="preempted"):
+        backend.result(handle, status)
+
+
+def test_killed_job_says_memory(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "oom", "oom"))
+    status = backend.watch(handle, timeout_seconds=120)
+    assert status.state == "OUT_OF_MEMORY"
+    with pytest.raises(JobFailed, match="give it more memory") as info:
+        backend.result(handle, status)
+    assert "attempt 0 does oom" in info.value.log_tail
+
+
+def test_failure_carries_exit_code_and_log(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "bad", "3"))
+    status = backend.watch(handle, timeout_seconds=120)
+    with pytest.raises(JobFailed, match="exit code 3") as info:
+        backend.result(handle, status)
+    assert info.value.exit_code == 3 and "attempt 0 does 3" in info.value.log_tail
+
+
+def test_cancel_is_not_requeued(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "cancel", "wait", max_requeues=3))
+    wait_for(lambda: starts(backend, "cancel") == 1)
+    backend.cancel(handle)
+    status = backend.watch(handle, timeout_seconds=120)
+    assert status.state == "CANCELLED"
+    assert starts(backend, "cancel") == 1
+
+
+def test_supervisor_death_is_a_failure(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "lost", "wait"))
+    wait_for(lambda: starts(backend, "lost") == 1)
+    state = json.loads((Path(handle.workdir) / "job.json").read_text())
+    os.killpg(state["pid"], signal.SIGKILL)  # the supervisor and its job, as a node failure would
+    status = backend.watch(handle, timeout_seconds=120)
+    assert status.state == "FAILED" and "supervisor" in status.reason
+
+
+def test_rejects_what_it_cannot_run(backend: LocalProcesses) -> None:
+    with pytest.raises(ConfigurationError, match="resources.nodes=2"):
+        backend.submit(job(backend, "multi", "0", nodes=2))
+    assert not Path(backend.job_workdir("multi")).exists()
+    with pytest.raises(ConfigurationError, match="entrypoint .* does not exist"):
+        backend.model_copy(update={"entrypoint": "missing.py"}).validate_job(job(backend, "x", "0"))

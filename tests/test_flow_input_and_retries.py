@@ -1,0 +1,93 @@
+"""Bad input fails before any side effect; tasks retry transient errors only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+from blocks.errors import ConfigurationError, TransientError
+from blocks.specs import CheckpointRef, Resources, ServingSpec, TrainingSpec
+from blocks.storage import LocalCheckpointStore
+from flows.retrain import retrain
+from tasks.upload import upload_checkpoint
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+def _side_effects(home: Path) -> list[str]:
+    return sorted(str(p.relative_to(home)) for p in home.rglob("*") if "prefect" not in p.parts)
+
+
+def test_invalid_parameter_rejected_naming_the_field(gpuferry_home: Path) -> None:
+    before = _side_effects(gpuferry_home)
+    with pytest.raises(Exception) as info:
+        retrain(training={"hyperparameters": {"lr": -1}})
+    assert "lr" in str(info.value) and "greater than 0" in str(info.value)
+    assert _side_effects(gpuferry_home) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"training": TrainingSpec(resources=Resources(nodes=2))}, "resources.nodes=2"),
+        ({"serving": ServingSpec(mig_profile="1g.10gb")}, "local serving cannot pin a MIG slice"),
+    ],
+)
+def test_backend_preflight_before_anything_runs(gpuferry_home: Path, kwargs: dict, message: str) -> None:
+    before = _side_effects(gpuferry_home)
+    with pytest.raises(ConfigurationError, match=message):
+        retrain(**kwargs)
+    assert _side_effects(gpuferry_home) == before  # no job dir, no MLflow run, no checkpoint
+
+
+class FlakyStore(LocalCheckpointStore):
+    """Fails as told before succeeding; counts attempts in a file (tasks may run in other threads)."""
+
+    _block_type_name = "Flaky Test Store"
+
+    failures: list[str] = []
+    counter: str = ""
+
+    def put(self, local_dir: str | Path, name: str) -> CheckpointRef:
+        counter = Path(self.counter)
+        attempt = int(counter.read_text()) if counter.exists() else 0
+        counter.write_text(str(attempt + 1))
+        if attempt < len(self.failures):
+            raise {"transient": TransientError("503 Slow Down"), "config": ConfigurationError("bad bucket")}[
+                self.failures[attempt]
+            ]
+        return super().put(local_dir, name)
+
+
+def _run_upload(store: FlakyStore, src: Path) -> CheckpointRef:
+    fast = upload_checkpoint.with_options(retry_delay_seconds=[0.05, 0.05, 0.05, 0.05])
+
+    @flow
+    def once() -> CheckpointRef:
+        return fast(store, str(src), "m/r")
+
+    return once()
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.pt").write_bytes(b"w" * 100)
+    return tmp_path / "ckpt"
+
+
+def test_transient_errors_are_retried(tmp_path: Path, src: Path) -> None:
+    store = FlakyStore(failures=["transient", "transient"], counter=str(tmp_path / "n"))
+    store.filesystem.basepath = str(tmp_path / "store")
+    ref = _run_upload(store, src)
+    assert ref.files == 1
+    assert (tmp_path / "n").read_text() == "3"
+
+
+def test_non_transient_error_is_not_retried(tmp_path: Path, src: Path) -> None:
+    store = FlakyStore(failures=["config", "config"], counter=str(tmp_path / "n"))
+    with pytest.raises(ConfigurationError, match="bad bucket"):
+        _run_upload(store, src)
+    assert (tmp_path / "n").read_text() == "1"

@@ -1,0 +1,53 @@
+"""The local machine as a node: GPUs read from nvidia-smi, checked against the job's needs."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from blocks.errors import ConfigurationError
+from blocks.provision import LocalMachine, NodeRequirements, parse_cuda_version, parse_nvidia_smi
+
+A100_QUERY = "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n"
+A100_BANNER = "| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |\n"
+
+
+def fake_nvidia_smi(tmp_path: Path) -> str:
+    """An nvidia-smi that prints what a two-A100 node prints."""
+    path = tmp_path / "nvidia-smi"
+    (tmp_path / "query.txt").write_text(A100_QUERY)
+    (tmp_path / "banner.txt").write_text(A100_BANNER)
+    path.write_text(f'#!/bin/sh\nif [ -n "$1" ]; then cat {tmp_path}/query.txt; else cat {tmp_path}/banner.txt; fi\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_parse() -> None:
+    gpus = parse_nvidia_smi(A100_QUERY, parse_cuda_version(A100_BANNER))
+    assert [(g.index, g.name, g.memory_mib, g.driver_version, g.cuda_version) for g in gpus] == [
+        (0, "NVIDIA A100-SXM4-80GB", 81920, "550.54.15", "12.4"),
+        (1, "NVIDIA A100-SXM4-80GB", 81920, "550.54.15", "12.4"),
+    ]
+
+
+def test_local_machine_with_gpus(tmp_path: Path) -> None:
+    provider = LocalMachine(nvidia_smi=fake_nvidia_smi(tmp_path))
+    nodes = provider.check(provider.acquire(1, NodeRequirements(gpus=2), "run1"), NodeRequirements(gpus=2))
+    assert len(nodes[0].gpus) == 2 and nodes[0].gpus[0].cuda_version == "12.4"
+    with pytest.raises(ConfigurationError, match=r"driver 550.54.15 is older than 560"):
+        provider.check(nodes, NodeRequirements(gpus=1, min_driver_version="560.0"))
+
+
+def test_cpu_only_machine_fails_gpu_preflight(tmp_path: Path) -> None:
+    provider = LocalMachine(nvidia_smi=str(tmp_path / "absent"))
+    nodes = provider.acquire(1, NodeRequirements(), "run1")
+    assert provider.check(nodes, NodeRequirements())[0].gpus == []
+    with pytest.raises(ConfigurationError, match=r"0 GPU\(s\) found, 1 required"):
+        provider.check(nodes, NodeRequirements(gpus=1))
+
+
+def test_local_machine_is_one_node() -> None:
+    with pytest.raises(ConfigurationError, match="resources.nodes=2"):
+        LocalMachine().acquire(2, NodeRequirements(), "run1")

@@ -1,0 +1,62 @@
+"""Bad input is rejected before anything runs, naming the field and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "hint"),
+    [
+        ({"resources": {"gpus_per_node": -1}}, "resources.gpus_per_node", "greater than or equal to 0"),
+        ({"resources": {"nodes": 0}}, "resources.nodes", "greater than or equal to 1"),
+        ({"hyperparameters": {"lr": 0}}, "hyperparameters.lr", "greater than 0"),
+        ({"hyperparameters": {"optimizer": "rmsprop"}}, "hyperparameters.optimizer", "'sgd' or 'adam'"),
+        ({"hyperparameters": {"epochz": 3}}, "hyperparameters.epochz", "Extra inputs are not permitted"),
+        ({"model_name": "bad name; rm -rf /"}, "model_name", "letters, digits"),
+        ({"resources": {"partition": "gpu$(reboot)"}}, "resources.partition", "letters, digits"),
+    ],
+)
+def test_training_spec_rejects(data: dict, field: str, hint: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        TrainingSpec.model_validate(data)
+    errors = info.value.errors()
+    assert [".".join(map(str, e["loc"])) for e in errors] == [field]
+    assert hint in str(info.value)
+
+
+def test_serving_spec_mig_typo_lists_profiles() -> None:
+    with pytest.raises(ValidationError) as info:
+        ServingSpec(mig_profile="1g.10g")
+    message = str(info.value)
+    assert "mig_profile='1g.10g' is not a MIG profile" in message
+    assert "1g.10gb" in message
+
+
+def test_serving_spec_gpu_and_mig_exclusive() -> None:
+    with pytest.raises(ValidationError, match="either gpus or mig_profile"):
+        ServingSpec(gpus=1, mig_profile="1g.10gb")
+
+
+@pytest.mark.parametrize(
+    ("direction", "candidate", "champion", "expected"),
+    [
+        ("maximize", 0.9, None, True),
+        ("maximize", 0.9, 0.8, True),
+        ("maximize", 0.8, 0.8, False),
+        ("maximize", 0.7, 0.8, False),
+        ("minimize", 0.2, 0.3, True),
+        ("minimize", 0.3, 0.2, False),
+    ],
+)
+def test_promotion_policy(direction: str, candidate: float, champion: float | None, expected: bool) -> None:
+    assert PromotionPolicy(direction=direction).beats(candidate, champion) is expected
+
+
+def test_promotion_min_improvement() -> None:
+    policy = PromotionPolicy(min_improvement=0.05)
+    assert not policy.beats(0.84, 0.8)
+    assert policy.beats(0.86, 0.8)

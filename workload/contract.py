@@ -1,0 +1,78 @@
+"""The environment contract between gpuferry and a workload, written down once.
+
+A workload (the training job or the inference server) never imports gpuferry: every
+compute backend (local processes, Slurm, Kubernetes) hands it these variables, and it
+reports back only through the files and exit codes named here. gpuferry reads the
+names from this module; the workload reads them from its environment.
+
+Training job
+------------
+``CHECKPOINT_DIR``      Directory the job owns for checkpoints. It must survive a
+                        restart (on Slurm: a path on the shared filesystem). The job
+                        writes ``step-<NNNNNNNN>/`` directories atomically (write to a
+                        temporary name, then rename) and, when finished, ``final/``.
+                        A restarted job resumes from the newest ``step-*`` directory.
+``CHECKPOINT_EVERY``    Save a checkpoint every this many optimizer steps.
+``HPARAMS``             JSON object of hyperparameters (see ``workload/train.py``).
+``PROGRESS_FILE``       JSON file the job rewrites atomically while it runs:
+                        ``{"step", "total_steps", "epoch", "metrics": {...}}``.
+``MLFLOW_TRACKING_URI`` Where to log. With ``MLFLOW_RUN_ID`` set the job logs into the
+``MLFLOW_RUN_ID``       pipeline's run instead of creating one (MLflow honours both).
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``
+                        Set by torchrun for multi-process jobs. Only rank 0 logs and
+                        writes checkpoints.
+
+Exit codes of the training job:
+
+``0``                    finished; ``CHECKPOINT_DIR/final/`` holds the model.
+``EXIT_PREEMPTED`` (75)  stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue
+                         it and it resumes (EX_TEMPFAIL).
+anything else            failed.
+
+The ``final/`` directory holds ``model.pt`` (a dict with ``state_dict`` and ``config``,
+the architecture) and ``metrics.json`` (the final validation metrics).
+
+Inference server
+----------------
+``MODEL_URI``           ``file://`` or ``s3://`` URI of a checkpoint directory (or its
+                        ``model.pt``) laid out as ``final/`` above.
+``HOST``, ``PORT``      Where to listen (default 127.0.0.1:8080).
+``MAX_BATCH_SIZE``, ``MAX_BATCH_WAIT_MS``, ``MAX_QUEUE``
+                        Dynamic batching and overload settings.
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``
+                        Credentials for ``s3://`` model URIs (boto3's own names).
+Endpoints: ``POST /predict`` (``{"inputs": [[64 floats], ...]}`` → ``{"predictions":
+[...], "probabilities": [[...]]}``), ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+# Training job
+CHECKPOINT_DIR = "CHECKPOINT_DIR"
+CHECKPOINT_EVERY = "CHECKPOINT_EVERY"
+HPARAMS = "HPARAMS"
+PROGRESS_FILE = "PROGRESS_FILE"
+MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
+MLFLOW_RUN_ID = "MLFLOW_RUN_ID"
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+
+FINAL_DIRNAME = "final"
+CHECKPOINT_PREFIX = "step-"
+MODEL_FILENAME = "model.pt"
+METRICS_FILENAME = "metrics.json"
+
+EXIT_OK = 0
+EXIT_PREEMPTED = 75
+
+# Inference server
+MODEL_URI = "MODEL_URI"
+HOST = "HOST"
+PORT = "PORT"
+MAX_BATCH_SIZE = "MAX_BATCH_SIZE"
+MAX_BATCH_WAIT_MS = "MAX_BATCH_WAIT_MS"
+MAX_QUEUE = "MAX_QUEUE"
+
+# The validation metric the training job logs, and which way is better.
+VALIDATION_METRIC = "val_accuracy"
