@@ -1,0 +1,110 @@
+"""P5: orchestration overhead of the embedded retrain pipeline.
+
+Runs ``retrain`` on the embedded stack against a running Prefect server (started once, as in
+production, and not counted), and times every call into a block: that is the steps' own work
+(training, checkpoint copy, server start, MLflow, provisioning). The rest of the flow's wall time is
+orchestration overhead: Prefect's flow and task runs, state changes, logs and artifacts, and our glue.
+
+    .venv/bin/python bench/pipeline_overhead.py [--runs 3]
+
+Prints a line per run and ``RESULT P5 <median overhead %>``. Goal: ≤ 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Block methods that do a step's work, grouped as the report shows them.
+WORK = {
+    "training": [("blocks.compute", "LocalProcesses", "submit"), ("blocks.compute", "ComputeBackend", "watch")],
+    "checkpoint copy": [("blocks.storage", "LocalCheckpointStore", "put")],
+    "server start": [("blocks.serving", "LocalServing", "deploy")],
+    "mlflow": [
+        ("blocks.tracking", "MlflowTracking", name)
+        for name in ("start_run", "log", "run_metrics", "end_run", "register", "version_by_alias",
+                     "version_metric", "set_alias", "tag_version", "run_url")
+    ],  # fmt: skip
+    "provisioning": [("blocks.provision", "LocalMachine", "acquire"), ("blocks.provision", "NodeProvider", "check"),
+                     ("blocks.provision", "LocalMachine", "release")],  # fmt: skip
+    "image": [("blocks.images", "CurrentEnvironment", "build")],
+}
+
+_timings: dict[str, float] = defaultdict(float)
+_depth = threading.local()
+
+
+def _timed(category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_depth, "n", 0) == 0  # count nested block calls once
+        _depth.n = getattr(_depth, "n", 0) + 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _depth.n -= 1
+            if outer:
+                _timings[category] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument() -> None:
+    import importlib
+
+    for category, targets in WORK.items():
+        for module, cls_name, method in targets:
+            cls = getattr(importlib.import_module(module), cls_name)
+            setattr(cls, method, _timed(category, cls.__dict__[method]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    home = tempfile.mkdtemp(prefix="gpuferry-bench-")
+    os.environ["GPUFERRY_HOME"] = home
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    instrument()
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from blocks.specs import TrainingSpec
+    from blocks.stack import Stack
+    from flows.retrain import retrain
+
+    overheads = []
+    with prefect_test_harness(server_startup_timeout=180):
+        for i in range(args.runs):
+            _timings.clear()
+            # Each run trains a different seed so that each is deployed as a better or worse model alike.
+            spec = TrainingSpec(model_name="bench-overhead", hyperparameters={"seed": i})
+            start = time.perf_counter()
+            retrain(training=spec, force_deploy=True)
+            wall = time.perf_counter() - start
+            work = sum(_timings.values())
+            overhead = 100 * (wall - work) / wall
+            overheads.append(overhead)
+            parts = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(_timings.items(), key=lambda kv: -kv[1]))
+            print(f"run {i + 1}: wall {wall:.2f}s, steps' own work {work:.2f}s ({parts}), overhead {overhead:.1f} %")
+        Stack.embedded().serving.undeploy("digits")
+    print(f"RESULT P5 {statistics.median(overheads):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
