@@ -9,7 +9,7 @@ export GPUFERRY_CACHE ?= $(HOME)/.cache/gpuferry
 # Where pip/uv may find prebuilt wheels on this machine (the CPU build of torch).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: venv demo demo-stop test test-fast bench-overhead lock clean
+.PHONY: venv demo demo-stop test test-fast bench-overhead lock clean stacks-up stacks-down $(addsuffix -up,$(STACKS)) $(addsuffix -down,$(STACKS))
 
 venv: $(VENV)/.installed
 
@@ -37,12 +37,32 @@ demo: venv
 demo-stop: venv
 	$(DEMO_ENV) $(BIN)/python -m flows.demo stop
 
+# ---- local stacks ------------------------------------------------------------------------------
+# `make <stack>-up` / `make <stack>-down`: scripts/<stack>.sh up|down. Idempotent; `down` stops only
+# what `up` started. Each `up` writes its connection settings to $(GPUFERRY_STACKS)/<stack>/env.
+STACKS := slurm k8s registry s3 mlflow prefect
+export GPUFERRY_STACKS ?= $(GPUFERRY_CACHE)/stacks
+# The stacks `make test` starts (those whose scripts exist).
+TEST_STACKS := $(foreach s,$(STACKS),$(if $(wildcard scripts/$(s).sh),$(s)))
+
+$(addsuffix -up,$(STACKS)): %-up: venv
+	@test -f scripts/$*.sh || { echo "the $* stack is not part of this version yet"; exit 1; }
+	bash scripts/$*.sh up
+
+$(addsuffix -down,$(STACKS)): %-down:
+	@test -f scripts/$*.sh || { echo "the $* stack is not part of this version yet"; exit 1; }
+	bash scripts/$*.sh down
+
+stacks-up: $(addsuffix -up,$(TEST_STACKS))
+stacks-down: $(addsuffix -down,$(TEST_STACKS))
+
 # ---- tests -----------------------------------------------------------------------------------
 PYTEST := PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -p no:cacheprovider --durations=10
 
-# Everything: unit tests, the embedded pipeline and (as they land) the integration stacks.
-test: venv
-	$(PYTEST) tests
+# Everything: unit tests, the embedded pipeline and the integration tests against the local stacks
+# (which it starts; an integration test whose stack is down fails instead of skipping).
+test: venv stacks-up
+	GPUFERRY_REQUIRE_STACKS=1 $(PYTEST) tests
 
 # Unit tests and the embedded pipeline only: no outside servers.
 test-fast: venv

@@ -20,18 +20,27 @@ from blocks.storage import CheckpointStore, LocalCheckpointStore
 from blocks.tracking import MlflowTracking
 
 
+# Prefect registers a block's nested block types from its field annotations, and an interface
+# (an ABC) cannot be registered: each field names the concrete choices, and the UI offers them.
+ProviderChoice = LocalMachine
+ImageChoice = CurrentEnvironment
+ComputeChoice = LocalProcesses
+StorageChoice = LocalCheckpointStore
+ServingChoice = LocalServing
+
+
 class Stack(Block):
     """The backends one pipeline run uses, step by step."""
 
     _block_type_name = "gpuferry Stack"
     _description = "Which backend each pipeline step uses: provisioning, image, compute, storage, tracking, serving."
 
-    provider: NodeProvider = Field(description="Where the nodes come from.")
-    images: ImageBuilder = Field(description="How the workload's image is built.")
-    compute: ComputeBackend = Field(description="Where training runs.")
-    storage: CheckpointStore = Field(description="Where checkpoints are stored.")
+    provider: ProviderChoice = Field(description="Where the nodes come from.")
+    images: ImageChoice = Field(description="How the workload's image is built.")
+    compute: ComputeChoice = Field(description="Where training runs.")
+    storage: StorageChoice = Field(description="Where checkpoints are stored.")
     tracking: MlflowTracking = Field(description="MLflow tracking and registry.")
-    serving: ServingBackend = Field(description="Where the inference service runs.")
+    serving: ServingChoice = Field(description="Where the inference service runs.")
 
     @classmethod
     def embedded(cls) -> Stack:
@@ -45,9 +54,9 @@ class Stack(Block):
             serving=LocalServing(),
         )
 
+    def step_blocks(self) -> dict[str, NodeProvider | ImageBuilder | ComputeBackend | CheckpointStore | MlflowTracking | ServingBackend]:
+        return {step: getattr(self, step) for step in ("provider", "images", "compute", "storage", "tracking", "serving")}
+
     def backends(self) -> dict[str, str]:
         """The block type of each step, for the run's tags."""
-        return {
-            step: getattr(self, step).get_block_type_slug()
-            for step in ("provider", "images", "compute", "storage", "tracking", "serving")
-        }
+        return {step: block.get_block_type_slug() for step, block in self.step_blocks().items()}

@@ -91,3 +91,16 @@ def test_non_transient_error_is_not_retried(tmp_path: Path, src: Path) -> None:
     with pytest.raises(ConfigurationError, match="bad bucket"):
         _run_upload(store, src)
     assert (tmp_path / "n").read_text() == "1"
+
+
+def test_saved_stack_is_loaded_by_name(tmp_path: Path) -> None:
+    from blocks.stack import Stack
+    from flows.retrain import load_stack
+
+    stack = Stack.embedded()
+    stack.storage.filesystem.basepath = str(tmp_path / "elsewhere")
+    stack.save("team-default", overwrite=True)
+    loaded = load_stack("team-default")
+    assert loaded.backends() == stack.backends()
+    assert loaded.storage.root() == tmp_path / "elsewhere" / "checkpoints"
+    assert load_stack(None).backends() == stack.backends()
