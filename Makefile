@@ -9,7 +9,6 @@ export GPUFERRY_CACHE ?= $(HOME)/.cache/gpuferry
 # Where pip/uv may find prebuilt wheels on this machine (the CPU build of torch).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: venv demo demo-stop test test-fast bench-overhead lock clean stacks-up stacks-down $(addsuffix -up,$(STACKS)) $(addsuffix -down,$(STACKS))
 
 venv: $(VENV)/.installed
 
@@ -41,6 +40,8 @@ demo-stop: venv
 # `make <stack>-up` / `make <stack>-down`: scripts/<stack>.sh up|down. Idempotent; `down` stops only
 # what `up` started. Each `up` writes its connection settings to $(GPUFERRY_STACKS)/<stack>/env.
 STACKS := slurm k8s registry s3 mlflow prefect
+.PHONY: venv demo demo-stop test test-fast bench-overhead lock clean stacks-up stacks-down \
+  $(addsuffix -up,$(STACKS)) $(addsuffix -down,$(STACKS))
 export GPUFERRY_STACKS ?= $(GPUFERRY_CACHE)/stacks
 # The stacks `make test` starts (those whose scripts exist).
 TEST_STACKS := $(foreach s,$(STACKS),$(if $(wildcard scripts/$(s).sh),$(s)))
