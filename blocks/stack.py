@@ -16,6 +16,7 @@ from blocks.home import gpuferry_home
 from blocks.images import CurrentEnvironment, ImageBuilder
 from blocks.provision import LocalMachine, NodeProvider
 from blocks.serving import LocalServing, ServingBackend
+from blocks.slurm import SlurmCluster
 from blocks.storage import CheckpointStore, LocalCheckpointStore
 from blocks.tracking import MlflowTracking
 
@@ -24,7 +25,7 @@ from blocks.tracking import MlflowTracking
 # (an ABC) cannot be registered: each field names the concrete choices, and the UI offers them.
 ProviderChoice = LocalMachine
 ImageChoice = CurrentEnvironment
-ComputeChoice = LocalProcesses
+ComputeChoice = LocalProcesses | SlurmCluster
 StorageChoice = LocalCheckpointStore
 ServingChoice = LocalServing
 

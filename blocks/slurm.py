@@ -1,0 +1,731 @@
+"""Train on a Slurm cluster: sbatch over SSH (paramiko), one batched squeue per poll, sacct accounting.
+
+``SlurmCluster`` is a ``ComputeBackend``. It reaches the cluster's login node over SSH — host key
+checked against ``known_hosts`` (an unknown or changed key is refused, never added), one connection
+reused and re-opened when it drops — or, with ``local=True``, runs the Slurm commands on this
+machine (the flow runs on the login node). Every command is an argv list joined with
+``shlex.quote``; no user value is ever formatted into a shell string.
+
+* ``submit(job)`` is idempotent: the job key is the Slurm job name and is also in its comment
+  (``gpuferry-key:<key>``). Before ``sbatch`` it looks for a live job (``squeue``) or a finished
+  one (``sacct``) carrying the key and adopts it, so a retried submit never makes a second job. If
+  the connection drops *during* sbatch the error is transient: the retry finds the job by its key.
+* ``poll(handles)`` is ONE ``squeue --json`` for every watched job (22.05 ignores ``-j`` there, so
+  the records are filtered here), plus one ``sacct`` for jobs that left the controller's memory.
+* ``result()`` adds GPU-hours (allocated ``gres/gpu`` × elapsed, every attempt of a requeued job)
+  and CPU-hours from ``sacct``.
+
+Secrets never go into the batch script: ``submit_command(secret_env=...)`` writes them to a 0600
+file next to it over SFTP, which the script sources.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import posixpath
+import select
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import paramiko
+from pydantic import Field, PrivateAttr, SecretStr
+
+from blocks.compute import ComputeBackend
+from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
+from blocks.slurm_script import ADDITIONAL_DIRECTIVES, check_name, sbatch_script
+from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
+from workload import contract
+
+KEY_COMMENT_PREFIX = "gpuferry-key:"
+SCRIPT_NAME = "job.sbatch"
+SECRETS_NAME = ".secret.env"
+
+# Slurm job states -> ours. PREEMPTED / NODE_FAIL depend on whether the job will be requeued.
+_PENDING = {"PENDING", "CONFIGURING", "SUSPENDED", "RESV_DEL_HOLD", "RESIZING", "POWER_UP_NODE", "STOPPED"}
+_RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "UPDATE_DB"}
+_REQUEUED = {"REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD"}
+_FAILED = {"FAILED", "BOOT_FAIL", "SPECIAL_EXIT", "DEADLINE", "LAUNCH_FAILED", "REVOKED"}
+
+
+def map_state(slurm_state: str, *, requeue: bool, exit_code: int | None, reason: str = "") -> tuple[str, str]:
+    """(our state, reason) for a Slurm state; PREEMPTED/REQUEUED/NODE_FAIL-with-requeue are not terminal."""
+    state = slurm_state.split()[0].upper() if slurm_state else "PENDING"  # sacct: "CANCELLED by 0"
+    if state in _PENDING:
+        return "PENDING", reason
+    if state in _RUNNING:
+        return "RUNNING", reason
+    if state in _REQUEUED:
+        return "REQUEUED", reason or "requeued; it resumes from its last checkpoint"
+    if state == "PREEMPTED":
+        if requeue:
+            return "PREEMPTED", "preempted by a higher-priority job; Slurm requeues it"
+        return "FAILED", "preempted and not requeueable (submit with requeue=True to resume instead)"
+    if state == "NODE_FAIL":
+        if requeue:
+            return "REQUEUED", "its node failed; Slurm requeues it"
+        return "FAILED", "its node failed and the job is not requeueable"
+    if state == "COMPLETED":
+        return "COMPLETED", ""
+    if state == "CANCELLED":
+        return "CANCELLED", f"cancelled ({slurm_state})"
+    if state == "TIMEOUT":
+        return "TIMEOUT", "it ran past its time limit: raise resources.time_limit_minutes or checkpoint more often"
+    if state == "OUT_OF_MEMORY":
+        return "OUT_OF_MEMORY", "killed for exceeding its memory limit: raise resources.mem_gb"
+    if state in _FAILED:
+        return "FAILED", explain_exit_code(exit_code) if state == "FAILED" else f"Slurm state {state}"
+    return "FAILED", f"unexpected Slurm state {slurm_state!r}"
+
+
+def _wait_status_to_exit(raw: int | None) -> int | None:
+    """squeue --json gives the wait status (code << 8 | signal); a signal becomes 128 + signal."""
+    if raw is None:
+        return None
+    signal = raw & 0x7F
+    return 128 + signal if signal else (raw >> 8) & 0xFF
+
+
+def _sacct_exit(text: str) -> int | None:
+    """sacct's "code:signal"."""
+    try:
+        code, signal = (int(x) for x in text.split(":"))
+    except ValueError:
+        return None
+    return 128 + signal if signal else code
+
+
+class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise ConfigurationError(
+            f"the SSH host key of {hostname} is not in known_hosts (it offered {key.get_name()} "
+            f"{_fingerprint(key)}); refusing to connect. Fix: run `ssh-keyscan -p PORT HOST`, check that the "
+            "fingerprint (`ssh-keygen -lf -` on its output) matches the one the cluster's admins publish, and "
+            "put the line into the block's known_hosts field"
+        )
+
+
+def _fingerprint(key: paramiko.PKey) -> str:
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+
+
+def _load_private_key(text: str, passphrase: str | None) -> paramiko.PKey:
+    errors = []
+    for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+        try:
+            return cls.from_private_key(io.StringIO(text), password=passphrase)
+        except paramiko.PasswordRequiredException as exc:
+            raise ConfigurationError("private_key is encrypted: set private_key_passphrase") from exc
+        except (paramiko.SSHException, ValueError) as exc:
+            errors.append(f"{cls.__name__}: {exc}")
+    raise ConfigurationError(f"private_key is not an OpenSSH/PEM private key ({'; '.join(errors)})")
+
+
+class SlurmCluster(ComputeBackend):
+    """Training jobs as Slurm batch jobs, submitted over SSH (or on the login node itself)."""
+
+    _block_type_name = "gpuferry Slurm Cluster"
+    _description = "Runs training jobs on a Slurm cluster: sbatch over SSH, batched squeue polling, sacct accounting."
+
+    local: bool = Field(False, description="Run Slurm commands on this machine (the flow runs on the login node).")
+    host: str | None = Field(None, description="SSH host of the login node.")
+    port: int = Field(22, ge=1, le=65535, description="SSH port of the login node.")
+    user: str | None = Field(None, description="SSH user (the Slurm user the jobs run as).")
+    private_key: SecretStr | None = Field(None, description="SSH private key (OpenSSH or PEM text).")
+    private_key_passphrase: SecretStr | None = Field(None, description="Passphrase of the private key, if any.")
+    known_hosts: str = Field(
+        "", description="known_hosts lines of the login node (`ssh-keyscan -p PORT HOST`); unknown keys are refused."
+    )
+    connect_timeout: float = Field(15.0, gt=0, description="Seconds to wait for the SSH connection.")
+    command_timeout: float = Field(120.0, gt=0, description="Seconds one Slurm command may take.")
+    slurm_conf: str | None = Field(
+        None, description="SLURM_CONF for every command (None: the login node's default /etc/slurm/slurm.conf)."
+    )
+    partition: str | None = Field(None, description="Default partition (None: the cluster's default).")
+    account: str | None = Field(None, description="Default account (None: the user's default).")
+    qos: str | None = Field(None, description="Default QoS (None: the association's default).")
+    python: str = Field("python3", description="Python interpreter of the job on the cluster.")
+    code_dir: str | None = Field(None, description="Directory on the cluster that holds the training code.")
+    entrypoint: str = Field("workload/train.py", description="Training script, relative to code_dir.")
+    warning_signal: str | None = Field(
+        "B:USR1@90", description="Signal sent ahead of the time limit so the job checkpoints (sbatch --signal)."
+    )
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="torchrun rendezvous port on the first node.")
+    additional_directives: dict[str, str | bool] = Field(
+        default_factory=dict,
+        description=f"Extra sbatch directives for every job, from: {', '.join(sorted(ADDITIONAL_DIRECTIVES))}.",
+    )
+    adopt_lookback_days: int = Field(30, ge=1, description="How far back sacct is searched for a job to adopt.")
+    poll_interval_start: float = Field(0.5, gt=0, description="First wait between two polls, in seconds.")
+
+    _lock: Any = PrivateAttr(default_factory=threading.RLock)
+    _client: paramiko.SSHClient | None = PrivateAttr(None)
+    _sftp_client: paramiko.SFTPClient | None = PrivateAttr(None)
+    _client_for: tuple[Any, ...] | None = PrivateAttr(None)
+
+    _TERMINAL_SLURM: ClassVar[frozenset[str]] = frozenset(
+        {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "NODE_FAIL",
+         "PREEMPTED", "SPECIAL_EXIT"}
+    )  # fmt: skip
+
+    # ---- connection ------------------------------------------------------------------------
+
+    def _connect(self) -> paramiko.SSHClient:
+        if not self.host or not self.user or self.private_key is None:
+            raise ConfigurationError("host, user and private_key are required unless local=True")
+        key = _load_private_key(
+            self.private_key.get_secret_value(),
+            self.private_key_passphrase.get_secret_value() if self.private_key_passphrase else None,
+        )
+        client = paramiko.SSHClient()
+        host_keys = client.get_host_keys()
+        for number, line in enumerate(self.known_hosts.splitlines(), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(line, number)
+                if entry is None:
+                    raise ConfigurationError(f"known_hosts line {number} is not a known_hosts entry: {line[:80]!r}")
+                for name in entry.hostnames:
+                    host_keys.add(name, entry.key.get_name(), entry.key)
+        client.set_missing_host_key_policy(_RefuseUnknownHost())
+        try:
+            client.connect(
+                self.host, port=self.port, username=self.user, pkey=key, timeout=self.connect_timeout,
+                banner_timeout=self.connect_timeout, auth_timeout=self.connect_timeout,
+                look_for_keys=False, allow_agent=False,
+            )  # fmt: skip
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise ConfigurationError(
+                f"the SSH host key of {self.host}:{self.port} CHANGED: known_hosts has {_fingerprint(exc.expected_key)}, "
+                f"the server offered {_fingerprint(exc.key)}. This is either a reinstalled login node or an attack; "
+                "confirm the new fingerprint with the cluster's admins, then replace the line in known_hosts"
+            ) from exc
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            raise ConfigurationError(
+                f"SSH login as {self.user}@{self.host}:{self.port} was refused ({exc}): check user and private_key, "
+                "and that the public key is in the user's authorized_keys"
+            ) from exc
+        except GpuferryError:
+            client.close()
+            raise
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            client.close()
+            raise TransientError(f"cannot reach the login node {self.host}:{self.port}: {exc}") from exc
+        transport = client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(30)
+        return client
+
+    def _ssh(self) -> paramiko.SSHClient:
+        with self._lock:
+            client = self._client
+            transport = client.get_transport() if client is not None else None
+            # A copy of the block (model_copy) with other settings must not reuse this connection.
+            wanted = (self.host, self.port, self.user, self.private_key, self.known_hosts)
+            if client is None or transport is None or not transport.is_active() or self._client_for != wanted:
+                self.close()
+                self._client = self._connect()
+                self._client_for = wanted
+            assert self._client is not None
+            return self._client
+
+    def _sftp(self) -> paramiko.SFTPClient:
+        with self._lock:
+            client = self._ssh()
+            if self._sftp_client is None or self._sftp_client.get_channel() is None or \
+                    self._sftp_client.get_channel().get_transport() is not client.get_transport():  # fmt: skip
+                self._sftp_client = client.open_sftp()
+            return self._sftp_client
+
+    def close(self) -> None:
+        """Close the SSH connection (the next command opens a new one)."""
+        with self._lock:
+            if self._client_for != (self.host, self.port, self.user, self.private_key, self.known_hosts):
+                # A copy's inherited connection belongs to the original block: forget it, don't close it.
+                self._sftp_client = self._client = None
+                return
+            for closable in (self._sftp_client, self._client):
+                try:
+                    if closable is not None:
+                        closable.close()
+                except Exception:  # noqa: BLE001 - closing a broken connection
+                    pass
+            self._sftp_client = None
+            self._client = None
+
+    # ---- commands --------------------------------------------------------------------------
+
+    def run(self, argv: Sequence[str], *, check: bool = True, retry: bool = True,
+            timeout: float | None = None) -> tuple[int, str, str]:  # fmt: skip
+        """Run ``argv`` on the login node: (exit code, stdout, stderr).
+
+        ``retry``: when the SSH connection turns out to be dead, reconnect and run it once more
+        (only for commands that are safe to repeat; sbatch is not).
+        """
+        argv = list(argv)
+        if self.slurm_conf:
+            argv = ["env", f"SLURM_CONF={self.slurm_conf}", *argv]
+        timeout = timeout or self.command_timeout
+        if self.local:
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+            except FileNotFoundError as exc:
+                raise ConfigurationError(f"{argv[0]} is not installed on this machine (local=True): {exc}") from exc
+            except subprocess.TimeoutExpired as exc:
+                raise TransientError(f"{shlex.join(argv)} did not answer within {timeout:.0f} s") from exc
+            rc, out, err = proc.returncode, proc.stdout, proc.stderr
+        else:
+            for attempt in (1, 2):
+                try:
+                    rc, out, err = self._exec(shlex.join(argv), timeout)
+                    break
+                except (OSError, EOFError, paramiko.SSHException) as exc:
+                    self.close()
+                    if attempt == 2 or not retry:
+                        raise TransientError(f"SSH connection to {self.host}:{self.port} failed running "
+                                             f"{argv[0] if not self.slurm_conf else argv[2]}: {exc}") from exc  # fmt: skip
+        if check and rc != 0:
+            self._raise_for(argv, rc, err or out)
+        return rc, out, err
+
+    def _exec(self, command: str, timeout: float) -> tuple[int, str, str]:
+        transport = self._ssh().get_transport()
+        if transport is None:
+            raise EOFError("no SSH transport")
+        chan = transport.open_session(timeout=self.connect_timeout)
+        try:
+            chan.settimeout(timeout)
+            chan.exec_command(command)
+            chan.shutdown_write()
+            out, err = bytearray(), bytearray()
+            deadline = time.monotonic() + timeout
+            while True:
+                progressed = False
+                while chan.recv_ready():
+                    out += chan.recv(1 << 16)
+                    progressed = True
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(1 << 16)
+                    progressed = True
+                # Done at EOF *and* exit status: sshd may send the status while output is still queued.
+                if chan.eof_received and chan.exit_status_ready() and not progressed:
+                    break
+                if chan.closed and not progressed and not chan.exit_status_ready():
+                    raise EOFError("the SSH channel closed before the command's exit status arrived")
+                if time.monotonic() > deadline:
+                    raise socket.timeout(f"no exit status within {timeout:.0f} s")
+                if not progressed:
+                    select.select([chan], [], [], 0.05)
+            # Drain what arrived together with the exit status.
+            while chan.recv_ready():
+                out += chan.recv(1 << 16)
+            while chan.recv_stderr_ready():
+                err += chan.recv_stderr(1 << 16)
+            return chan.recv_exit_status(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        finally:
+            chan.close()
+
+    def _raise_for(self, argv: Sequence[str], rc: int, message: str) -> None:
+        text = message.strip()
+        name = next((a for a in argv if not a.startswith("SLURM_CONF=") and a != "env"), argv[0])
+        transient_marks = ("Unable to contact slurm controller", "Socket timed out", "Connection refused",
+                           "Zero Bytes were transmitted", "slurm_persist_conn_open", "Connection timed out",
+                           "temporarily unavailable", "try again", "Resource temporarily unavailable")  # fmt: skip
+        if any(mark.lower() in text.lower() for mark in transient_marks):
+            raise TransientError(f"{name} failed (exit {rc}): {text}")
+        raise ConfigurationError(f"{name} failed (exit {rc}): {text}")
+
+    # ---- files on the cluster --------------------------------------------------------------
+
+    def _mkdir(self, path: str) -> None:
+        self.run(["mkdir", "-p", "--", path])
+
+    def _write(self, path: str, data: bytes, mode: int) -> None:
+        if self.local:
+            p = Path(path)
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.touch(mode=mode)
+            tmp.chmod(mode)
+            tmp.write_bytes(data)
+            tmp.replace(p)
+            return
+        sftp = self._sftp()
+        tmp = path + ".tmp"
+        with sftp.open(tmp, "wb") as f:
+            f.chmod(mode)  # before any byte is written: secrets are never readable by others
+            f.write(data)
+        sftp.posix_rename(tmp, path)
+
+    def _read(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes | None:
+        try:
+            if self.local:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    return f.read(limit)
+            for attempt in (1, 2):
+                try:
+                    with self._sftp().open(path, "rb") as f:
+                        f.seek(offset)
+                        return f.read(limit)
+                except (EOFError, paramiko.SSHException, OSError) as exc:
+                    if isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == 2:
+                        raise
+                    self.close()
+                    if attempt == 2:
+                        raise TransientError(f"reading {path} over SFTP failed: {exc}") from exc
+        except FileNotFoundError:
+            return None
+        return None
+
+    def _size(self, path: str) -> int:
+        try:
+            if self.local:
+                return Path(path).stat().st_size
+            return int(self._sftp().stat(path).st_size or 0)
+        except (FileNotFoundError, OSError):
+            return 0
+
+    def read_log(self, handle: JobHandle, offset: int = 0) -> tuple[str, int]:
+        data = self._read(handle.log_path, offset)
+        if not data:
+            return "", offset
+        return data.decode("utf-8", "replace"), offset + len(data)
+
+    def read_progress(self, handle: JobHandle) -> dict[str, Any] | None:
+        data = self._read(posixpath.join(handle.workdir, "progress.json"))
+        try:
+            return json.loads(data) if data else None
+        except json.JSONDecodeError:
+            return None  # caught mid-write by a job that does not write atomically
+
+    def log_tail(self, handle: JobHandle, lines: int = 30) -> str:
+        path = handle.log_path
+        if "%a" in path:  # an array: the log of its first failed (or first) task
+            path = path.replace("%a", str(self._first_failed_task(handle) or 0))
+        size = self._size(path)
+        data = self._read(path, max(0, size - 64_000), 64_000) or b""
+        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+    # ---- validation ------------------------------------------------------------------------
+
+    def partitions(self) -> list[str]:
+        _, out, _ = self.run(["sinfo", "-h", "-o", "%R"])
+        return sorted({line.strip() for line in out.splitlines() if line.strip()})
+
+    def _check_partition(self, partition: str | None) -> None:
+        if partition is None:
+            return
+        known = self.partitions()
+        if partition not in known:
+            raise ConfigurationError(
+                f"partition {partition!r} does not exist on this cluster; set resources.partition to one of: "
+                f"{', '.join(known) or '(none found)'}"
+            )
+
+    def _workdir_ok(self, workdir: str) -> None:
+        if not posixpath.isabs(workdir):
+            raise ConfigurationError(
+                f"workdir {workdir!r} must be an absolute path on the cluster's shared filesystem (set workdir_root)"
+            )
+
+    def validate_job(self, job: TrainingJob) -> None:
+        res = job.resources
+        check_name(job.key, "job key")
+        self._workdir_ok(job.workdir)
+        if not self.code_dir:
+            raise ConfigurationError("code_dir is not set: the directory on the cluster that holds the training code")
+        if res.gpus_per_node and res.processes_per_node > res.gpus_per_node:
+            raise ConfigurationError(
+                f"resources.processes_per_node={res.processes_per_node} exceeds gpus_per_node={res.gpus_per_node}: "
+                "use one process per GPU"
+            )
+        if job.image is not None and job.image.reference:
+            raise ConfigurationError(
+                f"job.image={job.image.reference!r}: running Slurm jobs inside a container image is not supported "
+                "yet; use the cluster's Python environment (python, code_dir) and leave the image out"
+            )
+        self._script_for_job(job)  # every option validated, nothing sent
+        self._check_partition(res.partition or self.partition)
+
+    # ---- submit ----------------------------------------------------------------------------
+
+    def _common_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        for key in ("partition", "account", "qos"):
+            if getattr(self, key) is not None:
+                options[key] = getattr(self, key)
+        if self.additional_directives:
+            options["additional"] = dict(self.additional_directives)
+        return options
+
+    def _script_for_job(self, job: TrainingJob) -> str:
+        res = job.resources
+        workdir = job.workdir
+        env = {
+            **job.env,
+            contract.CHECKPOINT_DIR: posixpath.join(workdir, "checkpoints"),
+            contract.PROGRESS_FILE: posixpath.join(workdir, "progress.json"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        options = self._common_options()
+        if res.partition:
+            options["partition"] = res.partition
+        script = posixpath.join(self.code_dir or "/", self.entrypoint)
+        torchrun = res.processes_per_node > 1 or res.nodes > 1
+        options.update(
+            job_name=job.key, comment=KEY_COMMENT_PREFIX + job.key, nodes=res.nodes,
+            ntasks_per_node=1, cpus_per_task=res.cpus_per_task * res.processes_per_node,
+            gpus_per_node=res.gpus_per_node or None, time=res.time_limit_minutes,
+            output=posixpath.join(workdir, "job.log"), requeue=True, env=env,
+            requeue_exit_code=contract.EXIT_PREEMPTED, max_requeues=res.max_requeues,
+        )  # fmt: skip
+        if res.mem_gb is not None:
+            options["mem"] = max(1, int(res.mem_gb * 1024))
+        if self.warning_signal:
+            options["signal"] = self.warning_signal
+        if torchrun:
+            options.update(torchrun_nproc_per_node=res.processes_per_node, rdzv_port=self.rdzv_port)
+        return sbatch_script([self.python, script], workdir=workdir, **options)
+
+    def submit(self, job: TrainingJob) -> JobHandle:
+        self.validate_job(job)
+        return self._submit(job.key, job.workdir, self._script_for_job(job), array=False)
+
+    def submit_command(
+        self, key: str, command: Sequence[str], *, workdir: str | None = None,
+        env: Mapping[str, str] | None = None, secret_env: Mapping[str, SecretStr] | None = None,
+        **sbatch_options: Any,
+    ) -> JobHandle:  # fmt: skip
+        """Submit ``command`` (an argv list) as a batch job — or, with ``array=``, as a job array.
+
+        Idempotent like ``submit``. ``sbatch_options`` are those of ``blocks.slurm_script.sbatch_script``
+        (the job name, comment, output and workdir are set here). Array tasks log to ``task-<index>.log``.
+        ``secret_env`` reaches the job through a 0600 file next to the script, never the script itself.
+        """
+        check_name(key, "job key")
+        workdir = workdir or self.job_workdir(key)
+        self._workdir_ok(workdir)
+        for reserved in ("job_name", "comment", "output", "error"):
+            if reserved in sbatch_options:
+                raise ConfigurationError(f"{reserved} is set by submit_command (the job key and its workdir)")
+        array = sbatch_options.get("array") is not None
+        options = {**self._common_options(), **sbatch_options}
+        log = posixpath.join(workdir, "task-%a.log" if array else "job.log")
+        options.update(job_name=key, comment=KEY_COMMENT_PREFIX + key, output=log, env=dict(env or {}))
+        if secret_env:
+            options["secret_env_file"] = posixpath.join(workdir, SECRETS_NAME)
+        script = sbatch_script(list(command), workdir=workdir, **options)
+        self._check_partition(options.get("partition"))
+        return self._submit(key, workdir, script, array=array, secret_env=secret_env)
+
+    def _submit(self, key: str, workdir: str, script: str, *, array: bool,
+                secret_env: Mapping[str, SecretStr] | None = None) -> JobHandle:  # fmt: skip
+        log = posixpath.join(workdir, "task-%a.log" if array else "job.log")
+        existing = self.find_job(key)
+        if existing is not None:
+            return self._handle(existing, key, workdir, log)
+        self._mkdir(workdir)
+        if secret_env:
+            for name in secret_env:
+                if not name.isidentifier():
+                    raise ConfigurationError(f"secret_env name {name!r} is not a variable name")
+            body = "".join(f"{n}={shlex.quote(v.get_secret_value())}\n" for n, v in sorted(secret_env.items()))
+            self._write(posixpath.join(workdir, SECRETS_NAME), body.encode(), 0o600)
+        path = posixpath.join(workdir, SCRIPT_NAME)
+        self._write(path, script.encode(), 0o700)
+        try:
+            _, out, _ = self.run(["sbatch", "--parsable", path], retry=False)
+        except TransientError as exc:
+            raise TransientError(f"{exc} — the job may have been submitted; a retried submit adopts it by its key") from exc
+        job_id = out.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise TransientError(f"sbatch answered {out!r} instead of a job id")
+        return self._handle(job_id, key, workdir, log)
+
+    def _handle(self, job_id: str, key: str, workdir: str, log: str) -> JobHandle:
+        return JobHandle(backend=self.backend_name, job_id=job_id, key=key, workdir=workdir, log_path=log)
+
+    def find_job(self, key: str) -> str | None:
+        """The id of a live or finished job carrying ``key`` (live ones first), or None."""
+        comment = KEY_COMMENT_PREFIX + key
+        # sacct has the comment only where AccountingStoreFlags=job_comment; the name alone is the key there.
+        live = []
+        for record in self._squeue():
+            if record.get("name") == key and record.get("comment") == comment:
+                live.append(str(record.get("array_job_id") or record["job_id"]))
+        if live:
+            return min(live, key=int)
+        _, out, _ = self.run([
+            "sacct", "-X", "-n", "-P", f"--name={key}", f"--starttime=now-{self.adopt_lookback_days}days",
+            "--format=JobIDRaw,JobID,Comment",
+        ])  # fmt: skip
+        found = [line.split("|")[1].split("_")[0] for line in out.splitlines()
+                 if line.count("|") >= 2 and line.split("|", 2)[2] in (comment, "")]  # fmt: skip
+        return min(found, key=int) if found else None
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def _squeue(self) -> list[dict[str, Any]]:
+        _, out, _ = self.run(["squeue", "--json"])
+        try:
+            return json.loads(out).get("jobs", [])
+        except json.JSONDecodeError as exc:
+            raise TransientError(f"squeue --json returned unreadable output: {out[:200]!r}") from exc
+
+    def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
+        handles = list(handles)
+        if not handles:
+            return {}
+        wanted = {h.job_id for h in handles}
+        records: dict[str, list[dict[str, Any]]] = {j: [] for j in wanted}
+        for record in self._squeue():  # ONE query for every watched job
+            parent = str(record.get("array_job_id") or 0)
+            own = str(record.get("job_id"))
+            if parent in wanted and parent != "0":
+                records[parent].append(record)
+            elif own in wanted:
+                records[own].append(record)
+        statuses: dict[str, JobStatus] = {}
+        missing = [j for j in wanted if not records[j]]
+        for job_id in wanted - set(missing):
+            statuses[job_id] = self._aggregate(job_id, [self._from_squeue(r) for r in records[job_id]])
+        if missing:
+            statuses.update(self._from_sacct(missing))
+        return {h.job_id: statuses[h.job_id] for h in handles}
+
+    @staticmethod
+    def _from_squeue(record: dict[str, Any]) -> JobStatus:
+        exit_code = _wait_status_to_exit(record.get("exit_code"))
+        slurm_state = str(record.get("job_state", "PENDING"))
+        state, reason = map_state(slurm_state, requeue=bool(record.get("requeue")), exit_code=exit_code,
+                                  reason="" if record.get("state_reason") in (None, "None") else
+                                  f"Slurm reason: {record.get('state_reason')}")  # fmt: skip
+        if state in ("RUNNING", "PENDING") and record.get("restart_cnt"):
+            reason = f"attempt {int(record['restart_cnt']) + 1} (requeued {record['restart_cnt']}x). {reason}".strip()
+        start, end = record.get("start_time") or 0, record.get("end_time") or 0
+        now = time.time()
+        elapsed = max(0.0, (end if state not in ("PENDING", "RUNNING") and end else now) - start) if start else 0.0
+        task = record.get("array_task_id")
+        job_id = str(record["job_id"]) if task is None else f"{record.get('array_job_id')}_{task}"
+        return JobStatus(job_id=job_id, state=state, exit_code=exit_code if state != "RUNNING" else None,
+                         reason=reason, elapsed_seconds=elapsed if state != "PENDING" else 0.0)  # fmt: skip
+
+    def _from_sacct(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        _, out, _ = self.run([
+            "sacct", "-X", "-n", "-P", "-j", ",".join(sorted(job_ids, key=int)),
+            "--format=JobIDRaw,JobID,State,ExitCode,ElapsedRaw,Reason",
+        ])  # fmt: skip
+        per_job: dict[str, list[JobStatus]] = {j: [] for j in job_ids}
+        for line in out.splitlines():
+            parts = line.split("|")
+            if len(parts) < 6:
+                continue
+            _raw, jid, slurm_state, exit_text, elapsed, reason = parts[:6]
+            base = jid.split("_")[0]
+            if base not in per_job:
+                continue
+            exit_code = _sacct_exit(exit_text)
+            # A job sacct reports PREEMPTED/NODE_FAIL that the controller no longer has was not requeued.
+            state, why = map_state(slurm_state, requeue=False, exit_code=exit_code,
+                                   reason="" if reason in ("", "None") else f"Slurm reason: {reason}")  # fmt: skip
+            per_job[base].append(JobStatus(job_id=jid, state=state, exit_code=exit_code, reason=why,
+                                           elapsed_seconds=float(elapsed or 0)))  # fmt: skip
+        result = {}
+        for job_id, items in per_job.items():
+            if items:
+                result[job_id] = self._aggregate(job_id, items)
+            else:  # not in the controller's memory and not (yet) in the accounting database
+                result[job_id] = JobStatus(job_id=job_id, state="PENDING",
+                                           reason="not visible in squeue or sacct yet (sacct lags the controller)")  # fmt: skip
+        return result
+
+    @staticmethod
+    def _aggregate(job_id: str, items: list[JobStatus]) -> JobStatus:
+        """One status for a job (one item) or an array (one item per task or pending group)."""
+        if len(items) == 1:
+            return items[0].model_copy(update={"job_id": job_id})
+        elapsed = max(i.elapsed_seconds for i in items)
+        live = [i for i in items if not i.terminal]
+        if live:
+            order = ("PREEMPTED", "REQUEUED", "RUNNING", "PENDING")
+            state = next(s for s in order if any(i.state == s for i in live))
+            done = sum(1 for i in items if i.terminal)
+            return JobStatus(job_id=job_id, state=state, elapsed_seconds=elapsed,  # type: ignore[arg-type]
+                             reason=f"array: {done} tasks finished, {len(live)} records still queued or running")
+        failed = [i for i in items if i.state != "COMPLETED"]
+        if not failed:
+            return JobStatus(job_id=job_id, state="COMPLETED", exit_code=0, elapsed_seconds=elapsed,
+                             reason=f"array: all {len(items)} tasks completed")  # fmt: skip
+        first = sorted(failed, key=lambda i: i.job_id)[0]
+        return JobStatus(job_id=job_id, state=first.state, exit_code=first.exit_code, elapsed_seconds=elapsed,
+                         reason=f"array: {len(failed)} of {len(items)} tasks did not complete; task {first.job_id}: "
+                                f"{first.reason}")  # fmt: skip
+
+    def _first_failed_task(self, handle: JobHandle) -> str | None:
+        status = self.poll([handle])[handle.job_id]
+        for word in status.reason.split():
+            if word.startswith(f"{handle.job_id}_"):
+                return word.split("_", 1)[1].rstrip(":")
+        return None
+
+    def cancel(self, handle: JobHandle) -> None:
+        self.run(["scancel", handle.job_id])
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def accounting(self, handle: JobHandle, *, wait_seconds: float = 30.0) -> dict[str, float]:
+        """GPU-hours, CPU-hours, wall seconds and requeues of a finished job, from sacct.
+
+        Every attempt counts (``--duplicates``: a preempted attempt used its GPUs too). sacct lags the
+        controller by a few seconds, so this waits (up to ``wait_seconds``) for the final record.
+        """
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            _, out, _ = self.run([
+                "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id,
+                "--format=JobIDRaw,JobID,State,ElapsedRaw,AllocTRES,NCPUS",
+            ])  # fmt: skip
+            rows = [line.split("|") for line in out.splitlines() if line.count("|") >= 5]
+            settled = rows and all(r[2].split()[0] in self._TERMINAL_SLURM or r[2].startswith("REQUEUED")
+                                   for r in rows)  # fmt: skip
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        gpu_s = cpu_s = wall = 0.0
+        requeues = 0
+        for _raw, _jid, state, elapsed_text, tres, ncpus in (r[:6] for r in rows):
+            elapsed = float(elapsed_text or 0)
+            gpus = 0
+            for item in tres.split(","):
+                name, _, value = item.partition("=")
+                if name == "gres/gpu" and value.isdigit():
+                    gpus = int(value)
+            gpu_s += gpus * elapsed
+            cpu_s += int(ncpus or 0) * elapsed
+            wall = max(wall, elapsed)
+            if state.split()[0] in ("PREEMPTED", "REQUEUED", "NODE_FAIL"):
+                requeues += 1
+        return {"gpu_hours": gpu_s / 3600, "cpu_hours": cpu_s / 3600, "wall_seconds": wall, "requeues": requeues}
+
+    def result(self, handle: JobHandle, status: JobStatus, *, gpus: int = 0, cpus: int = 1) -> JobResult:
+        """A terminal status as a result with sacct's GPU/CPU-hours, or an actionable ``JobFailed``."""
+        if status.state != "COMPLETED":
+            raise JobFailed(
+                f"Slurm job {handle.job_id} ended {status.state}: {status.reason or explain_exit_code(status.exit_code)}",
+                state=status.state, exit_code=status.exit_code, log_tail=self.log_tail(handle),
+            )  # fmt: skip
+        usage = self.accounting(handle)
+        return JobResult(
+            handle=handle, status=status, checkpoint_dir=posixpath.join(handle.workdir, "checkpoints"),
+            requeues=int(usage["requeues"]), wall_seconds=usage["wall_seconds"] or status.elapsed_seconds,
+            gpu_hours=usage["gpu_hours"], cpu_hours=usage["cpu_hours"],
+        )  # fmt: skip

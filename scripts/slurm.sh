@@ -1,0 +1,435 @@
+#!/usr/bin/env bash
+# A real Slurm 22.05 cluster on this machine, reached over SSH: `scripts/slurm.sh up|down`.
+#
+#   munged -> slurmdbd (accounting in the MariaDB that runs here)
+#   -> slurmctld -> two slurmd on one host (nodes n1, n2; own ports; fake GPUs)
+#   + an sshd on 127.0.0.1 (own host key, key-only login) = the cluster's login node.
+#
+# Everything this script writes lives under $GPUFERRY_STACKS/slurm (configs, state, pids, logs,
+# keys, the fake GPU device nodes and the "shared filesystem" for job directories); nothing is
+# written to /etc. Because there is no /etc/slurm/slurm.conf, EVERY Slurm command must see
+# SLURM_CONF (without a config a Slurm client falls back to a DNS SRV lookup of the controller):
+#   * here: exported below, before the first Slurm command;
+#   * over SSH: the login key's authorized_keys line sets it (environment="SLURM_CONF=...",
+#     allowed by the sshd's `PermitUserEnvironment SLURM_CONF`), and the SlurmCluster block also
+#     passes it explicitly (its `slurm_conf` field), so both plain `ssh` and the block work;
+#   * in jobs: sbatch exports the submitter's environment, SLURM_CONF included.
+#
+# `up` is idempotent (a second `up` only checks); `down` stops, by pid, only what `up` started and
+# leaves the shared MariaDB running (unless `up` had to start it). The connection settings go to
+# $GPUFERRY_STACKS/slurm/env.
+set -euo pipefail
+
+GPUFERRY_CACHE=${GPUFERRY_CACHE:-$HOME/.cache/gpuferry}
+GPUFERRY_STACKS=${GPUFERRY_STACKS:-$GPUFERRY_CACHE/stacks}
+RUN=$GPUFERRY_STACKS/slurm
+ETC=$RUN/etc
+PIDS=$RUN/pids
+LOGS=$RUN/log
+STATE=$RUN/state
+SSHDIR=$RUN/ssh
+DEV=$RUN/dev
+SHARED=$RUN/shared
+
+CLUSTER=${GPUFERRY_SLURM_CLUSTER:-gpuferry}
+PARTITION=${GPUFERRY_SLURM_PARTITION:-debug}
+ACCOUNT=${GPUFERRY_SLURM_ACCOUNT:-gpuferry}
+CTLD_PORT=${GPUFERRY_SLURM_CTLD_PORT:-16817}
+DBD_PORT=${GPUFERRY_SLURM_DBD_PORT:-16819}
+SLURMD_PORT_BASE=${GPUFERRY_SLURM_SLURMD_PORT_BASE:-16820}   # n1 gets +1, n2 +2
+SSH_PORT=${GPUFERRY_SLURM_SSH_PORT:-2299}
+GPUS_PER_NODE=${GPUFERRY_SLURM_GPUS_PER_NODE:-4}
+CPUS_PER_NODE=${GPUFERRY_SLURM_CPUS_PER_NODE:-8}              # overcommitted on purpose (throughput)
+DB_NAME=${GPUFERRY_SLURM_DB:-gpuferry_slurm_acct_db}          # own DB: accounts/QoS are per database
+DB_USER=${GPUFERRY_SLURM_DB_USER:-gpuferry_slurm}
+NODES=(n1 n2)
+export SLURM_CONF=$ETC/slurm.conf   # before ANY Slurm command (see above)
+
+log() { printf '[slurm.sh] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# ---- processes, by pid file (and the process's name, as pids are reused) -------------------------
+pid_alive() {  # pid_alive PIDFILE COMM
+  local pid
+  [[ -s $1 ]] || return 1
+  pid=$(<"$1")
+  [[ -r /proc/$pid/comm ]] && [[ $(</proc/"$pid"/comm) == "$2"* ]] || return 1
+  local stat
+  stat=$(</proc/"$pid"/stat) || return 1
+  stat=${stat##*) }
+  [[ ${stat:0:1} != Z ]]   # a zombie is dead
+}
+
+stop_pid() {  # stop_pid PIDFILE COMM
+  local pidfile=$1 comm=$2 pid i
+  if pid_alive "$pidfile" "$comm"; then
+    pid=$(<"$pidfile")
+    kill "$pid" 2>/dev/null || true
+    for i in $(seq 1 150); do pid_alive "$pidfile" "$comm" || break; sleep 0.1; done
+    if pid_alive "$pidfile" "$comm"; then log "$comm ($pid) ignores SIGTERM; SIGKILL"; kill -9 "$pid" || true; fi
+    log "stopped $comm ($pid)"
+  fi
+  rm -f "$pidfile"
+}
+
+wait_for() {  # wait_for SECONDS LOGFILE DESCRIPTION COMMAND...
+  local seconds=$1 logfile=$2 what=$3 deadline
+  shift 3
+  deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS > deadline)); then
+      log "$what did not happen within ${seconds}s; last lines of $logfile:"
+      tail -n 30 "$logfile" >&2 2>/dev/null || true
+      exit 1
+    fi
+    sleep 0.2
+  done
+}
+
+# ---- install -----------------------------------------------------------------------------------
+install_packages() {
+  local missing=() p
+  for p in munge slurm-wlm slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client openssh-server; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  ((${#missing[@]})) || return 0
+  log "installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get -o DPkg::Lock::Timeout=900 install -y "${missing[@]}" >"$LOGS/apt.log" 2>&1 || {
+    apt-get -o DPkg::Lock::Timeout=900 update >>"$LOGS/apt.log" 2>&1
+    apt-get -o DPkg::Lock::Timeout=900 install -y "${missing[@]}" >>"$LOGS/apt.log" 2>&1 || { tail -n 30 "$LOGS/apt.log" >&2; die "apt-get install failed"; }
+  }
+}
+
+# ---- configs -----------------------------------------------------------------------------------
+# write_if_changed FILE MODE < content; returns 0 when the file changed.
+write_if_changed() {
+  local file=$1 mode=$2 tmp
+  tmp=$(mktemp "$file.XXXXXX")
+  cat >"$tmp"
+  chmod "$mode" "$tmp"
+  if [[ -f $file ]] && cmp -s "$tmp" "$file"; then rm -f "$tmp"; return 1; fi
+  mv -f "$tmp" "$file"
+  return 0
+}
+
+use_cgroup() {
+  [[ ${GPUFERRY_SLURM_CGROUP:-auto} != 0 ]] && [[ -d /sys/fs/cgroup/memory && -d /sys/fs/cgroup/devices && -d /sys/fs/cgroup/cpuset ]]
+}
+
+write_configs() {
+  local changed=1 host n i first
+  host=$(hostname -s)
+  if use_cgroup; then
+    PROCTRACK=proctrack/cgroup TASKPLUGIN=task/cgroup JOBACCT=jobacct_gather/cgroup
+  else
+    PROCTRACK=proctrack/linuxproc TASKPLUGIN=task/none JOBACCT=jobacct_gather/linux
+  fi
+  {
+    cat <<EOF
+# Written by scripts/slurm.sh; rewritten by every \`up\`.
+ClusterName=$CLUSTER
+SlurmctldHost=localhost
+SlurmctldPort=$CTLD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=cred_expire=10
+StateSaveLocation=$STATE/slurmctld
+SlurmdSpoolDir=$STATE/slurmd-%n
+SlurmctldPidFile=$PIDS/slurmctld.pid
+SlurmdPidFile=$PIDS/slurmd-%n.pid
+SlurmctldLogFile=$LOGS/slurmctld.log
+SlurmdLogFile=$LOGS/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=$PROCTRACK
+TaskPlugin=$TASKPLUGIN
+JobAcctGatherType=$JOBACCT
+JobAcctGatherFrequency=5
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+# Fast scheduling for tests (see notes/slurm.md): jobs share nodes, no 3 s batch delay.
+DefMemPerCPU=100
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=2,bf_interval=1
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+MailProg=/bin/true
+GresTypes=gpu
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=$DBD_PORT
+AccountingStorageTRES=gres/gpu
+AccountingStorageEnforce=associations,limits,qos
+AccountingStoreFlags=job_comment
+JobCompType=jobcomp/none
+PriorityType=priority/multifactor
+PriorityWeightQOS=100000
+PriorityWeightAge=100
+PreemptType=preempt/qos
+PreemptMode=REQUEUE
+JobRequeue=1
+MaxArraySize=10001
+MinJobAge=300
+KillWait=5
+Waittime=0
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+EOF
+    i=0
+    for n in "${NODES[@]}"; do
+      i=$((i + 1))
+      echo "NodeName=$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((SLURMD_PORT_BASE + i)) CPUs=$CPUS_PER_NODE RealMemory=8000 Gres=gpu:fake:$GPUS_PER_NODE State=UNKNOWN"
+    done
+    echo "PartitionName=$PARTITION Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP"
+  } | write_if_changed "$ETC/slurm.conf" 644 && changed=0
+
+  {
+    echo "AutoDetect=off"
+    i=0
+    for n in "${NODES[@]}"; do
+      first=$((i * GPUS_PER_NODE))
+      echo "NodeName=$n Name=gpu Type=fake File=$DEV/fakenvidia[$first-$((first + GPUS_PER_NODE - 1))]"
+      i=$((i + 1))
+    done
+  } | write_if_changed "$ETC/gres.conf" 644 && changed=0
+
+  cat <<EOF | write_if_changed "$ETC/cgroup.conf" 644 && changed=0
+CgroupPlugin=cgroup/v1
+CgroupMountpoint=/sys/fs/cgroup
+ConstrainCores=no
+ConstrainRAMSpace=yes
+ConstrainDevices=yes
+EOF
+
+  cat <<EOF | write_if_changed "$ETC/slurmdbd.conf" 600 && changed=0
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=$DBD_PORT
+SlurmUser=root
+DebugLevel=info
+LogFile=$LOGS/slurmdbd.log
+PidFile=$PIDS/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=$DB_USER
+StoragePass=$(<"$ETC/db_password")
+StorageLoc=$DB_NAME
+EOF
+  return $changed
+}
+
+make_fake_gpus() {
+  local i total=$((GPUS_PER_NODE * ${#NODES[@]}))
+  for ((i = 0; i < total; i++)); do
+    # Character devices (major 195 = nvidia): a plain file or a Count-only gres leaves the node INVAL.
+    [[ -c $DEV/fakenvidia$i ]] || mknod -m 666 "$DEV/fakenvidia$i" c 195 "$i"
+  done
+}
+
+# ---- daemons -----------------------------------------------------------------------------------
+start_munge() {
+  # The default socket: slurmctld's connection to slurmdbd ignores AuthInfo=socket= in 22.05.
+  # A munged that already serves it (the machine's own) is used as is and left alone by `down`.
+  local sock=/run/munge/munge.socket.2
+  if pid_alive "$PIDS/munged.pid" munged; then return; fi
+  if munge -n -S "$sock" 2>/dev/null | unmunge -S "$sock" >/dev/null 2>&1; then
+    log "using the munged already running on $sock"
+    return
+  fi
+  [[ -s /etc/munge/munge.key ]] || mungekey --create --keyfile=/etc/munge/munge.key
+  chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
+  install -d -o munge -g munge -m 0755 /run/munge
+  rm -f "$sock" "$sock.lock"
+  start-stop-daemon --start --chuid munge:munge --exec /usr/sbin/munged
+  wait_for 20 /var/log/munge/munged.log "munged answering" bash -c "munge -n -S '$sock' | unmunge -S '$sock'"
+  cp /run/munge/munged.pid "$PIDS/munged.pid"
+  log "munged started ($(<"$PIDS/munged.pid"))"
+}
+
+mysql_ok() { mysqladmin --connect-timeout=2 ping >/dev/null 2>&1; }
+
+ensure_mariadb() {
+  if ! mysql_ok; then
+    # Not running (a fresh machine): start it ourselves and stop it again in `down`.
+    log "MariaDB is not running; starting it"
+    mkdir -p /run/mysqld && chown mysql:root /run/mysqld
+    if [[ ! -d /var/lib/mysql/mysql ]]; then mariadb-install-db --user=mysql >"$LOGS/mariadb-install.log" 2>&1; fi
+    start-stop-daemon --start --background --make-pidfile --pidfile "$PIDS/mariadbd.pid" --exec /usr/sbin/mariadbd -- \
+      --user=mysql --bind-address=127.0.0.1 --log-error="$LOGS/mariadbd.log"
+    wait_for 60 "$LOGS/mariadbd.log" "MariaDB answering" mysql_ok
+  fi
+  [[ -s $ETC/db_password ]] || { (umask 077; head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$ETC/db_password"); }
+  local pw
+  pw=$(<"$ETC/db_password")
+  mysql --batch <<EOF
+CREATE DATABASE IF NOT EXISTS \`$DB_NAME\`;
+CREATE USER IF NOT EXISTS '$DB_USER'@'localhost' IDENTIFIED BY '$pw';
+ALTER USER '$DB_USER'@'localhost' IDENTIFIED BY '$pw';
+GRANT ALL ON \`$DB_NAME\`.* TO '$DB_USER'@'localhost';
+EOF
+}
+
+start_slurm() {
+  local restart=$1 n
+  if [[ $restart == 1 ]]; then
+    log "configuration changed: restarting the Slurm daemons"
+    for n in "${NODES[@]}"; do stop_pid "$PIDS/slurmd-$n.pid" slurmd; done
+    stop_pid "$PIDS/slurmctld.pid" slurmctld
+    stop_pid "$PIDS/slurmdbd.pid" slurmdbd
+  fi
+  if ! pid_alive "$PIDS/slurmdbd.pid" slurmdbd; then
+    slurmdbd   # reads slurmdbd.conf next to $SLURM_CONF; daemonizes
+    wait_for 60 "$LOGS/slurmdbd.log" "slurmdbd listening on $DBD_PORT" bash -c "echo > /dev/tcp/127.0.0.1/$DBD_PORT"
+    log "slurmdbd started ($(<"$PIDS/slurmdbd.pid"))"
+  fi
+  if ! pid_alive "$PIDS/slurmctld.pid" slurmctld; then
+    slurmctld -f "$SLURM_CONF"
+    wait_for 60 "$LOGS/slurmctld.log" "slurmctld answering" scontrol ping
+    log "slurmctld started ($(<"$PIDS/slurmctld.pid"))"
+  fi
+  for n in "${NODES[@]}"; do
+    if ! pid_alive "$PIDS/slurmd-$n.pid" slurmd; then
+      slurmd -f "$SLURM_CONF" -N "$n"
+      wait_for 30 "$LOGS/slurmd-$n.log" "slurmd $n running" pid_alive "$PIDS/slurmd-$n.pid" slurmd
+      log "slurmd $n started ($(<"$PIDS/slurmd-$n.pid"))"
+    fi
+  done
+}
+
+nodes_idle() {
+  local states
+  states=$(sinfo -h -N -p "$PARTITION" -o '%N %T' | sort -u)
+  [[ $(grep -c . <<<"$states") -eq ${#NODES[@]} ]] || return 1
+  ! grep -qvE ' (idle|mixed|allocated|completing)$' <<<"$states"
+}
+
+resume_drained() {
+  # A node drained by an earlier run keeps that state across restarts (StateSaveLocation).
+  local bad
+  bad=$(sinfo -h -N -p "$PARTITION" -o '%N %T' | awk '$2 ~ /drain|down|inval|fail/ {print $1}' | sort -u | paste -sd, -)
+  if [[ -n $bad ]]; then
+    log "resuming nodes $bad"
+    scontrol update nodename="$bad" state=resume 2>/dev/null || true
+  fi
+}
+
+ensure_accounting() {
+  local user
+  user=$(id -un)
+  # sacctmgr's `add` fails when the entry exists; check first so that `up` twice stays quiet.
+  sacctmgr -n -P show qos format=name | grep -qx normal || sacctmgr -i add qos normal >/dev/null
+  sacctmgr -n -P show qos format=name | grep -qx high ||
+    sacctmgr -i add qos high Priority=1000 Preempt=normal PreemptMode=requeue >/dev/null
+  sacctmgr -n -P show account format=account | grep -qx "$ACCOUNT" ||
+    sacctmgr -i add account "$ACCOUNT" Description=gpuferry Organization=gpuferry >/dev/null
+  sacctmgr -n -P show assoc where user="$user" account="$ACCOUNT" format=user | grep -qx "$user" ||
+    sacctmgr -i add user "$user" Account="$ACCOUNT" DefaultAccount="$ACCOUNT" >/dev/null
+  sacctmgr -n -P show assoc where user="$user" account="$ACCOUNT" format=qos | grep -q high ||
+    sacctmgr -i modify user "$user" set qos+=normal,high >/dev/null
+}
+
+start_sshd() {
+  [[ -s $SSHDIR/host_ed25519_key ]] || ssh-keygen -q -t ed25519 -N '' -C gpuferry-slurm-host -f "$SSHDIR/host_ed25519_key"
+  [[ -s $SSHDIR/client_ed25519 ]] || ssh-keygen -q -t ed25519 -N '' -C gpuferry-slurm-client -f "$SSHDIR/client_ed25519"
+  printf 'environment="SLURM_CONF=%s" %s\n' "$SLURM_CONF" "$(<"$SSHDIR/client_ed25519.pub")" |
+    write_if_changed "$SSHDIR/authorized_keys" 600 || true
+  printf '[127.0.0.1]:%s %s\n' "$SSH_PORT" "$(cut -d' ' -f1,2 "$SSHDIR/host_ed25519_key.pub")" |
+    write_if_changed "$SSHDIR/known_hosts" 644 || true
+  local changed=1
+  cat <<EOF | write_if_changed "$SSHDIR/sshd_config" 600 && changed=0
+Port $SSH_PORT
+ListenAddress 127.0.0.1
+HostKey $SSHDIR/host_ed25519_key
+PidFile $PIDS/sshd.pid
+AuthorizedKeysFile $SSHDIR/authorized_keys
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PermitUserEnvironment SLURM_CONF
+X11Forwarding no
+AllowTcpForwarding no
+Subsystem sftp internal-sftp
+EOF
+  if [[ $changed == 0 ]]; then stop_pid "$PIDS/sshd.pid" sshd; fi
+  if ! pid_alive "$PIDS/sshd.pid" sshd; then
+    mkdir -p /run/sshd
+    /usr/sbin/sshd -t -f "$SSHDIR/sshd_config" || die "sshd rejected $SSHDIR/sshd_config"
+    /usr/sbin/sshd -f "$SSHDIR/sshd_config" -E "$LOGS/sshd.log"
+    wait_for 20 "$LOGS/sshd.log" "sshd listening on $SSH_PORT" bash -c "echo > /dev/tcp/127.0.0.1/$SSH_PORT"
+    log "sshd started ($(<"$PIDS/sshd.pid")) on 127.0.0.1:$SSH_PORT"
+  fi
+}
+
+ssh_works() {
+  ssh -n -o BatchMode=yes -o UserKnownHostsFile="$SSHDIR/known_hosts" -o StrictHostKeyChecking=yes \
+    -o GlobalKnownHostsFile=/dev/null -i "$SSHDIR/client_ed25519" -p "$SSH_PORT" "$(id -un)@127.0.0.1" \
+    sinfo -h -o %P >/dev/null 2>&1
+}
+
+write_env() {
+  cat <<EOF | write_if_changed "$RUN/env" 644 || true
+SLURM_SSH_HOST=127.0.0.1
+SLURM_SSH_PORT=$SSH_PORT
+SLURM_SSH_USER=$(id -un)
+SLURM_SSH_KEY=$SSHDIR/client_ed25519
+SLURM_KNOWN_HOSTS=$SSHDIR/known_hosts
+SLURM_CONF=$SLURM_CONF
+SLURM_PARTITION=$PARTITION
+SLURM_ACCOUNT=$ACCOUNT
+SLURM_QOS_HIGH=high
+SLURM_SHARED_DIR=$SHARED
+SLURM_GPUS_PER_NODE=$GPUS_PER_NODE
+SLURM_NODES=${#NODES[@]}
+EOF
+}
+
+up() {
+  local t0=$SECONDS restart=0
+  mkdir -p "$ETC" "$PIDS" "$LOGS" "$STATE/slurmctld" "$SSHDIR" "$DEV" "$SHARED"
+  for n in "${NODES[@]}"; do mkdir -p "$STATE/slurmd-$n"; done
+  install_packages
+  ensure_mariadb
+  write_configs && restart=1
+  [[ -n $(ls -A "$PIDS" 2>/dev/null) ]] || restart=0   # first start: nothing to restart
+  make_fake_gpus
+  start_munge
+  start_slurm "$restart"
+  wait_for 60 "$LOGS/slurmctld.log" "nodes registered" bash -c "sinfo -h -N -o %N | grep -q ."
+  resume_drained
+  wait_for 90 "$LOGS/slurmd-n1.log" "nodes ${NODES[*]} idle in sinfo" nodes_idle
+  ensure_accounting
+  start_sshd
+  wait_for 30 "$LOGS/sshd.log" "an sinfo over SSH" ssh_works
+  write_env
+  log "up in $((SECONDS - t0)) s; settings in $RUN/env"
+}
+
+down() {
+  local n
+  rm -f "$RUN/env"
+  stop_pid "$PIDS/sshd.pid" sshd
+  for n in "${NODES[@]}"; do stop_pid "$PIDS/slurmd-$n.pid" slurmd; done
+  stop_pid "$PIDS/slurmctld.pid" slurmctld
+  stop_pid "$PIDS/slurmdbd.pid" slurmdbd
+  stop_pid "$PIDS/munged.pid" munged
+  stop_pid "$PIDS/mariadbd.pid" mariadbd   # only when `up` started it
+  # Empty cgroup directories slurmd created for its nodes.
+  for n in "${NODES[@]}"; do
+    find /sys/fs/cgroup/*/slurm_"$n" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done
+  log "down"
+}
+
+case ${1:-} in
+  up) up ;;
+  down) down ;;
+  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac

@@ -1,0 +1,63 @@
+"""The retrain pipeline with training on the real local Slurm cluster, submitted over SSH.
+
+The stack is saved as a Prefect block and the flow is given its name, as a user would from the UI.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from pydantic import SecretStr
+
+from blocks.slurm import SlurmCluster
+from blocks.specs import HyperParameters, Resources, TrainingSpec
+from blocks.stack import Stack
+from flows.retrain import retrain
+from tests.stacks import stack_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def slurm_stack(env: dict[str, str]) -> Stack:
+    stack = Stack.embedded()
+    stack.compute = SlurmCluster(
+        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
+        workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"pipeline-{uuid.uuid4().hex[:8]}"),
+        partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
+    )  # fmt: skip
+    return stack
+
+
+def test_retrain_trains_on_slurm() -> None:
+    env = stack_env("slurm")
+    slurm_stack(env).save("slurm-pipeline-test", overwrite=True)
+    outcome = retrain(
+        training=TrainingSpec(
+            model_name="digits-slurm", hyperparameters=HyperParameters(epochs=3), resources=Resources(mem_gb=2)
+        ),
+        stack="slurm-pipeline-test",
+        force_deploy=True,
+    )
+    run = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri).get_run(outcome.run_id)
+    assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster"
+    assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)
+    assert run.data.metrics["cpu_hours"] > 0
+    # The job really went through Slurm: sacct knows it by the pipeline's key.
+    sacct = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-S", "now-1hour", "-o", "JobID,JobName%100,State"],
+        env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    key = f"{run.data.tags['prefect.flow_run_id']}-train"
+    mine = [line.split("|") for line in sacct.splitlines() if line.split("|")[1:2] == [key]]
+    assert [state for _, _, state in mine] == ["COMPLETED"], sacct
+    assert outcome.deployed and outcome.endpoint is not None
+    Stack.embedded().serving.undeploy("digits")

@@ -1,0 +1,226 @@
+"""SlurmCluster against the real local Slurm (`make slurm-up`), over SSH with a checked host key."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from blocks.errors import ConfigurationError, JobFailed
+from blocks.slurm import SlurmCluster
+from blocks.specs import HyperParameters, Resources, TrainingJob
+from tests.stacks import stack_env
+from workload import contract
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Writes its progress the way the contract says (atomically), prints, and exits with ARGV[1].
+TINY = (
+    "import json, os, sys, time; p = os.environ['PROGRESS']; "
+    "json.dump({'step': 1, 'total_steps': 1}, open(p + '.tmp', 'w')); os.replace(p + '.tmp', p); "
+    "print('tiny job on', os.environ.get('SLURMD_NODENAME'), 'gpus', os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True); "
+    "time.sleep(1.5); sys.exit(int(sys.argv[1]))"
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    return stack_env("slurm")
+
+
+@pytest.fixture(scope="module")
+def cluster(env: dict[str, str]) -> SlurmCluster:
+    c = SlurmCluster(
+        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
+        workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"tests-{uuid.uuid4().hex[:8]}"),
+        partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
+        poll_interval_start=0.3, poll_interval_max=2.0,
+    )  # fmt: skip
+    yield c
+    c.close()
+
+
+def key(name: str) -> str:
+    return f"t{uuid.uuid4().hex[:10]}-{name}"
+
+
+def slurm(env: dict[str, str], *argv: str) -> str:
+    """A Slurm command run directly (not through the block), to check what the block did."""
+    return subprocess.run(list(argv), capture_output=True, text=True, check=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "SLURM_CONF": env["SLURM_CONF"]}).stdout  # fmt: skip
+
+
+def jobs_named(env: dict[str, str], name: str) -> list[str]:
+    """Job ids with this name in the controller's memory and in accounting (deduplicated)."""
+    live = {str(j.get("array_job_id") or j["job_id"]) for j in json.loads(slurm(env, "squeue", "--json"))["jobs"]
+            if j["name"] == name}  # fmt: skip
+    acct = {line.split("_")[0] for line in slurm(env, "sacct", "-X", "-n", "-P", f"--name={name}",
+                                                  "--starttime=now-1days", "--format=JobID").split()}  # fmt: skip
+    return sorted(live | acct)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+def tiny(cluster: SlurmCluster, k: str, code: int = 0, **options: object):  # type: ignore[no-untyped-def]
+    workdir = cluster.job_workdir(k)
+    return cluster.submit_command(k, [sys.executable, "-c", TINY, str(code)],
+                                  env={"PROGRESS": f"{workdir}/progress.json"}, **options)  # fmt: skip
+
+
+def test_one_node_job_over_ssh(cluster: SlurmCluster) -> None:
+    handle = tiny(cluster, key("one"))
+    output: list[str] = []
+    progress: list[dict] = []
+    status = cluster.watch(handle, on_output=output.append, on_progress=progress.append, timeout_seconds=120)
+    assert status.state == "COMPLETED" and status.exit_code == 0
+    assert "tiny job on n" in "".join(output)
+    assert progress == [{"step": 1, "total_steps": 1}]
+    result = cluster.result(handle, status)
+    assert result.cpu_hours > 0 and result.gpu_hours == 0 and result.wall_seconds >= 1
+    # The login key's SSH environment sets SLURM_CONF too: plain commands work without the field.
+    assert cluster.model_copy(update={"slurm_conf": None}).partitions() == [cluster.partition]
+
+
+def test_gpus_per_node_gives_two_devices(cluster: SlurmCluster) -> None:
+    handle = tiny(cluster, key("gpu"), gpus_per_node=2)
+    status = cluster.watch(handle, timeout_seconds=120)
+    assert status.state == "COMPLETED"
+    text, _ = cluster.read_log(handle)
+    devices = text.split("gpus ")[1].split()[0].split(",")
+    assert len(devices) == 2, text
+    result = cluster.result(handle, status)
+    assert result.gpu_hours == pytest.approx(2 * result.wall_seconds / 3600) and result.gpu_hours > 0
+
+
+def test_array_of_100_tasks(cluster: SlurmCluster, env: dict[str, str]) -> None:
+    k = key("array")
+    handle = cluster.submit_command(k, ["bash", "-c", 'echo "task $SLURM_ARRAY_TASK_ID"'], array="0-99")
+    status = cluster.watch(handle, timeout_seconds=150)
+    assert status.state == "COMPLETED", status
+    logs = [cluster.read_log(handle.model_copy(update={"log_path": handle.log_path.replace("%a", str(i))}))[0]
+            for i in (0, 57, 99)]  # fmt: skip
+    assert logs == ["task 0\n", "task 57\n", "task 99\n"]
+
+    def all_in_sacct() -> bool:
+        out = slurm(env, "sacct", "-X", "-n", "-P", "-j", handle.job_id, "--format=JobID,State")
+        return sum(line.endswith("|COMPLETED") for line in out.split()) == 100
+
+    wait_for(all_in_sacct, 60, "100 COMPLETED tasks in sacct")  # sacct lags the controller
+
+
+def test_submit_twice_makes_one_job(cluster: SlurmCluster, env: dict[str, str]) -> None:
+    k = key("twice")
+    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), env={contract.HPARAMS: "{}"},
+                      resources=Resources(time_limit_minutes=5))  # fmt: skip
+    sleeper = cluster.model_copy(update={"entrypoint": "-c", "python": "sleep"})  # `sleep -c` fails fast: fine
+    first = sleeper.submit(job)
+    second = sleeper.submit(job)  # a retried submit task, the first job still known to the controller
+    assert second == first
+    # ... and once the controller has forgotten the job: found in the accounting database instead.
+    forgetful = sleeper.model_copy()
+    object.__setattr__(forgetful, "_squeue", lambda: [])
+    wait_for(lambda: jobs_named(env, k) and forgetful.find_job(k), 60, "the job in sacct")
+    assert forgetful.submit(job) == first
+    assert jobs_named(env, k) == [first.job_id]
+
+
+def test_bad_input_is_refused_before_anything_is_submitted(cluster: SlurmCluster, env: dict[str, str]) -> None:
+    k = key("nopart")
+    with pytest.raises(ConfigurationError, match=f"partition 'nosuch' does not exist.*{cluster.partition}"):
+        cluster.submit(TrainingJob(key=k, workdir=cluster.job_workdir(k), resources=Resources(partition="nosuch")))
+    with pytest.raises(ConfigurationError, match="partition 'nosuch' does not exist"):
+        tiny(cluster, k, partition="nosuch")
+    with pytest.raises(ConfigurationError, match="job key"):
+        tiny(cluster, "x;touch /tmp/pwned")
+    with pytest.raises(ConfigurationError, match="job key"):
+        cluster.submit(TrainingJob(key="$(id)", workdir=cluster.job_workdir("x")))
+    with pytest.raises(ValidationError, match="partition"):
+        Resources(partition="gpu;id")
+    with pytest.raises(ValidationError, match="gpus_per_node"):
+        Resources(gpus_per_node=-1)
+    assert jobs_named(env, k) == []
+    assert not Path(cluster.job_workdir(k)).exists()
+
+
+def test_unknown_or_changed_host_key_is_refused(cluster: SlurmCluster, tmp_path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
+    other = (tmp_path / "other.pub").read_text().split()[:2]
+    changed = cluster.model_copy(update={"known_hosts": f"[{cluster.host}]:{cluster.port} {' '.join(other)}\n"})
+    with pytest.raises(ConfigurationError, match="host key .* CHANGED.*confirm the new fingerprint"):
+        changed.partitions()
+    unknown = cluster.model_copy(update={"known_hosts": ""})
+    with pytest.raises(ConfigurationError, match="not in known_hosts.*ssh-keyscan"):
+        unknown.partitions()
+
+
+def test_connection_dropped_mid_poll_reconnects(cluster: SlurmCluster, env: dict[str, str]) -> None:
+    k = key("drop")
+    handle = cluster.submit_command(k, ["sleep", "4"])
+    assert cluster.poll([handle])[handle.job_id].state in ("PENDING", "RUNNING")
+    old = cluster._ssh().get_transport()
+    assert old is not None
+    old.sock.shutdown(socket.SHUT_RDWR)  # the network drops the connection under the client
+    assert cluster.poll([handle])[handle.job_id].state in ("PENDING", "RUNNING", "COMPLETED")
+    assert cluster._ssh().get_transport() is not old
+    assert cluster.submit_command(k, ["sleep", "4"]) == handle  # a retried submit after the drop: adopted
+    assert cluster.watch(handle, timeout_seconds=120).state == "COMPLETED"
+    assert jobs_named(env, k) == [handle.job_id]
+
+
+def test_failed_job_carries_exit_code_and_log_tail(cluster: SlurmCluster) -> None:
+    handle = tiny(cluster, key("fail"), code=3)
+    status = cluster.watch(handle, timeout_seconds=120)
+    assert status.state == "FAILED" and status.exit_code == 3
+    with pytest.raises(JobFailed, match="exit code 3") as info:
+        cluster.result(handle, status)
+    assert info.value.exit_code == 3 and "tiny job on" in info.value.log_tail
+
+
+def test_trains_the_real_workload(cluster: SlurmCluster) -> None:
+    k = key("train")
+    hparams = HyperParameters(epochs=2, batch_size=128).model_dump()
+    job = TrainingJob(key=k, workdir=cluster.job_workdir(k),
+                      env={contract.HPARAMS: json.dumps(hparams), "OMP_NUM_THREADS": "1"},
+                      resources=Resources(cpus_per_task=1, time_limit_minutes=10, mem_gb=2))  # fmt: skip
+    handle = cluster.submit(job)
+    progress: list[dict] = []
+    status = cluster.watch(handle, on_progress=progress.append, timeout_seconds=240)
+    result = cluster.result(handle, status)
+    final = Path(result.checkpoint_dir) / contract.FINAL_DIRNAME
+    assert (final / contract.MODEL_FILENAME).is_file()
+    metrics = json.loads((final / contract.METRICS_FILENAME).read_text())
+    assert metrics[contract.VALIDATION_METRIC] > 0.5
+    assert progress and progress[-1]["step"] == progress[-1]["total_steps"]
+
+
+def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]) -> None:
+    """The flow runs on the login node itself: the same block, no SSH."""
+    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=cluster.workdir_root,
+                         poll_interval_start=0.3, poll_interval_max=2.0)  # fmt: skip
+    handle = tiny(local, key("local"))
+    assert local.submit_command(handle.key, ["true"]) == handle
+    status = local.watch(handle, timeout_seconds=120)
+    assert status.state == "COMPLETED"
+    assert "tiny job on" in local.read_log(handle)[0]
+    assert local._client is None  # no SSH connection was made

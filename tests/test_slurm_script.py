@@ -1,0 +1,197 @@
+"""The sbatch script builder (pure): golden files, validation, quoting. No cluster needed.
+
+Regenerate the golden files after an intended change with GPUFERRY_UPDATE_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from blocks.errors import ConfigurationError
+from blocks.slurm import SlurmCluster, _sacct_exit, _wait_status_to_exit, map_state
+from blocks.slurm_script import SBATCH_OPTIONS, sbatch_script
+from blocks.specs import Resources, TrainingJob
+
+GOLDEN = Path(__file__).parent / "golden"
+
+CASES = {
+    "single": dict(
+        command=["python3", "-c", "print('hello')"], workdir="/shared/jobs/single",
+        job_name="single", comment="gpuferry-key:single", output="/shared/jobs/single/job.log", time=30,
+    ),
+    "gpus_env_signal": dict(
+        command=["/opt/venv/bin/python", "/code/workload/train.py"], workdir="/shared/jobs/k1",
+        job_name="k1", partition="gpu", account="research", qos="high", gpus_per_node=2, cpus_per_task=4,
+        mem="16G", time=24 * 60 + 90, signal="B:USR1@90", requeue=True, output="/shared/jobs/k1/job.log",
+        env={"HPARAMS": '{"epochs": 3, "lr": 0.1}', "CHECKPOINT_DIR": "/shared/jobs/k1/checkpoints"},
+        requeue_exit_code=75, max_requeues=3, secret_env_file="/shared/jobs/k1/.secret.env",
+        additional={"constraint": "a100", "exclusive": True},
+    ),
+    "array": dict(
+        command=["bash", "-c", 'echo "task $SLURM_ARRAY_TASK_ID"'], workdir="/shared/jobs/sweep",
+        job_name="sweep", array="0-999", array_parallelism=64, dependency="afterok:41:42",
+        output="/shared/jobs/sweep/task-%a.log", gres="gpu:1", open_mode="truncate",
+    ),
+    "torchrun_multinode": dict(
+        command=["python3", "/code/workload/train.py", "--flag", "a b"], workdir="/shared/jobs/ddp",
+        job_name="ddp", nodes=2, ntasks_per_node=1, gpus_per_node=4, torchrun_nproc_per_node=4, rdzv_port=29555,
+        output="/shared/jobs/ddp/job.log", requeue=False,
+    ),
+}
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("GPUFERRY_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with GPUFERRY_UPDATE_GOLDEN=1 once"
+    assert text == path.read_text(), f"{name}: the generated script differs from {path}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_scripts(name: str) -> None:
+    case = dict(CASES[name])
+    text = sbatch_script(case.pop("command"), **case)
+    check_golden(name, text)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
+
+
+def training_cluster() -> SlurmCluster:
+    return SlurmCluster(
+        host="login.example", user="alice", workdir_root="/shared/jobs", code_dir="/code",
+        python="/opt/venv/bin/python", account="research", qos="normal",
+    )  # fmt: skip
+
+
+def test_golden_training_job_script() -> None:
+    job = TrainingJob(
+        key="run-42-train", workdir="/shared/jobs/run-42-train", env={"HPARAMS": '{"epochs": 2}'},
+        resources=Resources(nodes=2, processes_per_node=2, gpus_per_node=2, cpus_per_task=2, mem_gb=8,
+                            time_limit_minutes=120, partition="gpu", max_requeues=2),
+    )  # fmt: skip
+    text = training_cluster()._script_for_job(job)
+    check_golden("training_job", text)
+    assert "--comment=gpuferry-key:run-42-train" in text and "--job-name=run-42-train" in text
+    single = training_cluster()._script_for_job(job.model_copy(update={"resources": Resources()}))
+    assert "srun" not in single and "torch.distributed.run" not in single  # one process: run directly
+
+
+def test_unknown_option_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigurationError, match="unknown sbatch option.*gpus_per_nod\\b") as info:
+        sbatch_script(["true"], workdir="/w", gpus_per_nod=2)
+    for name in SBATCH_OPTIONS:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("job_name", "x; rm -rf /", "job_name="),
+        ("job_name", "$(id)", "job_name="),
+        ("job_name", "a b", "job_name="),
+        ("partition", "gpu`id`", "partition="),
+        ("account", "", "account="),
+        ("qos", "high\nx", "qos="),
+        ("nodes", 0, "nodes=0"),
+        ("gpus_per_node", -1, "gpus_per_node=-1"),
+        ("cpus_per_task", True, "cpus_per_task=True"),
+        ("mem", "4 G", "mem="),
+        ("time", "1 day", "time="),
+        ("output", "relative/log", "output="),
+        ("output", "/tmp/a b", "output="),
+        ("comment", "a'b", "comment="),
+        ("array", "0-9;id", "array="),
+        ("dependency", "afterok:1;id", "dependency="),
+        ("signal", "USR1@90;id", "signal="),
+        ("signal", "BOGUS@90", "signal="),
+        ("requeue", "yes", "requeue="),
+        ("open_mode", "write", "open_mode="),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_option(option: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message.replace("$", "\\$").replace("(", "\\(")):
+        sbatch_script(["true"], workdir="/w", **{option: value})
+
+
+def test_option_combinations() -> None:
+    with pytest.raises(ConfigurationError, match="either gpus_per_node or gres"):
+        sbatch_script(["true"], workdir="/w", gpus_per_node=1, gres="gpu:1")
+    with pytest.raises(ConfigurationError, match="array_parallelism needs array"):
+        sbatch_script(["true"], workdir="/w", array_parallelism=4)
+    with pytest.raises(ConfigurationError, match="not in the allow-list.*constraint"):
+        sbatch_script(["true"], workdir="/w", additional={"uid": "0"})
+    with pytest.raises(ConfigurationError, match="additional\\['constraint'\\]"):
+        sbatch_script(["true"], workdir="/w", additional={"constraint": "a100 && x"})
+    with pytest.raises(ConfigurationError, match="env\\['A-B'\\]"):
+        sbatch_script(["true"], workdir="/w", env={"A-B": "1"})
+    with pytest.raises(ConfigurationError, match="command="):
+        sbatch_script([], workdir="/w")
+
+
+def test_values_cannot_escape_their_quotes(tmp_path: Path) -> None:
+    """Run the generated body with bash: hostile values arrive verbatim and execute nothing."""
+    hostile = "'; touch pwned-env; echo '$(touch pwned-subst)`touch pwned-tick`"
+    text = sbatch_script(
+        ["python3", "-c", "import os, sys; print(repr(sys.argv[1])); print(repr(os.environ['HOSTILE']))",
+         "$(touch pwned-arg) a b"],
+        workdir=str(tmp_path), env={"HOSTILE": hostile},
+    )  # fmt: skip
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [repr("$(touch pwned-arg) a b"), repr(hostile)]
+    assert not list(tmp_path.glob("pwned*"))
+
+
+def test_exit_code_and_warning_signal_reach_the_program(tmp_path: Path) -> None:
+    """The batch shell forwards USR1 to the program and returns its exit code (here: 75 after USR1)."""
+    program = "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75)); print('ready', flush=True); time.sleep(60); sys.exit(0)"  # noqa: E501
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(["python3", "-c", program], workdir=str(tmp_path)))
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    proc.send_signal(10)  # SIGUSR1, as `--signal=B:USR1@90` sends it to the batch shell
+    assert proc.wait(timeout=30) == 75
+
+
+def test_secrets_are_sourced_not_inlined() -> None:
+    text = sbatch_script(["true"], workdir="/w", secret_env_file="/w/.secret.env", env={"PUBLIC": "1"})
+    assert ". /w/.secret.env" in text and "export PUBLIC=1" in text
+
+
+@pytest.mark.parametrize(
+    ("slurm", "requeue", "ours", "terminal"),
+    [
+        ("PENDING", True, "PENDING", False),
+        ("RUNNING", True, "RUNNING", False),
+        ("COMPLETING", True, "RUNNING", False),
+        ("PREEMPTED", True, "PREEMPTED", False),
+        ("PREEMPTED", False, "FAILED", True),
+        ("REQUEUED", True, "REQUEUED", False),
+        ("NODE_FAIL", True, "REQUEUED", False),
+        ("NODE_FAIL", False, "FAILED", True),
+        ("COMPLETED", True, "COMPLETED", True),
+        ("FAILED", True, "FAILED", True),
+        ("CANCELLED by 0", True, "CANCELLED", True),
+        ("TIMEOUT", True, "TIMEOUT", True),
+        ("OUT_OF_MEMORY", True, "OUT_OF_MEMORY", True),
+        ("BOOT_FAIL", True, "FAILED", True),
+    ],
+)
+def test_state_mapping(slurm: str, requeue: bool, ours: str, terminal: bool) -> None:
+    from blocks.specs import TERMINAL_STATES
+
+    state, reason = map_state(slurm, requeue=requeue, exit_code=None)
+    assert state == ours and (state in TERMINAL_STATES) == terminal
+    if ours in ("TIMEOUT", "OUT_OF_MEMORY"):
+        assert "raise resources." in reason
+
+
+def test_exit_codes() -> None:
+    assert _wait_status_to_exit(3 << 8) == 3 and _wait_status_to_exit(9) == 137 and _wait_status_to_exit(0) == 0
+    assert _sacct_exit("3:0") == 3 and _sacct_exit("0:15") == 143 and _sacct_exit("") is None
