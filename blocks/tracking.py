@@ -161,6 +161,57 @@ class MlflowTracking(Block):
         for key, value in tags.items():
             self.client.set_model_version_tag(model_name, version, key, value)
 
+    def resolve_version(self, model_name: str, version: str | None = None, alias: str | None = None) -> tuple[str, str]:
+        """``(version, source)`` of ``model_name``: ``version`` itself, else the version ``alias`` points at.
+
+        Raises ``ConfigurationError`` naming the field when the model, version or alias does not exist.
+        """
+        from mlflow.exceptions import MlflowException
+
+        from blocks.errors import ConfigurationError
+
+        if not version and not alias:
+            raise ConfigurationError("give a version or an alias of the model (both are empty)")
+        if not version:
+            version = self.version_by_alias(model_name, alias)
+            if version is None:
+                raise ConfigurationError(
+                    f"alias={alias!r}: model {model_name!r} has no such alias in {self.tracking_uri}; "
+                    "set it in the registry or pass version="
+                )
+        try:
+            mv = self.client.get_model_version(model_name, str(version))
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise ConfigurationError(
+                    f"version={version!r}: model {model_name!r} has no such version in {self.tracking_uri}"
+                ) from exc
+            raise
+        return str(mv.version), mv.source
+
+    def aliases(self, model_name: str) -> dict[str, str]:
+        """Every alias of ``model_name`` → the version it points at (empty when the model does not exist)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return {alias: str(v) for alias, v in self.client.get_registered_model(model_name).aliases.items()}
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return {}
+            raise
+
+    def alias_map(self) -> dict[str, dict[str, str]]:
+        """Every registered model → its aliases → the version each points at (one paged search)."""
+        out: dict[str, dict[str, str]] = {}
+        token = None
+        while True:
+            page = self.client.search_registered_models(max_results=1000, page_token=token)
+            for model in page:
+                out[model.name] = {alias: str(v) for alias, v in (model.aliases or {}).items()}
+            token = page.token
+            if not token:
+                return out
+
 
 def _now_ms() -> int:
     import time

@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# A Prefect server on this machine's PostgreSQL, the `gpuferry` process work pool and one worker for it.
+#
+#   bash scripts/prefect.sh up     # idempotent: a second `up` only checks that everything answers
+#   bash scripts/prefect.sh down   # stops the worker and the server it started; keeps the database
+#
+# Settings (environment): GPUFERRY_PREFECT_PORT (4290), GPUFERRY_PREFECT_DB (gpuferry_prefect),
+# GPUFERRY_PG_HOST (127.0.0.1), GPUFERRY_PG_PORT (5432), GPUFERRY_PG_USER (postgres; trust auth on loopback),
+# GPUFERRY_PREFECT_POOL (gpuferry).
+# Writes $GPUFERRY_STACKS/prefect/env: PREFECT_API_URL, PREFECT_UI_URL, PREFECT_WORK_POOL, GPUFERRY_WORKER_HOME
+# (the GPUFERRY_HOME of the flow runs the worker starts: the embedded backends' state), GPUFERRY_CODE_DIR.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GPUFERRY_CACHE="${GPUFERRY_CACHE:-$HOME/.cache/gpuferry}"
+GPUFERRY_STACKS="${GPUFERRY_STACKS:-$GPUFERRY_CACHE/stacks}"
+RUN="$GPUFERRY_STACKS/prefect"
+PORT="${GPUFERRY_PREFECT_PORT:-4290}"
+DB="${GPUFERRY_PREFECT_DB:-gpuferry_prefect}"
+PG_HOST="${GPUFERRY_PG_HOST:-127.0.0.1}"
+PG_PORT="${GPUFERRY_PG_PORT:-5432}"
+PG_USER="${GPUFERRY_PG_USER:-postgres}"
+POOL="${GPUFERRY_PREFECT_POOL:-gpuferry}"
+PREFECT="$REPO/.venv/bin/prefect"
+API_URL="http://127.0.0.1:$PORT/api"
+
+log() { echo "[prefect] $*"; }
+die() { echo "[prefect] ERROR: $*" >&2; exit 1; }
+
+# A pid file names a live process whose command line contains $2 (not a recycled pid).
+running() {
+  local pidfile="$1" pattern="$2" pid
+  [[ -f "$pidfile" ]] || return 1
+  pid="$(cat "$pidfile")"
+  [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
+  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$pattern"
+}
+
+healthy() { curl -fsS -m 5 "$API_URL/health" >/dev/null 2>&1; }
+
+# Common environment of every Prefect process this script starts.
+prefect_env() {
+  export PREFECT_HOME="$RUN/home"
+  export PREFECT_API_URL="$API_URL"
+  export PREFECT_SERVER_ANALYTICS_ENABLED=false
+  export PREFECT_SERVER_DATABASE_CONNECTION_URL="postgresql+asyncpg://$PG_USER@$PG_HOST:$PG_PORT/$DB"
+  export PREFECT_UI_API_URL="$API_URL"
+  export PREFECT_CLI_PROMPT=false
+  mkdir -p "$PREFECT_HOME"
+}
+
+ensure_database() {
+  command -v psql >/dev/null || die "psql not found: install postgresql-client (apt-get install -y postgresql-client)"
+  local psql=(psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -v ON_ERROR_STOP=1 -qtA)
+  "${psql[@]}" -c 'select 1' >/dev/null 2>&1 \
+    || die "PostgreSQL does not answer at $PG_HOST:$PG_PORT as $PG_USER (start it: pg_ctlcluster 15 main start)"
+  if [[ "$("${psql[@]}" -c "select 1 from pg_database where datname = '$DB'")" != 1 ]]; then
+    log "creating database $DB"
+    "${psql[@]}" -c "create database \"$DB\"" >/dev/null
+  fi
+}
+
+start_server() {
+  if running "$RUN/server.pid" "prefect server start" && healthy; then
+    log "server already up at $API_URL"
+    return
+  fi
+  if running "$RUN/server.pid" "prefect server start"; then
+    log "server process $(cat "$RUN/server.pid") is starting; waiting for it"
+  else
+    log "starting the server on 127.0.0.1:$PORT (database $DB)"
+    # A run that waits for a deployment's concurrency slot is offered again after this many seconds (default 30).
+    PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS="${PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS:-2}" \
+      setsid nohup "$PREFECT" server start --host 127.0.0.1 --port "$PORT" \
+      >>"$RUN/server.log" 2>&1 </dev/null &
+    echo $! >"$RUN/server.pid"
+  fi
+  local deadline=$((SECONDS + 240))
+  until healthy; do
+    running "$RUN/server.pid" "prefect server start" \
+      || die "the server exited; last lines of $RUN/server.log:
+$(tail -n 30 "$RUN/server.log")"
+    ((SECONDS < deadline)) || die "the server did not answer $API_URL/health within 240 s; last lines of $RUN/server.log:
+$(tail -n 30 "$RUN/server.log")"
+    sleep 1
+  done
+  log "server up at $API_URL"
+}
+
+ensure_pool() {
+  if "$PREFECT" work-pool inspect "$POOL" >/dev/null 2>&1; then
+    return
+  fi
+  log "creating the process work pool $POOL"
+  "$PREFECT" work-pool create "$POOL" --type process >/dev/null 2>&1 \
+    || "$PREFECT" work-pool inspect "$POOL" >/dev/null \
+    || die "could not create the work pool $POOL"
+}
+
+start_worker() {
+  if running "$RUN/worker.pid" "prefect worker start"; then
+    log "worker already running (pid $(cat "$RUN/worker.pid"))"
+    return
+  fi
+  mkdir -p "$RUN/gpuferry-home"
+  log "starting a process worker for $POOL"
+  # The flow runs it starts inherit this environment: GPUFERRY_CODE_DIR is what prefect.yaml's pull step
+  # changes into, GPUFERRY_HOME where the embedded backends keep their state.
+  GPUFERRY_CODE_DIR="$REPO" GPUFERRY_HOME="$RUN/gpuferry-home" \
+    PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-1}" \
+    PREFECT_WORKER_PREFETCH_SECONDS="${PREFECT_WORKER_PREFETCH_SECONDS:-5}" \
+    PREFECT_RUNNER_POLL_FREQUENCY="${PREFECT_RUNNER_POLL_FREQUENCY:-1}" \
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
+    setsid nohup "$PREFECT" worker start --pool "$POOL" --type process --name "gpuferry-$(hostname -s)" \
+    >>"$RUN/worker.log" 2>&1 </dev/null &
+  echo $! >"$RUN/worker.pid"
+  # Ready once the server lists it as a worker of the pool.
+  local deadline=$((SECONDS + 120))
+  until "$REPO/.venv/bin/python" - "$POOL" <<'EOF' 2>/dev/null
+import sys
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as c:
+    sys.exit(0 if c.read_workers_for_work_pool(sys.argv[1]) else 1)
+EOF
+  do
+    running "$RUN/worker.pid" "prefect worker start" \
+      || die "the worker exited; last lines of $RUN/worker.log:
+$(tail -n 30 "$RUN/worker.log")"
+    ((SECONDS < deadline)) || die "the worker did not register within 120 s; last lines of $RUN/worker.log:
+$(tail -n 30 "$RUN/worker.log")"
+    sleep 1
+  done
+  log "worker up (pid $(cat "$RUN/worker.pid"))"
+}
+
+# Stop the process in $1 (and its session): SIGINT, then SIGTERM, then SIGKILL.
+stop_pidfile() {
+  local pidfile="$1" pattern="$2" pid
+  if ! running "$pidfile" "$pattern"; then
+    rm -f "$pidfile"
+    return
+  fi
+  pid="$(cat "$pidfile")"
+  local sig
+  for sig in INT TERM; do
+    kill -s "$sig" "$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do
+      running "$pidfile" "$pattern" || break 2
+      sleep 0.2
+    done
+  done
+  if running "$pidfile" "$pattern"; then
+    kill -s KILL -- "-$pid" 2>/dev/null || kill -s KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+}
+
+write_env() {
+  local tmp="$RUN/env.tmp"
+  {
+    echo "PREFECT_API_URL=$API_URL"
+    echo "PREFECT_UI_URL=http://127.0.0.1:$PORT"
+    echo "PREFECT_WORK_POOL=$POOL"
+    echo "PREFECT_DATABASE=$DB"
+    echo "GPUFERRY_WORKER_HOME=$RUN/gpuferry-home"
+    echo "GPUFERRY_CODE_DIR=$REPO"
+  } >"$tmp"
+  mv "$tmp" "$RUN/env"
+}
+
+up() {
+  [[ -x "$PREFECT" ]] || die "$PREFECT missing: run \`make venv\` first"
+  command -v curl >/dev/null || apt-get -o DPkg::Lock::Timeout=900 install -y curl >/dev/null
+  mkdir -p "$RUN"
+  prefect_env
+  ensure_database
+  start_server
+  ensure_pool
+  start_worker
+  write_env
+  log "ready: PREFECT_API_URL=$API_URL, work pool $POOL (env in $RUN/env)"
+}
+
+down() {
+  rm -f "$RUN/env"
+  # The worker first (it would otherwise keep polling a server that is gone), then the server.
+  stop_pidfile "$RUN/worker.pid" "prefect worker start"
+  stop_pidfile "$RUN/server.pid" "prefect server start"
+  log "stopped (database $DB kept)"
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac
