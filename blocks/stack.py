@@ -15,6 +15,7 @@ from blocks.compute import ComputeBackend, LocalProcesses
 from blocks.home import gpuferry_home
 from blocks.images import CurrentEnvironment, ImageBuilder
 from blocks.provision import LocalMachine, NodeProvider
+from blocks.s3 import S3CheckpointStore
 from blocks.serving import LocalServing, ServingBackend
 from blocks.slurm import SlurmCluster
 from blocks.storage import CheckpointStore, LocalCheckpointStore
@@ -26,7 +27,7 @@ from blocks.tracking import MlflowTracking
 ProviderChoice = LocalMachine
 ImageChoice = CurrentEnvironment
 ComputeChoice = LocalProcesses | SlurmCluster
-StorageChoice = LocalCheckpointStore
+StorageChoice = LocalCheckpointStore | S3CheckpointStore
 ServingChoice = LocalServing
 
 

@@ -54,6 +54,54 @@ def manifest_bytes(manifest: dict) -> bytes:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
+def checkpoint_files(local_dir: Path) -> list[Path]:
+    """The files of a checkpoint directory in manifest order; an empty directory is an error."""
+    files = sorted(_files(local_dir))
+    if not files:
+        raise ConfigurationError(f"checkpoint directory {local_dir} is empty: nothing to store")
+    return files
+
+
+def manifest_entry(local_dir: Path, path: Path) -> dict:
+    """One file's manifest entry (path relative to ``local_dir``, size, sha256)."""
+    return {"path": path.relative_to(local_dir).as_posix(), "size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def manifest_from_entries(entries: list[dict]) -> dict:
+    """The manifest of entries given in ``checkpoint_files`` order: the same bytes as ``build_manifest``."""
+    return {"format": 1, "files": list(entries)}
+
+
+def parse_manifest(raw: bytes, where: str) -> dict:
+    """A stored manifest, checked: known format, and every path relative and inside the checkpoint."""
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        ok = manifest.get("format") == 1 and all(
+            isinstance(e["path"], str) and isinstance(e["size"], int) and isinstance(e["sha256"], str) for e in files
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ChecksumMismatch(f"{where}: {MANIFEST} is not a gpuferry manifest (format 1)")
+    for entry in files:
+        parts = entry["path"].split("/")
+        if entry["path"].startswith("/") or ".." in parts or "" in parts or entry["path"] == MANIFEST:
+            raise ChecksumMismatch(f"{where}: {MANIFEST} lists an unsafe path {entry['path']!r}")
+    return manifest
+
+
+def checkpoint_ref(uri: str, raw_manifest: bytes, manifest: dict, bytes_uploaded: int) -> CheckpointRef:
+    """The record of a stored checkpoint whose manifest bytes are ``raw_manifest``."""
+    return CheckpointRef(
+        uri=uri,
+        sha256=hashlib.sha256(raw_manifest).hexdigest(),
+        size_bytes=sum(e["size"] for e in manifest["files"]),
+        files=len(manifest["files"]),
+        bytes_uploaded=bytes_uploaded,
+    )
+
+
 def _files(root: Path) -> Iterator[Path]:
     for p in root.rglob("*"):
         if p.is_file() and p.name != MANIFEST:

@@ -10,6 +10,7 @@ MLflow server (``http://...``) for a shared one.
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from typing import Any
 
@@ -37,17 +38,31 @@ class MlflowTracking(Block):
     tracking_uri: str = Field(default_factory=_default_tracking_uri, description="MLflow tracking URI.")
     registry_uri: str | None = Field(None, description="Model registry URI (None: the tracking URI).")
     artifact_location: str | None = Field(
-        default_factory=_default_artifacts,
-        description="Artifact root for new experiments (None: the server's default).",
+        None,
+        description="Artifact root for new experiments (None: the server's default for an http(s) tracking URI, "
+        "mlartifacts under $GPUFERRY_HOME for a local store).",
     )
     ui_url: str | None = Field(
         None, description="Base URL of the MLflow UI for links (None: the tracking URI when it is http(s)).",
+    )
+    http_max_retries: int = Field(
+        2, ge=0, le=10,
+        description="MLflow's own retries of one HTTP request (MLFLOW_HTTP_REQUEST_MAX_RETRIES; MLflow's default 7 "
+        "spends minutes on a server that is down). The pipeline's task retries come on top.",
+    )
+    http_timeout_seconds: int = Field(
+        30, ge=1, le=600,
+        description="Timeout of one HTTP request to the tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT).",
     )
 
     @cached_property
     def client(self) -> Any:
         from mlflow import MlflowClient
 
+        # MLflow reads these from the environment on every request; a value set there explicitly wins.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self.http_max_retries))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(self.http_timeout_seconds))
         return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri or self.tracking_uri)
 
     # ---- runs ----
@@ -57,13 +72,18 @@ class MlflowTracking(Block):
         if found is not None:
             return found.experiment_id
         try:
-            return self.client.create_experiment(name, artifact_location=self.artifact_location)
+            return self.client.create_experiment(name, artifact_location=self._artifact_location())
         except Exception:
             # Another run created it in between.
             found = self.client.get_experiment_by_name(name)
             if found is None:
                 raise
             return found.experiment_id
+
+    def _artifact_location(self) -> str | None:
+        if self.artifact_location is not None or self.tracking_uri.startswith(("http://", "https://")):
+            return self.artifact_location  # a server's experiments default to its own artifact store
+        return _default_artifacts()
 
     def start_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> str:
         """Create the pipeline's run, or return the one already created for this flow run (``tags['prefect.flow_run_id']``)."""

@@ -1,0 +1,152 @@
+"""P3: uploading a 2 GiB checkpoint (several shards) to S3-compatible storage.
+
+One run, one server (the s3 stack: moto's S3 server, started with the idempotent `make s3-up`),
+three sides, each storing the same checkpoint into an empty prefix:
+
+- ours: ``S3CheckpointStore.put`` with its defaults (hash every file, skip what is already stored,
+  multipart + concurrent across files through one transfer manager, HEAD-verify every object,
+  manifest last);
+- boto3 tuned: one boto3 TransferManager with the same TransferConfig as ours, every shard submitted
+  at once (no hashing, no verification, no manifest);
+- S3Bucket defaults: prefect-aws ``S3Bucket.upload_from_path`` for each shard, default TransferConfig.
+
+Then ours again on the unchanged checkpoint: the bytes it moves. The objects of one side are
+deleted before the next (moto keeps ~0.5 GiB of memory per GiB stored).
+
+    .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048]
+
+Prints ``RESULT P3_vs_boto3 <ours/boto3 throughput>``, ``RESULT P3_vs_s3bucket <ours/S3Bucket
+throughput>`` and ``RESULT P3_reupload_bytes <bytes>``. Goals: ≥ 1.0, ≥ 3.0 and 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # S3Bucket logs every upload at INFO
+
+from boto3.s3.transfer import TransferConfig, create_transfer_manager  # noqa: E402
+from prefect_aws import AwsCredentials, S3Bucket  # noqa: E402
+from prefect_aws.client_parameters import AwsClientParameters  # noqa: E402
+
+from blocks.s3 import S3CheckpointStore  # noqa: E402
+from tests.stacks import stacks_root  # noqa: E402
+
+MiB = 1 << 20
+
+
+def s3_stack() -> dict[str, str]:
+    subprocess.run(["make", "-s", "s3-up"], cwd=REPO, check=True)
+    env = {}
+    for line in (stacks_root() / "s3" / "env").read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip()
+    return env
+
+
+def make_checkpoint(root: Path, shards: int, total_mib: int) -> int:
+    root.mkdir(parents=True)
+    per_shard = total_mib * MiB // shards
+    block = os.urandom(16 * MiB)
+    for i in range(shards):
+        with open(root / f"model-{i:05d}-of-{shards:05d}.safetensors", "wb") as f:
+            written = 0
+            while written < per_shard:
+                # Distinct content per 16 MiB block (no two shards or parts alike), cheap to make.
+                chunk = (i * 1_000_003 + written).to_bytes(8, "little") + block[8 : min(16 * MiB, per_shard - written)]
+                f.write(chunk)
+                written += len(chunk)
+    (root / "config.json").write_text('{"shards": %d}' % shards)
+    return sum(p.stat().st_size for p in root.iterdir())
+
+
+def empty_prefix(client: object, bucket: str, prefix: str) -> None:
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+def timed(label: str, size: int, fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    print(f"{label:<28} {seconds:7.2f} s  {size / MiB / seconds:8.1f} MiB/s", flush=True)
+    return size / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--total-mib", type=int, default=2048)
+    args = parser.parse_args()
+
+    env = s3_stack()
+    credentials = AwsCredentials(
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]),
+    )  # fmt: skip
+    bucket_name = f"gpuferry-bench-{uuid.uuid4().hex[:8]}"
+    bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
+    ours = S3CheckpointStore(bucket=bucket)
+    plain = credentials.get_s3_client()
+    plain.create_bucket(Bucket=bucket_name)
+
+    work = Path(os.environ.get("GPUFERRY_CACHE", Path.home() / ".cache" / "gpuferry")) / "bench"
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="p3-", dir=work))
+    try:
+        src = tmp / "ckpt"
+        size = make_checkpoint(src, args.shards, args.total_mib)
+        files = sorted(p for p in src.iterdir())
+        print(f"checkpoint: {len(files)} files, {size / MiB:.0f} MiB; server {env['S3_ENDPOINT_URL']}")
+
+        def s3bucket_defaults() -> None:
+            for path in files:
+                bucket.upload_from_path(path, f"s3bucket/{path.name}")
+
+        def boto3_tuned() -> None:
+            # The same TransferConfig and connection pool as ours.
+            with create_transfer_manager(ours.client(), ours._upload_config()) as manager:
+                futures = [manager.upload(str(p), bucket_name, f"boto3/{p.name}") for p in files]
+                for future in futures:
+                    future.result()
+
+        results: dict[str, float] = {}
+        results["s3bucket"] = timed("S3Bucket.upload_from_path", size, s3bucket_defaults)
+        empty_prefix(plain, bucket_name, "s3bucket/")
+        results["boto3"] = timed("boto3 TransferManager tuned", size, boto3_tuned)
+        empty_prefix(plain, bucket_name, "boto3/")
+        refs = []
+        results["ours"] = timed("ours (S3CheckpointStore)", size, lambda: refs.append(ours.put(src, "p3/run")))
+        start = time.perf_counter()
+        again = ours.put(src, "p3/run")
+        print(f"{'ours, unchanged re-upload':<28} {time.perf_counter() - start:7.2f} s  "
+              f"{again.bytes_uploaded} bytes moved")  # fmt: skip
+        assert refs[0].bytes_uploaded == size and again.sha256 == refs[0].sha256
+        ours.delete(refs[0].uri)
+
+        print(f"\nRESULT P3_vs_boto3 {results['ours'] / results['boto3']:.2f}")
+        print(f"RESULT P3_vs_s3bucket {results['ours'] / results['s3bucket']:.2f}")
+        print(f"RESULT P3_reupload_bytes {again.bytes_uploaded}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        empty_prefix(plain, bucket_name, "")
+        plain.delete_bucket(Bucket=bucket_name)
+
+
+if __name__ == "__main__":
+    main()

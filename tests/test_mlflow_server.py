@@ -1,0 +1,137 @@
+"""The tracking block and tasks against a real MLflow server (`make mlflow-up`: PostgreSQL + S3 artifacts)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect_aws import AwsCredentials, S3Bucket
+from prefect_aws.client_parameters import AwsClientParameters
+
+from blocks.s3 import S3CheckpointStore
+from blocks.specs import CheckpointRef, PromotionPolicy
+from blocks.storage import MANIFEST, manifest_bytes
+from blocks.tracking import MlflowTracking
+from tasks.track import log_run, register_model
+from tests.stacks import stack_env
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def mlflow_env() -> dict[str, str]:
+    return stack_env("mlflow")
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[S3CheckpointStore]:
+    env = stack_env("s3")
+    bucket = f"gpuferry-mlflow-test-{uuid.uuid4().hex[:8]}"
+    credentials = AwsCredentials(
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]),
+    )  # fmt: skip
+    s3 = credentials.get_s3_client()
+    s3.create_bucket(Bucket=bucket)
+    yield S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials))
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+    s3.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    src = tmp_path / "final"
+    src.mkdir()
+    (src / "model.pt").write_bytes(os.urandom(300_000))
+    (src / "config.json").write_text('{"hidden": 128}')
+    return src
+
+
+def test_run_and_version_record_the_checkpoint(
+    mlflow_env: dict[str, str], store: S3CheckpointStore, checkpoint: Path, tmp_path: Path
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    ref = store.put(checkpoint, f"digits/{tag}")
+    # artifact_location=None: the server's own artifact root (the S3 stack), not a local directory.
+    tracking = MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None)
+    tags = {"prefect.flow_run_id": f"test-{tag}"}
+    run_id = tracking.start_run(f"gpuferry-test-{tag}", f"retrain-{tag}", tags)
+    assert tracking.start_run(f"gpuferry-test-{tag}", f"retrain-{tag}", tags) == run_id  # same flow run, same run
+    # What the flow records on the run.
+    tracking.log(run_id, metrics={"val_accuracy": 0.93}, tags={
+        "checkpoint_uri": ref.uri, "checkpoint_sha256": ref.sha256, "checkpoint_size_bytes": str(ref.size_bytes)})
+    model = f"digits-{tag}"
+    version = tracking.register(model, run_id, ref, "val_accuracy", 0.93)
+    assert tracking.register(model, run_id, ref, "val_accuracy", 0.93) == version  # idempotent per run
+    tracking.set_alias(model, "champion", version)
+    tracking.end_run(run_id)
+
+    run = tracking.client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["checkpoint_uri"] == ref.uri == f"s3://{store.bucket.bucket_name}/checkpoints/digits/{tag}"
+    assert run.data.tags["checkpoint_sha256"] == ref.sha256
+    assert run.data.tags["checkpoint_size_bytes"] == str(ref.size_bytes) == str(300_000 + 15)
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:/")  # no second copy of the weights was made
+    mv = tracking.client.get_model_version(model, version)
+    assert (mv.source, mv.run_id) == (ref.uri, run_id)
+    assert mv.tags["checkpoint_sha256"] == ref.sha256
+    assert mv.tags["checkpoint_size_bytes"] == str(ref.size_bytes)
+    assert tracking.version_by_alias(model, "champion") == version
+    assert tracking.version_metric(model, version, "val_accuracy") == 0.93
+    assert tracking.run_url(run_id).startswith(mlflow_env["MLFLOW_TRACKING_URI"] + "/#/experiments/")
+
+    # The version serves from its source: fetched by that URI, every file verified, the same manifest.
+    source = tracking.model_source(model, version)
+    out = store.get(source, tmp_path / "served")
+    assert (out / "model.pt").read_bytes() == (checkpoint / "model.pt").read_bytes()
+    assert hashlib.sha256(manifest_bytes(store.read_manifest(source))).hexdigest() == mv.tags["checkpoint_sha256"]
+    assert not (out / MANIFEST).exists()
+
+    # The server's database outlives the test session: leave nothing behind.
+    tracking.client.delete_registered_model(model)
+    tracking.client.delete_experiment(run.info.experiment_id)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_server_down_is_retried_then_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLflow's own HTTP retries would spend minutes on a refused connection; the task's retries decide.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    url = f"http://127.0.0.1:{_closed_port()}"
+    down = MlflowTracking(tracking_uri=url, artifact_location=None)
+    ref = CheckpointRef(uri="s3://b/checkpoints/m/r", sha256="0" * 64, size_bytes=1, files=1)
+    fast_log = log_run.with_options(retries=2, retry_delay_seconds=[0.05, 0.05], retry_jitter_factor=None)
+    fast_register = register_model.with_options(retries=1, retry_delay_seconds=[0.05], retry_jitter_factor=None)
+
+    @flow
+    def tracked() -> tuple:
+        logged = fast_log(down, "0" * 32, metrics={"val_accuracy": 0.9}, return_state=True)
+        registered = fast_register(down, "0" * 32, "m", ref, PromotionPolicy(), 0.9, return_state=True)
+        return logged, registered
+
+    logged, registered = tracked()
+    with get_client(sync_client=True) as client:
+        for state, attempts in ((logged, 3), (registered, 2)):
+            assert state.is_failed()
+            assert client.read_task_run(state.state_details.task_run_id).run_count == attempts
+            error = state.result(raise_on_failure=False)
+            assert f"API request to {url}/api/2.0/mlflow/" in str(error)
+            assert "Connection refused" in str(error)
