@@ -284,7 +284,10 @@ class LocalProcesses(ComputeBackend):
             if state["cancelled"]:
                 return JobStatus(job_id=job_id, state="CANCELLED", exit_code=code, elapsed_seconds=elapsed,
                                  reason="cancelled on request")  # fmt: skip
-            if code == contract.EXIT_PREEMPTED and state["attempt"] < state["max_requeues"]:
+            preempted = code == contract.EXIT_PREEMPTED or (
+                code != contract.EXIT_OK and (workdir / "checkpoints" / contract.PREEMPTED_MARKER).exists()
+            )
+            if preempted and state["attempt"] < state["max_requeues"]:
                 self._requeue(workdir, state)
                 return JobStatus(job_id=job_id, state="REQUEUED", exit_code=code, elapsed_seconds=elapsed,
                                  reason=f"preempted; requeued (attempt {state['attempt']})")  # fmt: skip

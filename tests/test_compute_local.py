@@ -33,6 +33,9 @@ FAKE_JOB = textwrap.dedent(
         while not stop and not (ckpt / "go").exists(): time.sleep(0.02)
         sys.exit(75 if stop else 0)
     if behaviour == "oom": os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "launcher-preempted":  # what torchrun reports when a worker stopped for preemption
+        (ckpt / "PREEMPTED").write_text("1"); sys.exit(1)
+    (ckpt / "PREEMPTED").unlink(missing_ok=True)
     sys.exit(int(behaviour))
     """
 )
@@ -95,6 +98,13 @@ def test_preempted_job_is_requeued_and_resumes(backend: LocalProcesses) -> None:
     assert status.state == "COMPLETED"
     assert backend.result(handle, status).requeues == 1
     assert starts(backend, "pre") == 2
+
+
+def test_preemption_marker_counts_when_a_launcher_hides_the_exit_code(backend: LocalProcesses) -> None:
+    handle = backend.submit(job(backend, "torchrun", "launcher-preempted", "0", max_requeues=2))
+    status = backend.watch(handle, timeout_seconds=120)
+    assert status.state == "COMPLETED"
+    assert backend.result(handle, status).requeues == 1
 
 
 def test_requeues_are_bounded(backend: LocalProcesses) -> None:

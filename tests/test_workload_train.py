@@ -299,3 +299,18 @@ def test_two_process_torchrun(jobs: Jobs) -> None:
     state = torch.load(jobs.checkpoints / "step-00000056" / TRAINING_STATE_FILENAME, weights_only=True)
     assert state["world_size"] == 2 and len(state["rng"]) == 2
     assert jobs.read_progress()["step"] == 60
+
+
+def test_preempted_under_torchrun_leaves_the_marker(jobs: Jobs) -> None:
+    """torchrun exits 1 when a worker exits 75; the marker in CHECKPOINT_DIR tells the backend why."""
+    first = jobs.start({}, checkpoint_every=FREQUENT, nproc=2)
+    wait_until(lambda: bool(step_checkpoints(jobs.checkpoints)), first, "step checkpoint")
+    first.proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler does
+    assert first.wait() != contract.EXIT_OK, first.log
+    assert "preempted: saved checkpoint" in first.log, "the job finished before it could be preempted:\n" + first.log
+    assert (jobs.checkpoints / contract.PREEMPTED_MARKER).exists()
+
+    second = jobs.run({}, checkpoint_every=FREQUENT, nproc=2)
+    assert second.proc.returncode == contract.EXIT_OK, second.log
+    assert resumed_step(second.log) > 0
+    assert not (jobs.checkpoints / contract.PREEMPTED_MARKER).exists()

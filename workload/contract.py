@@ -27,7 +27,8 @@ Exit codes of the training job:
 ``0``                    finished; ``CHECKPOINT_DIR/final/`` holds the model.
 ``EXIT_PREEMPTED`` (75)  stopped by SIGTERM/SIGUSR1 after saving a checkpoint: requeue
                          it and it resumes (EX_TEMPFAIL).
-anything else            failed.
+anything else            failed — unless ``CHECKPOINT_DIR/PREEMPTED`` exists: under torchrun the
+                         launcher exits 1 when a worker exits 75, so rank 0 leaves that marker.
 
 The ``final/`` directory holds ``model.pt`` (a dict with ``state_dict`` and ``config``,
 the architecture) and ``metrics.json`` (the final validation metrics).
@@ -65,6 +66,9 @@ METRICS_FILENAME = "metrics.json"
 
 EXIT_OK = 0
 EXIT_PREEMPTED = 75
+# Written into CHECKPOINT_DIR by rank 0 when it stops for preemption, removed when a run starts: a
+# launcher such as torchrun reports its own exit code (1), so the marker is what says "preempted".
+PREEMPTED_MARKER = "PREEMPTED"
 
 # Inference server
 MODEL_URI = "MODEL_URI"

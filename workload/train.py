@@ -425,6 +425,7 @@ def train(hp: HParams, ranks: Ranks, stop: StopFlag) -> int:
     if ranks.is_main:
         root.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(root)
+        (root / contract.PREEMPTED_MARKER).unlink(missing_ok=True)  # this run starts afresh or resumes
         if progress_file is not None:
             progress_file.parent.mkdir(parents=True, exist_ok=True)
 
@@ -481,6 +482,8 @@ def train(hp: HParams, ranks: Ranks, stop: StopFlag) -> int:
                 if preempted or pos.step % every == 0:
                     save_checkpoint(root, net, optimizer, hp, pos, ranks)
                 if preempted:
+                    if ranks.is_main:
+                        (root / contract.PREEMPTED_MARKER).write_text(f"{pos.step}\n")
                     log(ranks, f"preempted: saved checkpoint at step {pos.step}/{total_steps}")
                     tracker.end("KILLED")
                     return contract.EXIT_PREEMPTED
