@@ -12,6 +12,7 @@ from prefect.filesystems import LocalFileSystem
 from pydantic import Field
 
 from blocks.compute import ComputeBackend, LocalProcesses
+from blocks.docker_image import DockerImageBuilder
 from blocks.home import gpuferry_home
 from blocks.images import CurrentEnvironment, ImageBuilder
 from blocks.provision import LocalMachine, NodeProvider
@@ -25,7 +26,7 @@ from blocks.tracking import MlflowTracking
 # Prefect registers a block's nested block types from its field annotations, and an interface
 # (an ABC) cannot be registered: each field names the concrete choices, and the UI offers them.
 ProviderChoice = LocalMachine
-ImageChoice = CurrentEnvironment
+ImageChoice = CurrentEnvironment | DockerImageBuilder
 ComputeChoice = LocalProcesses | SlurmCluster
 StorageChoice = LocalCheckpointStore | S3CheckpointStore
 ServingChoice = LocalServing
