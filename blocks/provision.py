@@ -2,7 +2,13 @@
 
 ``NodeProvider`` is the interface every provider implements: ``acquire(count, requirements)``
 hands out nodes (re-running it reuses what it already acquired), ``check(nodes, requirements)``
-verifies them before any work lands on them, ``release(nodes)`` gives them back.
+verifies them before any work lands on them, ``bootstrap(nodes, requirements)`` makes them ready
+(checking before it changes anything, so a second run changes nothing; by default it only checks),
+``release(nodes)`` gives them back.
+
+A provider that works on several nodes at once reports every node's outcome: a failure on one node
+does not hide the others' results. ``NodeFailures`` carries all of them (``nodes``, each with its
+``state`` and, when it failed, ``labels["error"]``) and lists the failed ones in its message.
 
 The embedded default, ``LocalMachine``, is this machine: its GPUs from ``nvidia-smi`` when there is
 one, else CPU only.
@@ -19,7 +25,7 @@ from abc import ABC, abstractmethod
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field
 
-from blocks.errors import ConfigurationError
+from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.specs import GpuInfo, Node
 
 NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"]
@@ -33,6 +39,53 @@ class NodeRequirements(BaseModel):
     gpus: int = Field(0, ge=0)
     min_gpu_memory_mib: int = Field(0, ge=0)
     min_driver_version: str | None = None
+
+
+# Node.state values the providers set.
+STATE_ACQUIRED = "acquired"  # handed out, not yet checked
+STATE_READY = "ready"  # checked (and bootstrapped): work may land on it
+STATE_FAILED = "failed"  # a check or a bootstrap step failed: labels["error"] says which and why
+STATE_UNREACHABLE = "unreachable"  # could not be reached, after bounded retries
+
+
+class NodeFailures(GpuferryError):
+    """One or more nodes failed; ``nodes`` holds the outcome of every node, the successful ones too."""
+
+    def __init__(self, message: str, nodes: list[Node] | tuple[Node, ...] = ()) -> None:
+        super().__init__(message)
+        self.nodes = list(nodes)
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[Node]]]:  # picklable with its nodes
+        return (type(self), (str(self), self.nodes))
+
+    @property
+    def failed(self) -> list[Node]:
+        return [n for n in self.nodes if n.state in (STATE_FAILED, STATE_UNREACHABLE)]
+
+
+class NodesFailed(NodeFailures, ConfigurationError):
+    """At least one node failed a check or a step that retrying will not fix."""
+
+
+class NodesUnreachable(NodeFailures, TransientError):
+    """Every failed node was unreachable (after the provider's own retries); a later attempt may succeed."""
+
+
+def raise_for_failures(action: str, outcomes: list[tuple[Node, BaseException | None]]) -> list[Node]:
+    """The nodes when every outcome succeeded; else one error listing each failed node and why."""
+    nodes = [node for node, _ in outcomes]
+    failures = [(node, exc) for node, exc in outcomes if exc is not None]
+    if not failures:
+        return nodes
+    ok = [node.name for node, exc in outcomes if exc is None]
+    lines = "\n  ".join(str(exc) if str(exc).startswith(f"{node.name}:") or str(exc).startswith(f"{node.name} ")
+                         else f"{node.name}: {exc}" for node, exc in failures)  # fmt: skip
+    message = (
+        f"{action} failed on {len(failures)} of {len(nodes)} node(s)"
+        f"{' (finished on: ' + ', '.join(ok) + ')' if ok else ''}:\n  {lines}"
+    )
+    transient = all(isinstance(exc, TransientError) for _, exc in failures)
+    raise (NodesUnreachable if transient else NodesFailed)(message, nodes)
 
 
 def parse_nvidia_smi(csv_text: str, cuda_version: str | None = None) -> list[GpuInfo]:
@@ -93,6 +146,14 @@ class NodeProvider(Block, ABC):
     @abstractmethod
     def release(self, nodes: list[Node]) -> None:
         """Give the nodes back; releasing twice is harmless."""
+
+    def bootstrap(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
+        """Make the nodes ready for work and return them checked.
+
+        Every step checks before it changes, so a second run changes nothing. The default has
+        nothing to set up: it only checks.
+        """
+        return self.check(nodes, requirements)
 
     def check(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
         """Inspect the nodes and fail, naming each node and check, when one falls short."""

@@ -15,7 +15,9 @@ from blocks.compute import ComputeBackend, LocalProcesses
 from blocks.docker_image import DockerImageBuilder
 from blocks.home import gpuferry_home
 from blocks.images import CurrentEnvironment, ImageBuilder
+from blocks.ec2 import Ec2Provider
 from blocks.provision import LocalMachine, NodeProvider
+from blocks.ssh_hosts import SshHosts
 from blocks.s3 import S3CheckpointStore
 from blocks.serving import LocalServing, ServingBackend
 from blocks.slurm import SlurmCluster
@@ -25,7 +27,7 @@ from blocks.tracking import MlflowTracking
 
 # Prefect registers a block's nested block types from its field annotations, and an interface
 # (an ABC) cannot be registered: each field names the concrete choices, and the UI offers them.
-ProviderChoice = LocalMachine
+ProviderChoice = LocalMachine | SshHosts | Ec2Provider
 ImageChoice = CurrentEnvironment | DockerImageBuilder
 ComputeChoice = LocalProcesses | SlurmCluster
 StorageChoice = LocalCheckpointStore | S3CheckpointStore

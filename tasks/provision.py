@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from blocks.provision import NodeProvider, NodeRequirements
+from blocks.provision import NodeFailures, NodeProvider, NodeRequirements
 from blocks.specs import Node
 from tasks.retry import retry_options
 
@@ -18,9 +18,10 @@ def inventory_rows(nodes: list[Node]) -> list[dict[str, str]]:
             "gpus": ", ".join(f"{g.index}: {g.name} ({g.memory_mib} MiB)" for g in n.gpus) or "none (CPU only)",
             "driver": n.gpus[0].driver_version if n.gpus else "-",
             "cuda": (n.gpus[0].cuda_version or "-") if n.gpus else "-",
+            "toolkit": n.labels.get("toolkit", "-"),
             "cpus": str(n.cpus),
             "memory_mib": str(n.memory_mib),
-            "state": n.state,
+            "state": n.state + (f": {n.labels['error']}" if "error" in n.labels else ""),
         }
         for n in nodes
     ]
@@ -28,10 +29,14 @@ def inventory_rows(nodes: list[Node]) -> list[dict[str, str]]:
 
 @task(name="provision", **retry_options(retries=3))
 def provision_nodes(provider: NodeProvider, count: int, requirements: NodeRequirements, key: str) -> list[Node]:
-    """Acquire ``count`` nodes and check them; nodes that fail the check are released at once."""
+    """Acquire ``count`` nodes, bootstrap and check them; if that fails they are released at once."""
     nodes = provider.acquire(count, requirements, key)
     try:
-        checked = provider.check(nodes, requirements)
+        checked = provider.bootstrap(nodes, requirements)
+    except NodeFailures as exc:  # every node's outcome, the failed ones named: the inventory shows them
+        create_table_artifact(key="node-inventory", table=inventory_rows(exc.nodes), description="Nodes of this run")
+        provider.release(nodes)
+        raise
     except BaseException:
         provider.release(nodes)
         raise

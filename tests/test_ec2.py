@@ -1,0 +1,208 @@
+"""GPU instances on EC2, against moto's server (its own process on a free loopback port).
+
+Acquire reconciles by the run tag (a second acquire launches nothing; a bigger one only the missing
+instances), release terminates, and a retrain flow whose training step fails after the instances
+were acquired still terminates every instance of its run.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from botocore.exceptions import ClientError
+from prefect.filesystems import LocalFileSystem
+from prefect_aws import AwsClientParameters, AwsCredentials
+
+from blocks.compute import LocalProcesses
+from blocks.ec2 import GPU_INSTANCE_TYPES, RUN_TAG, Ec2Provider, _explain
+from blocks.errors import ConfigurationError, TransientError
+from blocks.images import CurrentEnvironment
+from blocks.provision import STATE_ACQUIRED, STATE_READY, NodeRequirements
+from blocks.serving import LocalServing
+from blocks.specs import JobHandle, TrainingJob, TrainingSpec
+from blocks.stack import Stack
+from blocks.storage import LocalCheckpointStore
+from blocks.tracking import MlflowTracking
+from tasks.provision import inventory_rows
+from tasks.retry import is_transient
+
+pytestmark = pytest.mark.integration
+
+AMI = "ami-0123456789abcdef0"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's server on a free loopback port, for this module only."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    moto = Path(sys.executable).parent / "moto_server"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{endpoint}/moto-api/", timeout=2)
+                break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not answer on {endpoint}: {log.read_text()[-2000:]}")
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def credentials(moto_endpoint: str) -> AwsCredentials:
+    return AwsCredentials(
+        aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url=moto_endpoint),
+    )  # fmt: skip
+
+
+def provider(credentials: AwsCredentials, **settings: object) -> Ec2Provider:
+    options: dict[str, object] = {"instance_type": "g5.12xlarge", "ami_id": AMI, "poll_interval_start": 0.2}
+    options.update(settings)
+    return Ec2Provider(credentials=credentials, **options)
+
+
+def instances_of(block: Ec2Provider, key: str) -> dict[str, str]:
+    """instance id -> state of every instance tagged with the run, whatever its state."""
+    pages = block.client().describe_instances(Filters=[{"Name": f"tag:{RUN_TAG}", "Values": [key]}])
+    return {i["InstanceId"]: i["State"]["Name"] for r in pages["Reservations"] for i in r["Instances"]}
+
+
+def test_unknown_instance_type_is_refused_listing_the_gpu_types(credentials: AwsCredentials) -> None:
+    with pytest.raises(ValueError, match=r"instance_type='m5.large' is not a GPU instance type .* g4dn.xlarge, .*p5"):
+        provider(credentials, instance_type="m5.large")
+    with pytest.raises(ValueError, match=r"ami_id='ubuntu' is not an AMI id"):
+        provider(credentials, ami_id="ubuntu")
+    with pytest.raises(ValueError, match=r"tags: \['gpuferry:run'\] are set by the provider"):
+        provider(credentials, tags={RUN_TAG: "x"})
+    families = {"g4dn.xlarge", "g5.xlarge", "g6.xlarge", "p3.2xlarge", "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge"}
+    assert families <= set(GPU_INSTANCE_TYPES)
+
+
+def test_acquire_twice_creates_no_extra_instance_and_release_terminates(credentials: AwsCredentials) -> None:
+    block = provider(credentials, tags={"team": "ml"})
+    key = f"run-{uuid.uuid4().hex[:8]}"
+    first = block.acquire(2, NodeRequirements(gpus=4), key)
+    assert len(first) == 2 and all(n.state == STATE_ACQUIRED for n in first)
+    assert first[0].labels["run"] == key and first[0].labels["instance_type"] == "g5.12xlarge"
+    assert first[0].labels["private_ip"]
+    assert [(g.name, g.memory_mib) for g in first[0].gpus] == [("NVIDIA A10G", 23028)] * 4
+
+    again = block.acquire(2, NodeRequirements(gpus=4), key)
+    assert sorted(n.name for n in again) == sorted(n.name for n in first)
+    assert sorted(instances_of(block, key)) == sorted(n.name for n in first)  # nothing new was launched
+
+    more = block.acquire(3, NodeRequirements(gpus=4), key)  # only the missing one is launched
+    assert len(more) == 3 and {n.name for n in first} < {n.name for n in more}
+    assert len(instances_of(block, key)) == 3
+    tags = block.client().describe_tags(Filters=[{"Name": "resource-id", "Values": [more[0].name]}])["Tags"]
+    assert {t["Key"]: t["Value"] for t in tags} == {RUN_TAG: key, "Name": f"gpuferry-{key}", "team": "ml"}
+
+    checked = block.check(more, NodeRequirements(gpus=4, min_gpu_memory_mib=20000))
+    assert [n.state for n in checked] == [STATE_READY] * 3
+    assert inventory_rows(checked)[0]["gpus"].startswith("0: NVIDIA A10G (23028 MiB)")
+
+    block.release(more[:1])  # one node of the run: every live instance of that run goes
+    assert set(instances_of(block, key).values()) <= {"shutting-down", "terminated"}
+    block.release(more)  # twice: harmless
+    assert set(instances_of(block, key).values()) <= {"shutting-down", "terminated"}
+
+    # After the release, acquiring for the same run starts afresh (terminated instances are not reused).
+    fresh = block.acquire(1, NodeRequirements(), key)
+    assert fresh[0].name not in {n.name for n in more}
+    block.release(fresh)
+
+
+def test_job_shape_and_bad_settings_leave_no_instance(credentials: AwsCredentials) -> None:
+    block = provider(credentials, instance_type="g5.xlarge")
+    key = f"run-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ConfigurationError, match=r"resources.gpus_per_node=4 but instance_type=g5.xlarge has 1 GPU"):
+        block.acquire(1, NodeRequirements(gpus=4), key)
+    with pytest.raises(ConfigurationError, match=r"40000 MiB per GPU required"):
+        block.acquire(1, NodeRequirements(gpus=1, min_gpu_memory_mib=40000), key)
+    with pytest.raises(ConfigurationError, match=r"min_driver_version=550: EC2 does not report the NVIDIA driver"):
+        block.acquire(1, NodeRequirements(gpus=1, min_driver_version="550"), key)
+    assert instances_of(block, key) == {}
+
+    # A subnet that does not exist: EC2's error, explained, naming the field.
+    with pytest.raises(ConfigurationError, match=r"InvalidSubnetID.NotFound.*Fix: subnet_id"):
+        provider(credentials, subnet_id="subnet-00000000").acquire(1, NodeRequirements(), key)
+    assert set(instances_of(block, key).values()) <= {"shutting-down", "terminated"}
+
+
+def test_ec2_errors_are_classified_for_the_task_retries() -> None:
+    def error(code: str, status: int) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "RunInstances")  # fmt: skip
+
+    assert is_transient(_explain(error("RequestLimitExceeded", 503), "launch"))  # throttling: botocore's own, transient
+    assert is_transient(_explain(error("InternalError", 500), "launch"))
+    assert is_transient(_explain(error("Unavailable", 503), "launch"))  # any 5xx
+    capacity = _explain(error("InsufficientInstanceCapacity", 500), "launch 1 p5.48xlarge instance(s)")
+    assert isinstance(capacity, TransientError) and "another subnet" in str(capacity)
+    config_errors = [("InvalidAMIID.NotFound", "ami_id"), ("VcpuLimitExceeded", "quota"),
+                     ("UnauthorizedOperation", "ec2:RunInstances")]  # fmt: skip
+    for code, field in config_errors:
+        explained = _explain(error(code, 400), "launch")
+        assert isinstance(explained, ConfigurationError) and field in str(explained) and not is_transient(explained)
+
+
+class FailingTraining(LocalProcesses):
+    """Local processes whose submit fails: a training step that breaks after the nodes were acquired."""
+
+    _block_type_name = "gpuferry Test Failing Training"
+
+    def submit(self, job: TrainingJob) -> JobHandle:
+        raise ConfigurationError("the training job was rejected (test)")
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_failure_after_acquire_still_terminates_the_runs_instances(
+    credentials: AwsCredentials, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import flows.retrain as retrain_module
+
+    prefix = f"flowtest-{uuid.uuid4().hex[:8]}"
+    block = provider(credentials, instance_type="g4dn.xlarge", name_prefix=prefix)
+    stack = Stack.model_construct(
+        provider=block, images=CurrentEnvironment(), compute=FailingTraining(),
+        storage=LocalCheckpointStore(filesystem=LocalFileSystem(basepath=str(tmp_path / "storage"))),
+        tracking=MlflowTracking(), serving=LocalServing(),
+    )  # fmt: skip
+    monkeypatch.setattr(retrain_module, "load_stack", lambda name: stack)
+
+    with pytest.raises(ConfigurationError, match="the training job was rejected"):
+        retrain_module.retrain(training=TrainingSpec(model_name="ec2-release-test"))
+
+    pages = block.client().describe_instances(Filters=[{"Name": "tag:Name", "Values": [f"{prefix}-*"]}])
+    instances = [i for r in pages["Reservations"] for i in r["Instances"]]
+    assert len(instances) == 1  # the run acquired its node ...
+    tags = {t["Key"]: t["Value"] for t in instances[0]["Tags"]}
+    assert tags[RUN_TAG] and tags["Name"] == f"{prefix}-{tags[RUN_TAG]}"
+    assert instances[0]["State"]["Name"] in ("shutting-down", "terminated")  # ... and released it

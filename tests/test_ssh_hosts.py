@@ -1,0 +1,517 @@
+"""Bring-your-own GPU hosts over SSH, against real sshd servers in network namespaces.
+
+The session fixture makes one network namespace per test host (a veth pair to this namespace, a /30
+each inside $GPUFERRY_TESTHOSTS_NET.0/24, default 10.231.7.0/24), runs a real sshd in each with its
+own host key, and gives its logins a PATH directory of fake `nvidia-smi`, `nvidia-ctk`, `docker` and
+`systemctl` commands that print what a two-A100 node or an RTX 3090 node prints. The fake docker
+keeps its runtime configuration in files: `nvidia-ctk runtime configure` writes daemon.json and
+only a `systemctl restart docker` makes `docker info` list the nvidia runtime, so the bootstrap's
+change, and that a second run makes none, can be observed. A third host has no GPU and no toolkit;
+a fourth namespace has an address but no sshd (unreachable). Everything is removed at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from blocks.errors import ConfigurationError
+from blocks.provision import (
+    STATE_FAILED,
+    STATE_READY,
+    STATE_UNREACHABLE,
+    NodeRequirements,
+    NodesFailed,
+    NodesUnreachable,
+)
+from blocks.ssh_hosts import SshHost, SshHosts
+from tasks.provision import inventory_rows
+from tasks.retry import is_transient
+
+pytestmark = pytest.mark.integration
+
+NET = os.environ.get("GPUFERRY_TESTHOSTS_NET", "10.231.7")  # the first three octets of a private /24
+PREFIX = "gfssh"
+LOCK = Path("/run/lock/gpuferry-testhosts.lock")
+
+A100 = {
+    "query": "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n",
+    "driver": "550.54.15", "cuda": "12.4",
+    "rows": [("0", "NVIDIA A100-SXM4-80GB", "00000000:07:00.0", "61W /  400W", "81920MiB"),
+             ("1", "NVIDIA A100-SXM4-80GB", "00000000:0F:00.0", "63W /  400W", "81920MiB")],
+}  # fmt: skip
+RTX3090 = {
+    "query": "0, NVIDIA GeForce RTX 3090, 24576, 535.171.04\n",
+    "driver": "535.171.04", "cuda": "12.2",
+    "rows": [("0", "NVIDIA GeForce RTX 3090", "00000000:01:00.0", "22W /  350W", "24576MiB")],
+}  # fmt: skip
+
+
+def banner(gpu: dict) -> str:
+    """Plain `nvidia-smi` output of a node with these GPUs."""
+    lines = [
+        "Tue Mar 12 10:15:42 2024       ",
+        "+-----------------------------------------------------------------------------------------+",
+        f"| NVIDIA-SMI {gpu['driver']:<22} Driver Version: {gpu['driver']:<14} CUDA Version: {gpu['cuda']:<9}|",
+        "|-----------------------------------------+------------------------+----------------------+",
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
+        "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |",
+        "|=========================================+========================+======================|",
+    ]
+    for index, name, bus, power, memory in gpu["rows"]:
+        lines += [
+            f"| {index:>3}  {name:<26}     On  | {bus:>18} Off |                    0 |",
+            f"| N/A   33C    P0          {power:>14} | {'0MiB / ' + memory:>22} |      0%      Default |",
+            "+-----------------------------------------+------------------------+----------------------+",
+        ]
+    lines += ["", "| Processes:                                                                              |",
+              "|  No running processes found                                                             |"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+LOG_CALL = 'printf "%s\\n" "$(basename "$0") $*" >>"$STATE/calls.log"\n'
+NVIDIA_SMI = """#!/bin/bash
+STATE={state}
+{log}case "$*" in
+  "--query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits") cat {data}/query.csv ;;
+  "") cat {data}/banner.txt ;;
+  *) echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help." >&2; exit 2 ;;
+esac
+"""
+NVIDIA_CTK = """#!/bin/bash
+STATE={state}
+{log}case "$*" in
+  "--version") printf 'NVIDIA Container Toolkit CLI version 1.15.0\\ncommit: ddeeca392c7bd8b33d0a66400b77af7a97e16cef\\n' ;;
+  "runtime configure --runtime=docker")
+    printf '{{\\n    "runtimes": {{\\n        "nvidia": {{\\n            "args": [],\\n            "path": "nvidia-container-runtime"\\n        }}\\n    }}\\n}}\\n' >"$STATE/daemon.json"
+    echo 'INFO[0000] Config file does not exist; using empty config' >&2
+    echo 'INFO[0000] Wrote updated config to /etc/docker/daemon.json' >&2
+    echo 'INFO[0000] It is recommended that docker daemon be restarted.' >&2 ;;
+  *) echo "nvidia-ctk: unsupported arguments: $*" >&2; exit 1 ;;
+esac
+"""
+DOCKER = """#!/bin/bash
+STATE={state}
+{log}case "$*" in
+  "info --format {{{{json .Runtimes}}}}")
+    if [ -f "$STATE/running-nvidia" ]; then
+      echo '{{"io.containerd.runc.v2":{{"path":"runc"}},"nvidia":{{"path":"nvidia-container-runtime"}},"runc":{{"path":"runc"}}}}'
+    else
+      echo '{{"io.containerd.runc.v2":{{"path":"runc"}},"runc":{{"path":"runc"}}}}'
+    fi ;;
+  *) echo "docker: unsupported arguments: $*" >&2; exit 1 ;;
+esac
+"""
+# The restart waits (bounded) until every host of a parallel run has started its restart: with a
+# barrier set up, a serial bootstrap fails here instead of passing by luck.
+SYSTEMCTL = """#!/bin/bash
+STATE={state}
+BARRIER={barrier}
+{log}case "$*" in
+  "restart docker")
+    if [ -f "$BARRIER/expected" ]; then
+      touch "$BARRIER/started-{name}"
+      expected=$(cat "$BARRIER/expected"); deadline=$((SECONDS + 60))
+      until [ "$(ls "$BARRIER" | grep -c '^started-')" -ge "$expected" ]; do
+        if [ "$SECONDS" -ge "$deadline" ]; then echo "barrier: the other restarts did not start within 60 s" >&2; exit 1; fi
+        sleep 0.05
+      done
+    fi
+    if grep -q '"nvidia"' "$STATE/daemon.json" 2>/dev/null; then touch "$STATE/running-nvidia"; else rm -f "$STATE/running-nvidia"; fi ;;
+  *) echo "systemctl: unsupported arguments: $*" >&2; exit 1 ;;
+esac
+"""
+
+
+def run(*argv: str) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+@dataclass
+class FakeHost:
+    name: str
+    index: int
+    kind: str  # a100, rtx3090, cpu, down
+    root: Path
+    barrier: Path
+
+    @property
+    def ns(self) -> str:
+        return f"{PREFIX}-{self.name}"
+
+    @property
+    def address(self) -> str:
+        return f"{NET}.{4 * self.index + 2}"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.root / "sshd.pid"
+
+    @property
+    def host_key_pub(self) -> str:
+        return (self.root / "host_key.pub").read_text().split(" ", 2)[:2]  # type: ignore[return-value]
+
+    def known_hosts_line(self) -> str:
+        key_type, key = self.host_key_pub
+        return f"{self.address} {key_type} {key}"
+
+    def calls(self) -> list[str]:
+        path = self.state / "calls.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def reset(self) -> None:
+        shutil.rmtree(self.state, ignore_errors=True)
+        self.state.mkdir(parents=True)
+
+    def write_fakes(self) -> None:
+        bin_dir, data = self.root / "bin", self.root / "data"
+        (self.root / "home").mkdir(parents=True, exist_ok=True)
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        data.mkdir(exist_ok=True)
+        fmt = {"state": self.state, "data": data, "barrier": self.barrier, "name": self.name, "log": LOG_CALL}
+        scripts = {"docker": DOCKER, "systemctl": SYSTEMCTL}
+        if self.kind in ("a100", "rtx3090"):
+            gpu = A100 if self.kind == "a100" else RTX3090
+            (data / "query.csv").write_text(gpu["query"])
+            (data / "banner.txt").write_text(banner(gpu))
+            scripts.update({"nvidia-smi": NVIDIA_SMI, "nvidia-ctk": NVIDIA_CTK})
+        for command, template in scripts.items():
+            path = bin_dir / command
+            path.write_text(template.format(**fmt))
+            path.chmod(0o755)
+
+    def create_namespace(self) -> None:
+        root_if, ns_if = f"{PREFIX}R{self.index}", f"{PREFIX}N{self.index}"
+        run("ip", "netns", "add", self.ns)
+        run("ip", "link", "add", root_if, "type", "veth", "peer", "name", ns_if)
+        run("ip", "link", "set", ns_if, "netns", self.ns)
+        run("ip", "addr", "add", f"{NET}.{4 * self.index + 1}/30", "dev", root_if)
+        run("ip", "link", "set", root_if, "up")
+        run("ip", "-n", self.ns, "addr", "add", f"{self.address}/30", "dev", ns_if)
+        run("ip", "-n", self.ns, "link", "set", ns_if, "up")
+        run("ip", "-n", self.ns, "link", "set", "lo", "up")
+
+    def start_sshd(self, authorized_keys: Path) -> None:
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / "host_key"))
+        config = self.root / "sshd_config"
+        path = f"{self.root / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        config.write_text(
+            f"ListenAddress {self.address}\nPort 22\nHostKey {self.root / 'host_key'}\nPidFile {self.pidfile}\n"
+            f"AuthorizedKeysFile {authorized_keys}\nPermitRootLogin prohibit-password\nPubkeyAuthentication yes\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+            f"SetEnv PATH={path} HOME={self.root / 'home'}\n"  # each host its own home (and shell startup files)
+        )
+        log = self.root / "sshd.log"
+        run("nsenter", f"--net=/run/netns/{self.ns}", "/usr/sbin/sshd", "-f", str(config), "-E", str(log))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection((self.address, 22), timeout=2) as sock:
+                    if sock.recv(64).startswith(b"SSH-2.0"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                tail = log.read_text()[-2000:] if log.exists() else ""
+                raise RuntimeError(f"sshd of {self.name} did not answer on {self.address}:22 within 30 s: {tail}")
+            time.sleep(0.1)
+
+    def stop_sshd(self) -> None:
+        if not self.pidfile.exists():
+            return
+        pid = int(self.pidfile.read_text().strip())
+        _kill(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _remove_namespace(ns: str, root_if: str) -> None:
+    """Stop what runs in ``ns`` (our sshd) and delete it; its veth pair goes with it."""
+    if ns in run("ip", "netns", "list").split():
+        for pid in run("ip", "netns", "pids", ns).split():
+            _kill(int(pid))
+        run("ip", "netns", "delete", ns)
+    # The root end goes with the namespace (asynchronously); one left over from a half-made pair is removed.
+    proc = subprocess.run(["ip", "link", "delete", root_if], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and "Cannot find device" not in proc.stderr:
+        raise RuntimeError(f"ip link delete {root_if} failed: {proc.stderr.strip()}")
+
+
+class FakeHosts:
+    def __init__(self, hosts: dict[str, FakeHost], client_key: str) -> None:
+        self.hosts, self.client_key = hosts, client_key
+
+    def __getitem__(self, name: str) -> FakeHost:
+        return self.hosts[name]
+
+    def known_hosts(self) -> str:
+        return "".join(h.known_hosts_line() + "\n" for h in self.hosts.values() if h.kind != "down")
+
+    def block(self, *names: str, known_hosts: str | None = None, **settings: object) -> SshHosts:
+        return SshHosts(
+            hosts=[SshHost(address=self[n].address, name=n) for n in names],
+            private_key=self.client_key,
+            known_hosts=self.known_hosts() if known_hosts is None else known_hosts,
+            connect_timeout=5, **settings,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def testhosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHosts]:
+    if os.geteuid() != 0:
+        pytest.fail("the SSH test hosts need root (network namespaces, sshd)")
+    if not Path("/usr/sbin/sshd").exists():
+        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "openssh-server"], check=True,
+                       capture_output=True, timeout=1200)  # fmt: skip
+    for tool in ("ip", "nsenter", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is missing: apt-get install iproute2 util-linux openssh-client")
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    lock = LOCK.open("w")
+    deadline = time.monotonic() + 600  # another session's test hosts use the same names and addresses
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{LOCK} stayed locked for 600 s (another test session's SSH test hosts)")
+            time.sleep(0.5)
+
+    root = tmp_path_factory.mktemp("testhosts")
+    barrier = root / "barrier"
+    barrier.mkdir()
+    kinds = {"a100": "a100", "rtx3090": "rtx3090", "cpu": "cpu", "down": "down"}
+    hosts = {name: FakeHost(name, i, kind, root / name, barrier) for i, (name, kind) in enumerate(kinds.items())}
+    for host in hosts.values():  # left over by a killed session (we hold the lock: nobody else uses them)
+        _remove_namespace(host.ns, f"{PREFIX}R{host.index}")
+    try:
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "client_key"))
+        shutil.copy(root / "client_key.pub", root / "authorized_keys")
+        for host in hosts.values():
+            host.root.mkdir()
+            host.reset()
+            host.write_fakes()
+            host.create_namespace()
+            if host.kind != "down":
+                host.start_sshd(root / "authorized_keys")
+        yield FakeHosts(hosts, (root / "client_key").read_text())
+    finally:
+        for host in hosts.values():
+            host.stop_sshd()
+            _remove_namespace(host.ns, f"{PREFIX}R{host.index}")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+@pytest.fixture
+def hosts(testhosts: FakeHosts) -> FakeHosts:
+    """The test hosts with fresh state: docker without the nvidia runtime, no calls recorded."""
+    for host in testhosts.hosts.values():
+        host.reset()
+    for entry in testhosts["a100"].barrier.iterdir():
+        entry.unlink()
+    return testhosts
+
+
+CHANGING = ("nvidia-ctk runtime configure --runtime=docker", "systemctl restart docker")
+
+
+def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts: FakeHosts) -> None:
+    block = hosts.block("a100", "rtx3090")
+    (hosts["a100"].barrier / "expected").write_text("2")  # each restart waits for the other one's
+    nodes = block.acquire(2, NodeRequirements(gpus=1), "run-1")
+    assert [n.name for n in nodes] == ["a100", "rtx3090"]
+
+    first = block.bootstrap(nodes, NodeRequirements(gpus=1, min_gpu_memory_mib=20000))
+    assert [(n.name, n.state, n.labels["bootstrap"]) for n in first] == [
+        ("a100", STATE_READY, "changed"), ("rtx3090", STATE_READY, "changed")
+    ]
+    a100, rtx = first
+    assert [(g.index, g.name, g.memory_mib, g.driver_version, g.cuda_version) for g in a100.gpus] == [
+        (0, "NVIDIA A100-SXM4-80GB", 81920, "550.54.15", "12.4"),
+        (1, "NVIDIA A100-SXM4-80GB", 81920, "550.54.15", "12.4"),
+    ]
+    assert [(g.name, g.memory_mib, g.driver_version, g.cuda_version) for g in rtx.gpus] == [
+        ("NVIDIA GeForce RTX 3090", 24576, "535.171.04", "12.2")
+    ]
+    assert a100.labels["toolkit"] == "1.15.0" and a100.labels["container_runtime"] == "docker (nvidia)"
+    assert a100.cpus > 0 and a100.memory_mib > 0
+    for name in ("a100", "rtx3090"):
+        assert [c for c in hosts[name].calls() if c in CHANGING] == list(CHANGING)
+        assert (hosts[name].state / "running-nvidia").exists()
+    assert sorted(p.name for p in hosts["a100"].barrier.glob("started-*")) == ["started-a100", "started-rtx3090"]
+
+    before = {name: len(hosts[name].calls()) for name in ("a100", "rtx3090")}
+    second = block.bootstrap(nodes, NodeRequirements(gpus=1))
+    assert [(n.state, n.labels["bootstrap"]) for n in second] == [(STATE_READY, "unchanged")] * 2
+    for name in ("a100", "rtx3090"):
+        calls = hosts[name].calls()[before[name]:]
+        assert calls and not [c for c in calls if c in CHANGING], calls  # it looked, and changed nothing
+
+    rows = inventory_rows(second)
+    assert rows[0]["toolkit"] == "1.15.0" and rows[0]["driver"] == "550.54.15" and rows[0]["cuda"] == "12.4"
+    assert rows[0]["state"] == "ready"
+    # The read-only preflight passes now.
+    assert [n.state for n in block.check(nodes, NodeRequirements(gpus=1))] == [STATE_READY] * 2
+
+
+def test_host_without_gpus_fails_preflight_naming_host_and_check(hosts: FakeHosts) -> None:
+    block = hosts.block("a100", "cpu")
+    nodes = block.acquire(2, NodeRequirements(gpus=1), "run-2")
+    with pytest.raises(NodesFailed) as info:
+        block.bootstrap(nodes, NodeRequirements(gpus=1))
+    message = str(info.value)
+    assert "bootstrap failed on 1 of 2 node(s) (finished on: a100)" in message
+    assert "cpu: preflight check 'nvidia-smi' failed: nvidia-smi not found (no NVIDIA driver installed)" in message
+    assert "0 GPU(s) found, 1 required" in message
+    assert not is_transient(info.value)
+    by_name = {n.name: n for n in info.value.nodes}
+    assert by_name["a100"].state == STATE_READY and by_name["a100"].labels["bootstrap"] == "changed"
+    assert by_name["cpu"].state == STATE_FAILED and "nvidia-smi" in by_name["cpu"].labels["error"]
+    assert not [c for c in hosts["cpu"].calls() if c in CHANGING]  # nothing was changed on the failed host
+    assert inventory_rows(info.value.nodes)[1]["state"].startswith("failed: cpu: preflight check 'nvidia-smi'")
+
+    # A GPU host without the toolkit fails on the toolkit check, named.
+    (hosts["rtx3090"].root / "bin" / "nvidia-ctk").rename(hosts["rtx3090"].root / "nvidia-ctk.off")
+    try:
+        with pytest.raises(NodesFailed, match=r"rtx3090: preflight check 'nvidia-ctk' failed: nvidia-ctk not found"):
+            single = hosts.block("rtx3090")
+            single.bootstrap(single.acquire(1, NodeRequirements(), "r"), NodeRequirements())
+    finally:
+        (hosts["rtx3090"].root / "nvidia-ctk.off").rename(hosts["rtx3090"].root / "bin" / "nvidia-ctk")
+
+
+def test_unreachable_host_is_retried_then_fails_while_the_other_host_goes_on(
+    hosts: FakeHosts, caplog: pytest.LogCaptureFixture
+) -> None:
+    block = hosts.block("rtx3090", "down", connect_attempts=3, retry_backoff_seconds=0.2)
+    nodes = block.acquire(2, NodeRequirements(), "run-3")
+    with caplog.at_level(logging.WARNING, logger="gpuferry.ssh_hosts"):
+        with pytest.raises(NodesUnreachable) as info:
+            block.bootstrap(nodes, NodeRequirements(gpus=1))
+    retries = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert [m.split(" failed")[0] for m in retries] == ["down: connection attempt 1/3", "down: connection attempt 2/3"]
+    assert "retrying in 0.2 s" in retries[0] and "retrying in 0.4 s" in retries[1]  # exponential backoff
+    message = str(info.value)
+    assert "bootstrap failed on 1 of 2 node(s) (finished on: rtx3090)" in message
+    assert f"down is unreachable: 3 connection attempt(s) to root@{hosts['down'].address}:22" in message
+    assert is_transient(info.value)  # the provision task may try again later
+    by_name = {n.name: n for n in info.value.nodes}
+    assert by_name["down"].state == STATE_UNREACHABLE
+    assert by_name["rtx3090"].state == STATE_READY and by_name["rtx3090"].labels["bootstrap"] == "changed"
+    assert (hosts["rtx3090"].state / "running-nvidia").exists()
+
+
+def test_changed_or_unknown_host_key_is_refused(hosts: FakeHosts, caplog: pytest.LogCaptureFixture) -> None:
+    impostor = hosts["a100"].root.parent / "impostor_key"
+    if not impostor.exists():
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(impostor))
+    key_type, key = (impostor.with_suffix(".pub")).read_text().split()[:2]
+    pinned = f"{hosts['a100'].address} {key_type} {key}\n"  # known_hosts pins another key for the a100 host
+    with caplog.at_level(logging.WARNING, logger="gpuferry.ssh_hosts"):
+        with pytest.raises(NodesFailed) as info:
+            hosts.block("a100", known_hosts=pinned).inspect(hosts.block("a100").acquire(1, NodeRequirements(), "r"))
+    message = str(info.value)
+    offered = run("ssh-keygen", "-lf", str(hosts["a100"].root / "host_key.pub")).split()[1]
+    expected = run("ssh-keygen", "-lf", str(impostor.with_suffix(".pub"))).split()[1]
+    assert "the SSH host key of a100" in message and "CHANGED" in message
+    assert expected in message and offered in message and "replace its line in known_hosts" in message
+    assert not is_transient(info.value)
+    assert not [r for r in caplog.records if "connection attempt" in r.getMessage()]  # refused, not retried
+    assert hosts["a100"].calls() == []  # no command ran on it
+
+    with pytest.raises(NodesFailed, match=r"is not in known_hosts .*refusing to connect") as info:
+        hosts.block("a100", known_hosts="").inspect(hosts.block("a100").acquire(1, NodeRequirements(), "r"))
+    assert offered in str(info.value)
+
+
+def test_acquire_more_nodes_than_hosts_is_refused_before_anything_runs(hosts: FakeHosts) -> None:
+    with pytest.raises(ConfigurationError, match=r"resources.nodes=3 but this SshHosts block has 2 host\(s\) "
+                                                 r"\(a100, rtx3090\): add hosts"):  # fmt: skip
+        hosts.block("a100", "rtx3090").acquire(3, NodeRequirements(), "run-4")
+    with pytest.raises(ValueError, match="node names must be unique"):
+        SshHosts(hosts=[SshHost(address="10.0.0.1"), SshHost(address="10.0.0.1")], private_key="k", known_hosts="")
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_provision_task_bootstraps_and_writes_the_inventory(hosts: FakeHosts) -> None:
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+    from prefect.runtime import flow_run
+
+    from tasks.provision import provision_nodes
+
+    @flow
+    def provision(names: list[str]) -> tuple[str, list[str]]:
+        try:
+            nodes = provision_nodes(hosts.block(*names), len(names), NodeRequirements(gpus=1), "run-5")
+            return str(flow_run.get_id()), [n.state for n in nodes]
+        except NodesFailed:
+            return str(flow_run.get_id()), ["failed"]
+
+    def inventory(run_id: str) -> list[dict[str, str]]:
+        async def read() -> list:
+            async with get_client() as client:
+                return await client.read_artifacts(
+                    artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["node-inventory"])),
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(run_id)])),
+                )
+
+        (artifact,) = asyncio.run(read())
+        return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+
+    run_id, states = provision(["a100", "rtx3090"])
+    assert states == [STATE_READY, STATE_READY]
+    rows = inventory(run_id)
+    assert [(r["host"], r["toolkit"], r["driver"], r["cuda"], r["state"]) for r in rows] == [
+        ("a100", "1.15.0", "550.54.15", "12.4", "ready"), ("rtx3090", "1.15.0", "535.171.04", "12.2", "ready")
+    ]
+
+    run_id, states = provision(["a100", "cpu"])  # the failed host is in the inventory, with why
+    assert states == ["failed"]
+    rows = {r["host"]: r for r in inventory(run_id)}
+    assert rows["a100"]["state"] == "ready" and rows["cpu"]["toolkit"] == "missing"
+    assert rows["cpu"]["state"].startswith("failed: cpu: preflight check 'nvidia-smi' failed")
