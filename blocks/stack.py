@@ -14,6 +14,7 @@ from pydantic import Field
 from blocks.compute import ComputeBackend, LocalProcesses
 from blocks.docker_image import DockerImageBuilder
 from blocks.home import gpuferry_home
+from blocks.kubernetes import KubernetesCluster
 from blocks.images import CurrentEnvironment, ImageBuilder
 from blocks.ec2 import Ec2Provider
 from blocks.provision import LocalMachine, NodeProvider
@@ -31,7 +32,7 @@ ProviderChoice = LocalMachine | SshHosts | Ec2Provider
 ImageChoice = CurrentEnvironment | DockerImageBuilder
 ComputeChoice = LocalProcesses | SlurmCluster
 StorageChoice = LocalCheckpointStore | S3CheckpointStore
-ServingChoice = LocalServing
+ServingChoice = LocalServing | KubernetesCluster
 
 
 class Stack(Block):

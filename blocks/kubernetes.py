@@ -1,0 +1,429 @@
+"""Serving on Kubernetes: the ``KubernetesCluster`` block.
+
+``deploy(spec, release)``:
+
+1. checks everything it can without the cluster (``validate``, an image pinned by digest);
+2. preflight against the cluster, before anything is applied: the namespace exists and some node
+   offers the GPU resource a replica asks for (``nvidia.com/gpu``, a MIG slice such as
+   ``nvidia.com/mig-1g.10gb``, or a time-sliced resource name);
+3. server-side applies the Deployment, the Service and, when configured, an HPA and a
+   PodDisruptionBudget in the API versions the server serves (discovery), as our own field manager —
+   a field owned by another manager is a clear error, not a silent overwrite;
+4. watches the rollout (``blocks/k8s_rollout.py``) until it is available, failed (ImagePullBackOff,
+   CrashLoopBackOff, OOMKilled, ProgressDeadlineExceeded, ...) or out of time;
+5. on failure, rolls back by applying the previous ReplicaSet's pod template (what ``kubectl rollout
+   undo`` does), waits until the previous version is available again and raises ``DeployFailed``
+   saying why and which version serves.
+
+Deploying the version that already serves changes nothing (the apply is a no-op; the generation stays).
+Modules: ``k8s_api`` (REST, retries, errors), ``k8s_manifests`` (pure spec → objects),
+``k8s_rollout`` (rollout state and watch).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, SecretStr
+
+from blocks import k8s_manifests as manifests
+from blocks import k8s_rollout as rollout
+from blocks.errors import ConfigurationError, DeployFailed
+from blocks.k8s_api import Connection, KubeApi, NotFound, connection_from_kubeconfig, connection_in_cluster
+from blocks.serving import Release, ServingBackend
+from blocks.specs import MIG_PROFILES, Endpoint, ServingSpec
+
+_API_VERSION_PREFERENCE = {
+    "autoscaling": ("v2", "v2beta2"),
+    "policy": ("v1", "v1beta1"),
+}
+_PLURALS = {
+    "Deployment": "deployments", "Service": "services",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers", "PodDisruptionBudget": "poddisruptionbudgets",
+}  # fmt: skip
+
+
+class RolledBack(DeployFailed):
+    """The new version failed to roll out and the previous one serves again."""
+
+    def __init__(self, message: str, *, failed_version: str, rolled_back_to: str, reason: str) -> None:
+        super().__init__(message)
+        self.failed_version = failed_version
+        self.rolled_back_to = rolled_back_to
+        self.reason = reason
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger()
+    except Exception:  # outside a flow or task run
+        return logging.getLogger("gpuferry.kubernetes")
+
+
+class KubernetesCluster(ServingBackend):
+    """Serves the model as a Deployment + Service on a Kubernetes cluster."""
+
+    _block_type_name = "gpuferry Kubernetes Cluster"
+    _description = (
+        "Serves the model on Kubernetes: Deployment (GPU, MIG or time-sliced resources) + Service, server-side "
+        "apply, rollout watch and automatic rollback."
+    )
+
+    # ---- connection
+    kubeconfig: SecretStr | None = Field(
+        None, description="kubeconfig file content (YAML). Empty: in-cluster (the pod's service account)."
+    )
+    context: str | None = Field(None, description="kubeconfig context (None: its current-context).")
+    namespace: str = Field("default", description="Namespace of the service's objects; it must exist.")
+    field_manager: str = Field("gpuferry", description="Field manager name of our server-side applies.")
+    force_conflicts: bool = Field(
+        False, description="Take over fields another field manager owns (server-side apply force). Off: a clear error."
+    )
+    request_timeout_seconds: float = Field(30.0, gt=0, description="Seconds one API request may take.")
+    api_retries: int = Field(4, ge=0, le=20, description="Retries of one API request after a 5xx, 429 or timeout.")
+    # ---- the workload's objects
+    container_port: int = Field(8080, ge=1, le=65535, description="Port the inference server listens on in the pod.")
+    service_port: int = Field(80, ge=1, le=65535, description="Port of the Service.")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type.")
+    service_url: str | None = Field(
+        None, description="URL clients use (an Ingress, a LoadBalancer address). None: the Service's cluster DNS name."
+    )
+    gpu_resource: str = Field(
+        "nvidia.com/gpu",
+        description="Resource name of whole GPUs; a time-sliced GPU's renamed resource (e.g. nvidia.com/gpu.shared).",
+    )
+    mig_resource_prefix: str = Field(
+        "nvidia.com/mig-", description="Prefix of MIG resources (device plugin 'mixed' strategy): + the MIG profile."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels a serving pod requires.")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Pod tolerations (one for the GPU resource's taint is added by itself)."
+    )
+    cpu_request: str | None = Field("250m", description="CPU request per replica.")
+    memory_request: str | None = Field("512Mi", description="Memory request per replica.")
+    cpu_limit: str | None = Field(None, description="CPU limit per replica (None: none).")
+    memory_limit: str | None = Field("2Gi", description="Memory limit per replica (a server above it is OOMKilled).")
+    command: list[str] | None = Field(None, description="Container command (None: the image's entrypoint).")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the server.")
+    env_from_secret: str | None = Field(
+        None, description="Name of a Secret whose keys become environment variables (e.g. S3 credentials)."
+    )
+    image_pull_secret: str | None = Field(None, description="Name of the Secret used to pull the image.")
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field(
+        "IfNotPresent", description="When the node pulls the image (it is pinned by digest: IfNotPresent is safe)."
+    )
+    max_surge: str | int = Field("25%", description="Rolling update: extra replicas while the new version starts.")
+    max_unavailable: str | int = Field(
+        0, description="Rolling update: replicas that may be unavailable (0: the old version serves until replaced)."
+    )
+    termination_grace_seconds: int = Field(
+        30, ge=0, description="How long a replica may drain after SIGTERM before it is killed."
+    )
+    host_path_mounts: dict[str, str] = Field(
+        default_factory=dict, description="Node directories mounted read-only into the pod, node path → pod path."
+    )
+    progress_deadline_seconds: int = Field(
+        600, ge=10, description="Deployment progressDeadlineSeconds: no progress for this long fails the rollout."
+    )
+    rollout_timeout_seconds: float | None = Field(
+        None, gt=0, description="How long we watch a rollout (None: the spec's ready_timeout_seconds + 60)."
+    )
+    autoscale_max_replicas: int | None = Field(
+        None, ge=1, description="Create an HPA from the spec's replicas up to this many (None: no HPA)."
+    )
+    autoscale_cpu_percent: int = Field(80, ge=1, le=100, description="HPA target CPU utilization.")
+    pdb_min_available: int | str | None = Field(
+        None, description="Create a PodDisruptionBudget with this minAvailable (a count or a percentage)."
+    )
+
+    _lock: Any = PrivateAttr(default_factory=threading.RLock)
+    _api_client: KubeApi | None = PrivateAttr(None)
+    _api_for: tuple[Any, ...] | None = PrivateAttr(None)
+    _discovered: dict[str, str] | None = PrivateAttr(None)
+
+    # ---- connection ------------------------------------------------------------------------
+
+    def _api(self) -> KubeApi:
+        key = (
+            self.kubeconfig.get_secret_value() if self.kubeconfig else None, self.context,
+            self.request_timeout_seconds, self.api_retries,
+        )  # fmt: skip
+        with self._lock:
+            if self._api_client is None or self._api_for != key:
+                conn: Connection = (
+                    connection_from_kubeconfig(key[0], self.context) if key[0] else connection_in_cluster()
+                )
+                if self._api_client is not None:
+                    self._api_client.close()
+                self._api_client = KubeApi(conn, timeout=self.request_timeout_seconds, retries=self.api_retries)
+                self._api_for = key
+                self._discovered = None
+            return self._api_client
+
+    def _options(self, **overrides: Any) -> manifests.ManifestOptions:
+        fields = {
+            name: getattr(self, name)
+            for name in manifests.ManifestOptions.model_fields
+            if name in type(self).model_fields
+        }
+        return manifests.options(**{**fields, **overrides})
+
+    # ---- ServingBackend ----------------------------------------------------------------------
+
+    def validate(self, spec: ServingSpec) -> None:
+        """Everything checkable without the cluster: names, quantities, MIG profile, HPA bounds."""
+        if spec.mig_profile is not None and spec.mig_profile not in MIG_PROFILES:
+            raise ConfigurationError(
+                f"mig_profile={spec.mig_profile!r} is not a MIG profile; use one of: {', '.join(MIG_PROFILES)}"
+            )
+        if spec.mig_profile and spec.gpus:
+            raise ConfigurationError("set either gpus or mig_profile, not both")
+        manifests.service_object_name(spec)
+        opts = self._options()
+        if opts.autoscale_max_replicas is not None and opts.autoscale_max_replicas < spec.replicas:
+            raise ConfigurationError(
+                f"autoscale_max_replicas={opts.autoscale_max_replicas} is below replicas={spec.replicas}"
+            )
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$", self.field_manager):
+            raise ConfigurationError(
+                f"field_manager={self.field_manager!r}: use 1-128 letters, digits, '.', '_', ':' or '-'"
+            )
+
+    def preflight(self, spec: ServingSpec) -> None:
+        """Read-only checks against the cluster: the namespace exists, a node offers the GPU resource."""
+        self.validate(spec)
+        api = self._api()
+        if api.get_or_none(f"/api/v1/namespaces/{self.namespace}") is None:
+            raise ConfigurationError(
+                f"namespace={self.namespace!r} does not exist in the cluster: create it "
+                f"(kubectl create namespace {self.namespace}) or set the block's namespace"
+            )
+        request = manifests.gpu_request(spec, self._options())
+        if request is None:
+            return
+        resource, count = request
+        nodes = api.get("/api/v1/nodes").get("items", [])
+        offered: list[str] = []
+        for node in nodes:
+            labels = node.get("metadata", {}).get("labels", {})
+            allocatable = node.get("status", {}).get("allocatable", {})
+            gpuish = {k: v for k, v in allocatable.items() if k.startswith(("nvidia.com/", "amd.com/", "gpu"))}
+            if gpuish:
+                offered.append(
+                    f"{node['metadata']['name']}: " + ", ".join(f"{k}={v}" for k, v in sorted(gpuish.items()))
+                )
+            if node.get("spec", {}).get("unschedulable"):
+                continue
+            if any(labels.get(k) != v for k, v in self.node_selector.items()):
+                continue
+            if _count(allocatable.get(resource, "0")) >= count:
+                return
+        want = f"mig_profile={spec.mig_profile!r}" if spec.mig_profile else f"gpus={spec.gpus}"
+        raise ConfigurationError(
+            f"no schedulable node{' matching node_selector ' + str(self.node_selector) if self.node_selector else ''} "
+            f"offers {count} × {resource} ({want}); nodes with accelerators: {'; '.join(offered) or 'none'}. "
+            "Ask for a resource a node offers (gpus, mig_profile, or the block's gpu_resource for time-sliced GPUs), "
+            "or add such a node (NVIDIA device plugin; MIG strategy 'mixed' for MIG resources)"
+        )
+
+    def deploy(self, spec: ServingSpec, release: Release) -> Endpoint:
+        self.validate(spec)
+        image = release.image.reference if release.image else None
+        manifests.check_image(image)
+        self.preflight(spec)
+        api = self._api()
+        opts = self._options(**self._discover_versions())
+        objects = manifests.build_manifests(
+            spec, model_name=release.model_name, version=release.version, model_uri=release.model_uri,
+            image=image, opts=opts,
+        )  # fmt: skip
+        log = _logger()
+        name = manifests.service_object_name(spec)
+        dep_path = self._path("Deployment", "apps/v1", name)
+        before = api.get_or_none(dep_path)
+        previous_version = _annotation(before, manifests.MODEL_VERSION_ANNOTATION) if before else None
+
+        after = api.apply(dep_path, objects["deployment"], field_manager=self.field_manager, force=self.force_conflicts)
+        for key in ("service", "hpa", "pdb"):
+            if key in objects:
+                obj = objects[key]
+                api.apply(self._path(obj["kind"], obj["apiVersion"], name), obj, field_manager=self.field_manager,
+                          force=self.force_conflicts)  # fmt: skip
+        changed = before is None or after["metadata"]["generation"] != before["metadata"]["generation"]
+        log.info(
+            "%s/%s: applied v%s (%s)", self.namespace, name, release.version,
+            f"generation {after['metadata']['generation']}" if changed else "no change",
+        )  # fmt: skip
+
+        timeout = self.rollout_timeout_seconds or spec.ready_timeout_seconds + 60
+        state = self._watch(name, timeout)
+        if state.phase == "done":
+            return self._endpoint(spec, release.version, previous_version, changed=changed, state=state)
+
+        # The new version failed: back to the previous revision's pod template.
+        current = api.get(dep_path)
+        replicasets = self._replicasets(name)
+        previous_rs = rollout.previous_replicaset(current, replicasets)
+        failure = f"v{release.version} of {self.namespace}/{name} failed to roll out: {state.message}"
+        if previous_rs is None:
+            raise DeployFailed(
+                f"{failure}. There is no previous revision to roll back to; the Deployment is left as is "
+                f"for inspection (kubectl -n {self.namespace} describe deployment {name})"
+            )
+        old_version = previous_rs["spec"]["template"]["metadata"].get("annotations", {}).get(
+            manifests.MODEL_VERSION_ANNOTATION, "?"
+        )
+        log.warning("%s; rolling back to v%s (revision %s)", failure, old_version, rollout.revision_of(previous_rs))
+        api.apply(dep_path, _rollback_manifest(objects["deployment"], previous_rs), field_manager=self.field_manager,
+                  force=self.force_conflicts)  # fmt: skip
+        back = self._watch(name, timeout)
+        if back.phase != "done":
+            raise DeployFailed(f"{failure}. Rolling back to v{old_version} did not finish either: {back.message}")
+        raise RolledBack(
+            f"{failure}. Rolled back automatically: v{old_version} is available again "
+            f"({back.available}/{back.desired} replicas)",
+            failed_version=release.version, rolled_back_to=old_version, reason=state.reason,
+        )
+
+    def current(self, service: str) -> dict[str, Any] | None:
+        spec = ServingSpec(service_name=service)
+        name = manifests.service_object_name(spec)
+        dep = self._api().get_or_none(self._path("Deployment", "apps/v1", name))
+        if dep is None:
+            return None
+        status = dep.get("status", {})
+        return {
+            "version": _annotation(dep, manifests.MODEL_VERSION_ANNOTATION),
+            "model_uri": _annotation(dep, manifests.MODEL_URI_ANNOTATION),
+            "model_name": _annotation(dep, manifests.MODEL_NAME_ANNOTATION),
+            "url": self._url(name),
+            "revision": _annotation(dep, rollout.REVISION_ANNOTATION),
+            "generation": dep["metadata"].get("generation"),
+            "replicas": dep.get("spec", {}).get("replicas"),
+            "available_replicas": status.get("availableReplicas", 0),
+            "image": dep["spec"]["template"]["spec"]["containers"][0].get("image"),
+        }
+
+    def undeploy(self, service: str) -> bool:
+        name = manifests.service_object_name(ServingSpec(service_name=service))
+        api = self._api()
+        versions = self._discover_versions()
+        for kind, version in (("HorizontalPodAutoscaler", versions["hpa_api_version"]),
+                              ("PodDisruptionBudget", versions["pdb_api_version"]), ("Service", "v1")):  # fmt: skip
+            api.delete(self._path(kind, version, name))
+        path = self._path("Deployment", "apps/v1", name)
+        existed = api.delete(path, propagationPolicy="Foreground")
+        # Foreground: the Deployment goes once its pods are gone, so "stopped" means stopped.
+        deadline = time.monotonic() + self.progress_deadline_seconds
+        interval = 0.2
+        while existed and api.get_or_none(path) is not None:
+            if time.monotonic() > deadline:
+                raise DeployFailed(
+                    f"{self.namespace}/{name} was deleted but its pods did not stop within "
+                    f"{self.progress_deadline_seconds} s (kubectl -n {self.namespace} get pods)"
+                )
+            time.sleep(interval)
+            interval = min(interval * 1.5, 2.0)
+        return existed
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _discover_versions(self) -> dict[str, str]:
+        """The HPA and PDB API versions this server serves (newest we know first)."""
+        with self._lock:
+            if self._discovered is None:
+                groups = {g["name"]: [v["version"] for v in g.get("versions", [])]
+                          for g in self._api().get("/apis").get("groups", [])}  # fmt: skip
+                found = {}
+                for group, key in (("autoscaling", "hpa_api_version"), ("policy", "pdb_api_version")):
+                    served = groups.get(group, [])
+                    version = next((v for v in _API_VERSION_PREFERENCE[group] if v in served), None)
+                    found[key] = f"{group}/{version or _API_VERSION_PREFERENCE[group][0]}"
+                    found[f"_{key}_served"] = bool(version)
+                self._discovered = found
+            needed = {"hpa_api_version": self.autoscale_max_replicas is not None,
+                      "pdb_api_version": self.pdb_min_available is not None}  # fmt: skip
+            for key, wanted in needed.items():
+                if wanted and not self._discovered[f"_{key}_served"]:
+                    group, field = (("autoscaling", "autoscale_max_replicas") if key == "hpa_api_version"
+                                    else ("policy", "pdb_min_available"))  # fmt: skip
+                    versions = ", ".join(f"{group}/{v}" for v in _API_VERSION_PREFERENCE[group])
+                    raise ConfigurationError(f"the cluster serves none of {versions}, which {field} needs; unset {field}")
+            return {k: v for k, v in self._discovered.items() if not k.startswith("_")}
+
+    def _path(self, kind: str, api_version: str, name: str | None = None) -> str:
+        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        path = f"{base}/namespaces/{self.namespace}/{_PLURALS[kind]}"
+        return f"{path}/{name}" if name else path
+
+    def _replicasets(self, name: str) -> list[dict[str, Any]]:
+        selector = manifests.label_selector(name)
+        return self._api().get(f"/apis/apps/v1/namespaces/{self.namespace}/replicasets", labelSelector=selector)["items"]
+
+    def _watch(self, name: str, timeout: float) -> rollout.RolloutState:
+        api, log = self._api(), _logger()
+        dep_path = self._path("Deployment", "apps/v1", name)
+        selector = manifests.label_selector(name)
+
+        def fetch() -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+            dep = api.get(dep_path)
+            rss = api.get(f"/apis/apps/v1/namespaces/{self.namespace}/replicasets", labelSelector=selector)["items"]
+            pods = api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector)["items"]
+            return dep, rss, pods
+
+        return rollout.watch(fetch, timeout=timeout, on_change=lambda s: log.info("%s: %s", name, s.message))
+
+    def _url(self, name: str) -> str:
+        return self.service_url or f"http://{name}.{self.namespace}.svc.cluster.local:{self.service_port}"
+
+    def _endpoint(
+        self, spec: ServingSpec, version: str, previous_version: str | None, *, changed: bool, state: rollout.RolloutState
+    ) -> Endpoint:
+        name = manifests.service_object_name(spec)
+        return Endpoint(
+            service=spec.service_name,
+            url=self._url(name),
+            model_version=version,
+            backend=self.get_block_type_slug(),
+            previous_version=previous_version,
+            detail={
+                "changed": changed, "namespace": self.namespace, "deployment": name, "revision": state.revision,
+                "available_replicas": state.available, "replicas": state.desired,
+            },
+        )  # fmt: skip
+
+
+def _annotation(obj: dict[str, Any] | None, key: str) -> str | None:
+    return (obj or {}).get("metadata", {}).get("annotations", {}).get(key)
+
+
+def _count(quantity: str | int) -> int:
+    try:
+        return int(quantity)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _rollback_manifest(desired: dict[str, Any], previous_rs: dict[str, Any]) -> dict[str, Any]:
+    """The Deployment as applied, with the previous ReplicaSet's pod template (and its version's metadata)."""
+    template = previous_rs["spec"]["template"]
+    meta = dict(template.get("metadata", {}))
+    meta["labels"] = {k: v for k, v in meta.get("labels", {}).items() if k != "pod-template-hash"}
+    meta.pop("creationTimestamp", None)
+    annotations = {k: v for k, v in meta.get("annotations", {}).items() if k.startswith(manifests.ANNOTATION_PREFIX)}
+    out = {**desired, "metadata": dict(desired["metadata"]), "spec": dict(desired["spec"])}
+    out["spec"]["template"] = {"metadata": meta, "spec": template["spec"]}
+    out["metadata"]["annotations"] = {**desired["metadata"].get("annotations", {}), **annotations}
+    out["metadata"]["labels"] = {**desired["metadata"]["labels"]}
+    version = meta["labels"].get("app.kubernetes.io/version")
+    if version:
+        out["metadata"]["labels"]["app.kubernetes.io/version"] = version
+    else:
+        out["metadata"]["labels"].pop("app.kubernetes.io/version", None)
+    return out

@@ -1,0 +1,246 @@
+"""The Kubernetes manifest builder and rollout assessment (pure): golden files, GPU/MIG resources,
+validation before any call. No cluster needed.
+
+Regenerate the golden files after an intended change with GPUFERRY_UPDATE_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from blocks import k8s_manifests as m
+from blocks import k8s_rollout as r
+from blocks.errors import ConfigurationError
+from blocks.kubernetes import KubernetesCluster
+from blocks.serving import Release
+from blocks.specs import ImageRef, ServingSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+IMAGE = "registry.example.com/gpuferry/serve@sha256:" + "ab" * 32
+
+
+def build(spec: ServingSpec, version: str = "3", image: str | None = IMAGE, **opts: object) -> dict:
+    return m.build_manifests(
+        spec, model_name="digits-mlp", version=version, model_uri="s3://models/digits/v3", image=image,
+        opts=m.options(**opts),
+    )  # fmt: skip
+
+
+def check_golden(name: str, obj: object) -> None:
+    path = GOLDEN / f"{name}.json"
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("GPUFERRY_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with GPUFERRY_UPDATE_GOLDEN=1 once"
+    assert text == path.read_text(), f"{name} differs from {path} (GPUFERRY_UPDATE_GOLDEN=1 after an intended change)"
+
+
+def env_of(deployment: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_golden_mig_deployment_with_hpa_and_pdb() -> None:
+    spec = ServingSpec(service_name="digits", replicas=2, mig_profile="1g.10gb", max_batch_size=32)
+    objs = build(spec, namespace="serving", node_selector={"nvidia.com/gpu.present": "true"},
+                 autoscale_max_replicas=6, pdb_min_available=1, hpa_api_version="autoscaling/v2beta2",
+                 pdb_api_version="policy/v1beta1")  # fmt: skip
+    assert set(objs) == {"deployment", "service", "hpa", "pdb"}
+    check_golden("k8s_mig_hpa_pdb", objs)
+
+
+def test_golden_cpu_deployment() -> None:
+    check_golden("k8s_cpu", build(ServingSpec(service_name="digits")))
+
+
+def test_whole_gpus_limits_toleration_and_env() -> None:
+    spec = ServingSpec(service_name="digits", replicas=3, gpus=2, max_batch_wait_ms=1.5, max_queue=100)
+    dep = build(spec)["deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "nvidia.com/gpu" not in container["resources"].get("requests", {})
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert container["image"] == IMAGE
+    assert dep["spec"]["replicas"] == 3
+    env = env_of(dep)
+    assert env["MODEL_URI"] == "s3://models/digits/v3"
+    assert env["MAX_BATCH_WAIT_MS"] == "1.5" and env["MAX_QUEUE"] == "100" and env["PORT"] == "8080"
+    assert "CUDA_VISIBLE_DEVICES" not in env  # only CPU replicas hide the GPUs
+
+
+def test_time_sliced_resource_name() -> None:
+    dep = build(ServingSpec(gpus=1), gpu_resource="nvidia.com/gpu.shared")["deployment"]
+    limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu.shared"] == "1" and "nvidia.com/gpu" not in limits
+
+
+def test_mig_profile_resource() -> None:
+    dep = build(ServingSpec(mig_profile="3g.40gb"))["deployment"]
+    limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"memory": "2Gi", "nvidia.com/mig-3g.40gb": "1"}
+
+
+def test_probes_labels_annotations_and_service() -> None:
+    objs = build(ServingSpec(service_name="digits", ready_timeout_seconds=90), version="7")
+    dep, svc = objs["deployment"], objs["service"]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 90
+    template_meta = dep["spec"]["template"]["metadata"]
+    assert template_meta["labels"]["app.kubernetes.io/version"] == "7"
+    assert template_meta["annotations"][m.MODEL_VERSION_ANNOTATION] == "7"
+    assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "7"
+    # The selector never carries the version (it is immutable); the Service selects all versions.
+    assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"] == {
+        "app.kubernetes.io/name": "digits", "app.kubernetes.io/instance": "digits"}  # fmt: skip
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_hpa_owns_replicas() -> None:
+    dep = build(ServingSpec(replicas=2), autoscale_max_replicas=4)["deployment"]
+    assert "replicas" not in dep["spec"]
+
+
+def test_no_image_is_a_clear_error() -> None:
+    with pytest.raises(ConfigurationError, match="Kubernetes needs an image"):
+        build(ServingSpec(), image=None)
+
+
+def test_image_must_be_pinned_by_digest() -> None:
+    with pytest.raises(ConfigurationError, match="not pinned by digest"):
+        build(ServingSpec(), image="registry.example.com/gpuferry/serve:latest")
+
+
+def test_unknown_option_lists_valid_ones() -> None:
+    with pytest.raises(ConfigurationError, match=r"unknown manifest option\(s\) gpu_resouce; valid: .*gpu_resource"):
+        m.options(gpu_resouce="nvidia.com/gpu")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("memory_limit", "2 GB", "memory_limit"), ("namespace", "Serving", "namespace"),
+     ("gpu_resource", "gpu", "gpu_resource"), ("host_path_mounts", {"models": "/models"}, "absolute")],
+)  # fmt: skip
+def test_bad_options_name_the_field(field: str, value: object, match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        m.options(**{field: value})
+
+
+def test_mig_profile_typo_rejected_by_the_spec() -> None:
+    with pytest.raises(ValidationError, match="1g.10g' is not a MIG profile"):
+        ServingSpec(mig_profile="1g.10g")
+
+
+def test_block_validate_rejects_bad_input_without_a_cluster() -> None:
+    # No kubeconfig and not in a pod: any API call would fail; validate makes none.
+    block = KubernetesCluster(memory_limit="2Gi")
+    block.validate(ServingSpec(mig_profile="1g.10gb"))
+    with pytest.raises(ConfigurationError, match="not a MIG profile"):
+        block.validate(ServingSpec.model_construct(**{**ServingSpec().model_dump(), "mig_profile": "1g.10g"}))
+    with pytest.raises(ConfigurationError, match="autoscale_max_replicas=1 is below replicas=2"):
+        KubernetesCluster(autoscale_max_replicas=1).validate(ServingSpec(replicas=2))
+    with pytest.raises(ConfigurationError, match="memory_request"):
+        KubernetesCluster(memory_request="lots").validate(ServingSpec())
+
+
+def test_deploy_without_image_fails_before_any_call() -> None:
+    block = KubernetesCluster()  # in-cluster config is not available here: a call would fail differently
+    release = Release(model_name="digits-mlp", version="1", model_uri="s3://m/1",
+                      image=ImageRef(builder="current-environment", content_tag="x"))  # fmt: skip
+    with pytest.raises(ConfigurationError, match="Kubernetes needs an image"):
+        block.deploy(ServingSpec(), release)
+
+
+def test_service_name_must_fit_a_dns_label() -> None:
+    with pytest.raises(ConfigurationError, match="service_name='-x'|cannot be a Kubernetes object name"):
+        m.service_object_name(ServingSpec.model_construct(service_name="-x"))
+    assert m.service_object_name(ServingSpec(service_name="Digits_v2")) == "digits-v2"
+
+
+# ---- rollout assessment --------------------------------------------------------------------------
+
+
+def _dep(generation: int = 2, observed: int = 2, replicas: int = 2, updated: int = 2, available: int = 2,
+         total: int | None = None, revision: str = "2", conditions: list | None = None) -> dict:  # fmt: skip
+    return {
+        "metadata": {"name": "digits", "namespace": "default", "uid": "dep", "generation": generation,
+                     "annotations": {r.REVISION_ANNOTATION: revision}},
+        "spec": {"replicas": replicas},
+        "status": {"observedGeneration": observed, "replicas": updated if total is None else total,
+                   "updatedReplicas": updated, "availableReplicas": available, "conditions": conditions or []},
+    }  # fmt: skip
+
+
+def _rs(uid: str, revision: str) -> dict:
+    return {"metadata": {"uid": uid, "ownerReferences": [{"uid": "dep"}], "annotations": {r.REVISION_ANNOTATION: revision}},
+            "spec": {"template": {"metadata": {}, "spec": {}}}}  # fmt: skip
+
+
+def _pod(owner: str, waiting: str | None = None, last: dict | None = None) -> dict:
+    status = {"image": IMAGE, "state": {"waiting": {"reason": waiting, "message": "boom"}} if waiting else {"running": {}}}
+    if last:
+        status["lastState"] = {"terminated": last}
+    return {"metadata": {"name": f"p-{owner}", "ownerReferences": [{"uid": owner}]},
+            "status": {"phase": "Pending", "containerStatuses": [status]}}  # fmt: skip
+
+
+RSS = [_rs("rs1", "1"), _rs("rs2", "2")]
+
+
+def test_rollout_done_and_progressing() -> None:
+    assert r.assess(_dep(), RSS, [_pod("rs2")]).phase == "done"
+    assert r.assess(_dep(observed=1), RSS, []).message.startswith("waiting for the controller")
+    assert r.assess(_dep(updated=1, available=1), RSS, []).phase == "progressing"
+    assert "old replicas" in r.assess(_dep(total=3), RSS, []).message
+    assert r.assess(_dep(available=1), RSS, []).phase == "progressing"
+
+
+@pytest.mark.parametrize(
+    ("waiting", "last", "reason", "hint"),
+    [("ImagePullBackOff", None, "ImagePullBackOff", "cannot pull image"),
+     ("CrashLoopBackOff", {"exitCode": 3, "reason": "Error"}, "CrashLoopBackOff", "exit code 3"),
+     (None, {"exitCode": 137, "reason": "OOMKilled"}, "OOMKilled", "raise memory_limit"),
+     ("CreateContainerConfigError", None, "CreateContainerConfigError", "Secret or ConfigMap")],
+)  # fmt: skip
+def test_pod_reasons_fail_the_rollout(waiting: str | None, last: dict | None, reason: str, hint: str) -> None:
+    state = r.assess(_dep(updated=1, available=0), RSS, [_pod("rs2", waiting, last)])
+    assert state.phase == "failed" and state.reason == reason and hint in state.message
+
+
+def test_old_pods_problems_do_not_fail_the_new_rollout() -> None:
+    assert r.assess(_dep(), RSS, [_pod("rs1", "CrashLoopBackOff"), _pod("rs2")]).phase == "done"
+
+
+def test_err_image_pull_waits_for_the_backoff() -> None:
+    assert r.assess(_dep(updated=1, available=0), RSS, [_pod("rs2", "ErrImagePull")]).phase == "progressing"
+
+
+def test_progress_deadline_exceeded() -> None:
+    cond = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "timed out"}]
+    state = r.assess(_dep(updated=1, available=0, conditions=cond), RSS, [])
+    assert state.phase == "failed" and state.reason == "ProgressDeadlineExceeded"
+
+
+def test_previous_replicaset() -> None:
+    assert r.previous_replicaset(_dep(revision="2"), RSS)["metadata"]["uid"] == "rs1"
+    assert r.previous_replicaset(_dep(revision="1"), RSS) is None
+
+
+def test_watch_times_out_with_the_last_state() -> None:
+    state = r.watch(lambda: (_dep(updated=0, available=0), RSS, []), timeout=0.3, first_interval=0.05)
+    assert state.phase == "failed" and state.reason == "Timeout" and "0 of 2 replicas updated" in state.message
+
+
+def test_every_block_field_is_described_for_the_ui() -> None:
+    missing = [n for n, f in KubernetesCluster.model_fields.items() if not f.description]
+    assert not missing, f"fields without description=: {missing}"
+    assert KubernetesCluster.model_json_schema()["secret_fields"] == ["kubeconfig"]
+    # The manifest knobs the block exposes are exactly ManifestOptions' (the versions come from discovery).
+    assert set(m.ManifestOptions.model_fields) - set(KubernetesCluster.model_fields) == {"hpa_api_version", "pdb_api_version"}
