@@ -25,29 +25,35 @@ import base64
 import hashlib
 import io
 import json
+import logging
 import posixpath
 import select
 import shlex
 import socket
 import subprocess
+import tarfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import paramiko
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks.compute import ComputeBackend
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.slurm_script import ADDITIONAL_DIRECTIVES, check_name, sbatch_script
-from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.specs import TERMINAL_STATES, JobHandle, JobResult, JobStatus, TrainingJob
 from workload import contract
 
 KEY_COMMENT_PREFIX = "gpuferry-key:"
 SCRIPT_NAME = "job.sbatch"
 SECRETS_NAME = ".secret.env"
+TASKS_NAME = "tasks.json"
+TASKS_DIR = "tasks"
 
 # Slurm job states -> ours. PREEMPTED / NODE_FAIL depend on whether the job will be requeued.
 _PENDING = {"PENDING", "CONFIGURING", "SUSPENDED", "RESV_DEL_HOLD", "RESIZING", "POWER_UP_NODE", "STOPPED"}
@@ -101,6 +107,13 @@ def _sacct_exit(text: str) -> int | None:
     except ValueError:
         return None
     return 128 + signal if signal else code
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("gpuferry.slurm")
 
 
 class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
@@ -165,6 +178,10 @@ class SlurmCluster(ComputeBackend):
     )
     adopt_lookback_days: int = Field(30, ge=1, description="How far back sacct is searched for a job to adopt.")
     poll_interval_start: float = Field(0.5, gt=0, description="First wait between two polls, in seconds.")
+    outage_tolerance_seconds: float = Field(
+        600.0, ge=0, description="How long watch() keeps polling through a controller restart or SSH outage "
+        "(the jobs keep running) before it gives up with a transient error.",
+    )
 
     _lock: Any = PrivateAttr(default_factory=threading.RLock)
     _client: paramiko.SSHClient | None = PrivateAttr(None)
@@ -467,15 +484,14 @@ class SlurmCluster(ComputeBackend):
             options["additional"] = dict(self.additional_directives)
         return options
 
-    def _script_for_job(self, job: TrainingJob) -> str:
+    def _script_for_job(self, job: TrainingJob, *, array_size: int | None = None,
+                        parallelism: int | None = None) -> str:  # fmt: skip
         res = job.resources
         workdir = job.workdir
-        env = {
-            **job.env,
-            contract.CHECKPOINT_DIR: posixpath.join(workdir, "checkpoints"),
-            contract.PROGRESS_FILE: posixpath.join(workdir, "progress.json"),
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = {**job.env, "PYTHONUNBUFFERED": "1"}
+        if array_size is None:
+            env[contract.CHECKPOINT_DIR] = posixpath.join(workdir, "checkpoints")
+            env[contract.PROGRESS_FILE] = posixpath.join(workdir, "progress.json")
         options = self._common_options()
         if res.partition:
             options["partition"] = res.partition
@@ -494,11 +510,100 @@ class SlurmCluster(ComputeBackend):
             options["signal"] = self.warning_signal
         if torchrun:
             options.update(torchrun_nproc_per_node=res.processes_per_node, rdzv_port=self.rdzv_port)
+        if array_size is not None:
+            # One array task per configuration; each exports its own settings (checkpoint dir, progress
+            # file, hyperparameters, MLflow run) from tasks/<index>.env, written next to the script.
+            options.update(
+                array=f"0-{array_size - 1}", array_parallelism=parallelism,
+                output=posixpath.join(workdir, "task-%a.log"),
+                array_env_dir=posixpath.join(workdir, TASKS_DIR),
+            )  # fmt: skip
         return sbatch_script([self.python, script], workdir=workdir, **options)
 
     def submit(self, job: TrainingJob) -> JobHandle:
         self.validate_job(job)
         return self._submit(job.key, job.workdir, self._script_for_job(job), array=False)
+
+    # ---- sweeps: one job array, one environment per task ------------------------------------------
+
+    @staticmethod
+    def task_dir(workdir: str, index: int) -> str:
+        """The directory array task ``index`` of a sweep owns (its checkpoints and progress)."""
+        return posixpath.join(workdir, f"task-{index}")
+
+    def submit_sweep(self, job: TrainingJob, tasks: Sequence[Mapping[str, str]], *,
+                     parallelism: int | None = None) -> JobHandle:  # fmt: skip
+        """Run ``job`` once per entry of ``tasks`` as ONE job array (task ``i`` gets ``tasks[i]`` on
+        top of ``job.env``, and its own checkpoint directory and progress file under ``task_dir``).
+
+        Idempotent by ``job.key`` like ``submit``. ``parallelism`` throttles how many tasks run at once
+        (``--array=0-N%P``). Next to the script go ``tasks.json`` (every task's settings, for people)
+        and ``tasks/<index>.env`` (NUL-separated NAME=value words), which task ``SLURM_ARRAY_TASK_ID``
+        exports without starting any program; they arrive as one tar, unpacked in one command.
+        The settings are not secrets (use secret_env for those).
+        """
+        self.validate_job(job)
+        if not tasks:
+            raise ConfigurationError("a sweep needs at least one task")
+        entries = []
+        for index, task_env in enumerate(tasks):
+            for name, value in task_env.items():
+                if not isinstance(name, str) or not name.isidentifier() or not name.isascii():
+                    raise ConfigurationError(f"task {index}: environment name {name!r} is not a variable name")
+                if not isinstance(value, str) or "\x00" in value:
+                    raise ConfigurationError(f"task {index}: {name} must be a string without NUL bytes")
+            task_dir = self.task_dir(job.workdir, index)
+            entries.append({
+                **task_env,
+                contract.CHECKPOINT_DIR: posixpath.join(task_dir, "checkpoints"),
+                contract.PROGRESS_FILE: posixpath.join(task_dir, "progress.json"),
+            })  # fmt: skip
+        script = self._script_for_job(job, array_size=len(tasks), parallelism=parallelism)
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            for index, entry in enumerate(entries):
+                data = "".join(f"{name}={value}\0" for name, value in entry.items()).encode()
+                info = tarfile.TarInfo(f"{TASKS_DIR}/{index}.env")
+                info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        files = {TASKS_NAME: json.dumps(entries, indent=1).encode(), TASKS_DIR + ".tar": archive.getvalue()}
+        return self._submit(job.key, job.workdir, script, array=True, files=files, unpack=TASKS_DIR + ".tar")
+
+    def array_tasks(self, handle: JobHandle, size: int, *, wait_seconds: float = 60.0) -> dict[int, JobStatus]:
+        """The final state of each of the ``size`` tasks of a finished array, in one query per try.
+
+        The controller's records come first (it keeps finished tasks for MinJobAge); tasks it has
+        forgotten are read from sacct, which lags: this waits up to ``wait_seconds`` for all of them.
+        """
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            found: dict[int, JobStatus] = {}
+            for record in self._squeue():
+                if str(record.get("array_job_id") or "") == handle.job_id and record.get("array_task_id") is not None:
+                    status = self._from_squeue(record)
+                    if status.terminal:
+                        found[int(record["array_task_id"])] = status
+            if len(found) < size:
+                _, out, _ = self.run([
+                    "sacct", "-X", "-n", "-P", "-j", handle.job_id,
+                    "--format=JobIDRaw,JobID,State,ExitCode,ElapsedRaw,Reason",
+                ])  # fmt: skip
+                for line in out.splitlines():
+                    parts = line.split("|")
+                    if len(parts) < 6 or "_" not in parts[1] or not parts[1].split("_", 1)[1].isdigit():
+                        continue
+                    index = int(parts[1].split("_", 1)[1])
+                    exit_code = _sacct_exit(parts[3])
+                    state, why = map_state(parts[2], requeue=False, exit_code=exit_code)
+                    if index not in found and state in TERMINAL_STATES:
+                        found[index] = JobStatus(job_id=parts[1], state=state, exit_code=exit_code, reason=why,
+                                                 elapsed_seconds=float(parts[4] or 0))  # fmt: skip
+            if len(found) >= size or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        return {i: found.get(i, JobStatus(job_id=f"{handle.job_id}_{i}", state="FAILED",
+                                          reason="no final state recorded for this array task"))  # fmt: skip
+                for i in range(size)}
 
     def submit_command(
         self, key: str, command: Sequence[str], *, workdir: str | None = None,
@@ -528,12 +633,19 @@ class SlurmCluster(ComputeBackend):
         return self._submit(key, workdir, script, array=array, secret_env=secret_env)
 
     def _submit(self, key: str, workdir: str, script: str, *, array: bool,
-                secret_env: Mapping[str, SecretStr] | None = None) -> JobHandle:  # fmt: skip
+                secret_env: Mapping[str, SecretStr] | None = None,
+                files: Mapping[str, bytes] | None = None, unpack: str | None = None) -> JobHandle:  # fmt: skip
         log = posixpath.join(workdir, "task-%a.log" if array else "job.log")
         existing = self.find_job(key)
         if existing is not None:
             return self._handle(existing, key, workdir, log)
         self._mkdir(workdir)
+        for name, data in (files or {}).items():
+            self._write(posixpath.join(workdir, name), data, 0o644)
+        if unpack is not None:
+            archive = posixpath.join(workdir, unpack)
+            self.run(["tar", "-x", "--no-same-owner", "-f", archive, "-C", workdir])
+            self.run(["rm", "-f", "--", archive])
         if secret_env:
             for name in secret_env:
                 if not name.isidentifier():
@@ -577,9 +689,17 @@ class SlurmCluster(ComputeBackend):
     def _squeue(self) -> list[dict[str, Any]]:
         _, out, _ = self.run(["squeue", "--json"])
         try:
-            return json.loads(out).get("jobs", [])
+            data = json.loads(out)
         except json.JSONDecodeError as exc:
             raise TransientError(f"squeue --json returned unreadable output: {out[:200]!r}") from exc
+        # 22.05 exits 0 with no jobs and an "errors" list when it cannot reach the controller: that
+        # empty list is not "no jobs" (adopting by key and polling would be wrong), it is an outage.
+        errors = data.get("errors") or []
+        if errors:
+            detail = "; ".join(f"{e.get('source', '')}: {e.get('description', '')} ({e.get('error', '')})"
+                               for e in errors if isinstance(e, dict)) or str(errors)[:200]  # fmt: skip
+            raise TransientError(f"squeue --json could not read the controller's jobs: {detail}")
+        return data.get("jobs", [])
 
     def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
         handles = list(handles)
@@ -680,6 +800,63 @@ class SlurmCluster(ComputeBackend):
     def cancel(self, handle: JobHandle) -> None:
         self.run(["scancel", handle.job_id])
 
+    def watch(
+        self,
+        handle: JobHandle,
+        *,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+        on_output: Callable[[str], None] | None = None,
+        timeout_seconds: float | None = None,
+    ) -> JobStatus:
+        """Poll until the job is terminal, streaming its output and progress (see ``ComputeBackend.watch``).
+
+        A controller restart or a dropped SSH connection does not end the watch: Slurm keeps the job
+        running, so transient errors are logged and polling goes on, for up to
+        ``outage_tolerance_seconds`` in a row.
+        """
+        interval = self.poll_interval_start
+        offset = 0
+        last_progress: dict[str, Any] | None = None
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        outage_since: float | None = None
+        while True:
+            try:
+                status = self.poll([handle])[handle.job_id]
+                if on_output is not None:
+                    text, offset = self.read_log(handle, offset)
+                    if text:
+                        on_output(text)
+                progress = self.read_progress(handle)
+            except TransientError as exc:
+                now = time.monotonic()
+                outage_since = outage_since or now
+                if now - outage_since > self.outage_tolerance_seconds:
+                    raise TransientError(
+                        f"job {handle.job_id}: the cluster did not answer for {now - outage_since:.0f} s "
+                        f"(outage_tolerance_seconds={self.outage_tolerance_seconds:.0f}); last error: {exc}"
+                    ) from exc
+                _logger().warning("job %s: cannot poll Slurm (%s); still trying", handle.job_id, exc)
+                time.sleep(min(interval, self.poll_interval_max))
+                interval = min(interval * 1.5, self.poll_interval_max)
+                continue
+            if outage_since is not None:
+                _logger().info("job %s: Slurm answers again after %.0f s", handle.job_id,
+                               time.monotonic() - outage_since)  # fmt: skip
+                outage_since = None
+            if on_progress is not None and progress and progress != last_progress:
+                on_progress(progress)
+                last_progress = progress
+            if status.terminal:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                self.cancel(handle)
+                raise JobFailed(
+                    f"job {handle.job_id} ran past the {timeout_seconds:.0f} s deadline and was cancelled",
+                    state="TIMEOUT", log_tail=self.log_tail(handle),
+                )  # fmt: skip
+            time.sleep(interval)
+            interval = min(interval * 1.5, self.poll_interval_max)
+
     # ---- accounting ------------------------------------------------------------------------
 
     def accounting(self, handle: JobHandle, *, wait_seconds: float = 30.0) -> dict[str, float]:
@@ -700,6 +877,32 @@ class SlurmCluster(ComputeBackend):
             if settled or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
+        return self._usage(rows)
+
+    def array_accounting(self, handle: JobHandle, size: int, *, wait_seconds: float = 60.0) -> dict[int, dict[str, float]]:
+        """``accounting`` for each task of an array (every attempt of each), in one sacct per try."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            _, out, _ = self.run([
+                "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id,
+                "--format=JobIDRaw,JobID,State,ElapsedRaw,AllocTRES,NCPUS",
+            ])  # fmt: skip
+            per_task: dict[int, list[list[str]]] = {}
+            for line in out.splitlines():
+                row = line.split("|")
+                if len(row) >= 6 and "_" in row[1] and row[1].split("_", 1)[1].isdigit():
+                    per_task.setdefault(int(row[1].split("_", 1)[1]), []).append(row)
+            settled = len(per_task) >= size and all(
+                r[2].split()[0] in self._TERMINAL_SLURM or r[2].startswith("REQUEUED")
+                for rows in per_task.values() for r in rows
+            )  # fmt: skip
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        return {i: self._usage(per_task.get(i, [])) for i in range(size)}
+
+    @staticmethod
+    def _usage(rows: list[list[str]]) -> dict[str, float]:
         gpu_s = cpu_s = wall = 0.0
         requeues = 0
         for _raw, _jid, state, elapsed_text, tres, ncpus in (r[:6] for r in rows):

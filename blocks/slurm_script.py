@@ -20,7 +20,10 @@ Launch modes:
 
 A program that exits with ``requeue_exit_code`` (the contract's ``EXIT_PREEMPTED``: it saved a
 checkpoint on the warning signal) is requeued with ``scontrol requeue`` while
-``SLURM_RESTART_COUNT`` is below ``max_requeues``, and resumes from its checkpoint.
+``SLURM_RESTART_COUNT`` is below ``max_requeues``, and resumes from its checkpoint. Not when the
+batch shell itself got TERM: that is Slurm ending the job — a preemption (``PreemptMode=REQUEUE``
+requeues it already: requeueing it here too would count a second restart), a ``scancel`` (which
+must stay cancelled) or the time limit.
 """
 
 from __future__ import annotations
@@ -80,9 +83,9 @@ SBATCH_OPTIONS: tuple[str, ...] = (
     "dependency", "signal", "requeue", "additional",
 )  # fmt: skip
 SCRIPT_OPTIONS: tuple[str, ...] = (
-    "env", "secret_env_file", "torchrun_nproc_per_node", "rdzv_port", "requeue_exit_code", "max_requeues",
+    "env", "secret_env_file", "array_env_dir", "torchrun_nproc_per_node", "rdzv_port", "requeue_exit_code",
+    "max_requeues",
 )  # fmt: skip
-
 
 def _fail(option: str, value: Any, allowed: str) -> None:
     raise ConfigurationError(f"sbatch option {option}={value!r} is not allowed: use {allowed}")
@@ -197,7 +200,8 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
     time (minutes or D-HH:MM:SS), partition, account, qos, job_name, comment, output, error,
     open_mode, array, array_parallelism, dependency, signal, requeue, additional (allow-listed
     directives). Script options: env (exported variables), secret_env_file (sourced, never
-    inlined), torchrun_nproc_per_node, rdzv_port, requeue_exit_code, max_requeues.
+    inlined), array_env_dir (array task i exports the NUL-separated NAME=value words of
+    ``<dir>/<i>.env``), torchrun_nproc_per_node, rdzv_port, requeue_exit_code, max_requeues.
     """
     unknown = sorted(set(options) - set(SBATCH_OPTIONS) - set(SCRIPT_OPTIONS))
     if unknown:
@@ -218,6 +222,17 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
     if options.get("secret_env_file") is not None:
         path = _check("secret_env_file", options["secret_env_file"], _PATH, "an absolute path (no spaces)")
         lines.append(f"set -a; . {shlex.quote(path)}; set +a   # secrets: sent separately, mode 0600")
+    if options.get("array_env_dir") is not None:
+        if options.get("array") is None:
+            raise ConfigurationError("array_env_dir needs array (it holds one environment per array task)")
+        path = _check("array_env_dir", options["array_env_dir"], _PATH, "an absolute path (no spaces)")
+        # NAME=value words, NUL-terminated, exported as they are: no shell ever parses a value.
+        lines += [
+            "# This array task's own settings: the NAME=value words (NUL-separated) of <task id>.env.",
+            f"mapfile -d '' -t task_env < {shlex.quote(path)}/\"$SLURM_ARRAY_TASK_ID.env\" ||",
+            '  { echo "array task $SLURM_ARRAY_TASK_ID: cannot read its settings" >&2; exit 1; }',
+            '[ "${#task_env[@]}" -eq 0 ] || export "${task_env[@]}"',
+        ]
 
     nproc = options.get("torchrun_nproc_per_node")
     nodes = options.get("nodes", 1)
@@ -246,12 +261,15 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
                 '--nnodes="$SLURM_JOB_NUM_NODES" --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" '
                 f'--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" {shlex.join(program)}'
             )
-    # The batch shell forwards the warning signal (--signal=B:...) and preemption's TERM to the program.
+    # The batch shell forwards the warning signal (--signal=B:...) and Slurm's TERM to the program.
+    # A TERM to the batch shell means Slurm itself is ending the job (preemption, which Slurm
+    # requeues; scancel; the time limit): the script must then not requeue the job a second time.
     lines += [
+        "slurm_stopped=0",
         f"{launch} &",
         "child=$!",
         "trap 'kill -USR1 \"$child\" 2>/dev/null' USR1",
-        "trap 'kill -TERM \"$child\" 2>/dev/null' TERM",
+        "trap 'slurm_stopped=1; kill -TERM \"$child\" 2>/dev/null' TERM",
         'while true; do wait "$child"; rc=$?; kill -0 "$child" 2>/dev/null || break; done',
     ]
     requeue_code = options.get("requeue_exit_code")
@@ -259,7 +277,9 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
         _int("requeue_exit_code", requeue_code, 1, 255)
         max_requeues = _int("max_requeues", options.get("max_requeues", 3), 0, 1000)
         lines += [
-            f'if [ "$rc" -eq {requeue_code} ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
+            f'if [ "$rc" -eq {requeue_code} ] && [ "$slurm_stopped" -eq 1 ]; then',
+            '  echo "exit code $rc after Slurm stopped job $SLURM_JOB_ID: Slurm requeues it if it was preempted"',
+            f'elif [ "$rc" -eq {requeue_code} ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
             '  echo "exit code $rc: requeueing job $SLURM_JOB_ID to resume from its checkpoint"',
             '  scontrol requeue "$SLURM_JOB_ID"',
             "fi",

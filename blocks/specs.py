@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -79,6 +79,71 @@ class TrainingSpec(_Spec):
     @classmethod
     def _names(cls, value: str, info: Any) -> str:
         return check_name(value, info.field_name)
+
+
+class SweepGrid(_Spec):
+    """The configurations a sweep trains: every combination of ``values``, plus ``configurations``.
+
+    Each configuration overrides the sweep's base hyperparameters (``TrainingSpec.hyperparameters``).
+    """
+
+    values: dict[str, list[int | float | str]] = Field(
+        default_factory=dict,
+        description="Hyperparameter name -> the values to try; the sweep trains every combination.",
+    )
+    configurations: list[dict[str, int | float | str]] = Field(
+        default_factory=list, description="Explicit configurations (partial hyperparameters), trained as well."
+    )
+    max_configurations: int = Field(
+        1000, ge=1, le=10_000, description="The most configurations one sweep may train (one array task each)."
+    )
+
+    @model_validator(mode="after")
+    def _valid(self) -> SweepGrid:
+        valid = list(HyperParameters.model_fields)
+        for name, values in self.values.items():
+            if name not in valid:
+                raise ValueError(f"values[{name!r}]: not a hyperparameter; use one of: {', '.join(valid)}")
+            if not values:
+                raise ValueError(f"values[{name!r}] is empty: give at least one value (or drop the key)")
+            if len({repr(v) for v in values}) != len(values):
+                raise ValueError(f"values[{name!r}] lists a value twice: {values}")
+        for index, override in enumerate(self.configurations):
+            unknown = sorted(set(override) - set(valid))
+            if unknown:
+                raise ValueError(f"configurations[{index}]: {', '.join(unknown)} not hyperparameters; use: {', '.join(valid)}")
+        if self.size == 0:
+            raise ValueError("the sweep is empty: give values (a grid) or configurations")
+        if self.size > self.max_configurations:
+            raise ValueError(
+                f"the sweep has {self.size} configurations, more than max_configurations={self.max_configurations}: "
+                "trim values, or raise max_configurations"
+            )
+        self.expand(HyperParameters())  # every configuration valid on its own (the base is re-checked later)
+        return self
+
+    @property
+    def size(self) -> int:
+        product = 1
+        for values in self.values.values():
+            product *= len(values)
+        return (product if self.values else 0) + len(self.configurations)
+
+    def expand(self, base: HyperParameters) -> list[HyperParameters]:
+        """The configurations in order (grid first, row-major in the order of ``values``), each on ``base``."""
+        import itertools
+
+        names = list(self.values)
+        overrides = [dict(zip(names, combo)) for combo in itertools.product(*self.values.values())] if names else []
+        overrides += [dict(c) for c in self.configurations]
+        out = []
+        for index, override in enumerate(overrides):
+            try:
+                out.append(HyperParameters.model_validate({**base.model_dump(), **override}))
+            except ValidationError as exc:
+                problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+                raise ValueError(f"configuration {index} {override}: {problems}") from None
+        return out
 
 
 MIG_PROFILES = (
@@ -230,6 +295,31 @@ class JobResult(_Record):
     cpu_hours: float = 0.0
 
 
+class SweepTaskResult(_Record):
+    """One configuration of a sweep (one array task) once the array is done."""
+
+    index: int
+    status: JobStatus
+    checkpoint_dir: str = Field(description="CHECKPOINT_DIR of the task; a trained model is in its final/.")
+    requeues: int = 0
+    wall_seconds: float = 0.0
+    gpu_hours: float = 0.0
+    cpu_hours: float = 0.0
+
+
+class SweepJobResult(_Record):
+    """A sweep's job array once every task has ended (some may have failed)."""
+
+    handle: JobHandle
+    tasks: list[SweepTaskResult]
+    gpu_hours: float = 0.0
+    cpu_hours: float = 0.0
+
+    @property
+    def completed(self) -> list[SweepTaskResult]:
+        return [t for t in self.tasks if t.status.state == "COMPLETED"]
+
+
 class CheckpointRef(_Record):
     """A checkpoint in storage: its manifest (path, size, sha256 of each file) was written last."""
 
@@ -270,3 +360,17 @@ class PipelineResult(_Record):
     metrics: dict[str, float]
     endpoint: Endpoint | None = None
     deployed: bool = False
+
+
+class SweepResult(_Record):
+    """What a sweep produced: the best configuration, carried through the pipeline."""
+
+    parent_run_id: str
+    child_run_ids: list[str]
+    best_index: int
+    best_hyperparameters: HyperParameters
+    completed: int
+    failed: int
+    gpu_hours: float
+    cpu_hours: float
+    pipeline: PipelineResult

@@ -5,21 +5,23 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.exceptions import Pause
 from prefect.runtime import flow_run
 
 from blocks.errors import ConfigurationError
 from blocks.provision import NodeRequirements
 from blocks.serving import Release
-from blocks.specs import PipelineResult, PromotionPolicy, ServingSpec, TrainingJob, TrainingSpec
+from blocks.specs import ImageRef, PipelineResult, PromotionPolicy, ServingSpec, TrainingJob, TrainingSpec
 from blocks.stack import Stack
 from tasks.build import build_image
 from tasks.deploy import deploy
 from tasks.provision import provision_nodes, release_nodes
 from tasks.track import finish_run, log_run, register_model, run_metrics, start_run
-from tasks.train import train
+from tasks.train import train, train_suspending
 from tasks.upload import upload_checkpoint
 from workload import contract
 
@@ -31,6 +33,7 @@ def retrain(
     promotion: PromotionPolicy = PromotionPolicy(),
     stack: str | None = None,
     force_deploy: bool = False,
+    wait: Literal["block", "suspend"] = "block",
 ) -> PipelineResult:
     """Train the workload, store and register the model, and serve it if it beats the champion.
 
@@ -40,10 +43,13 @@ def retrain(
         promotion: when the new version replaces the champion (only a promoted version is deployed).
         stack: name of a saved ``Stack`` block choosing the backend of each step (empty: embedded).
         force_deploy: deploy the new version even when it is not promoted.
+        wait: how the run waits for the training job: ``block`` keeps this run's process polling it;
+            ``suspend`` suspends the run (no process) until deployments/job_watcher.py resumes it.
     """
     blocks = load_stack(stack)
     preflight(blocks, training, serving)
     run_key = f"{flow_run.get_id() or 'local'}"
+    suspended = False
 
     nodes = provision_nodes(
         blocks.provider, training.resources.nodes, NodeRequirements(gpus=training.resources.gpus_per_node), run_key
@@ -52,7 +58,7 @@ def retrain(
         image = build_image(blocks.images)
         run_id = start_run(
             blocks.tracking, training.experiment, f"retrain-{flow_run.get_name() or run_key}",
-            params=run_params(training), tags=run_tags(blocks, image.reference or image.note, run_key),
+            params=run_params(training), tags=run_tags(blocks, image, run_key),
         )  # fmt: skip
         try:
             job = TrainingJob(
@@ -60,7 +66,11 @@ def retrain(
                 env=training_env(training, blocks.tracking.tracking_uri, run_id),
                 resources=training.resources, image=image if image.reference else None,
             )  # fmt: skip
-            result = train(blocks.compute, job, timeout_seconds=training.resources.time_limit_minutes * 60)
+            timeout = training.resources.time_limit_minutes * 60
+            if wait == "suspend":
+                result = train_suspending(blocks.compute, job, stack=stack or "", timeout_seconds=timeout)
+            else:
+                result = train(blocks.compute, job, timeout_seconds=timeout)
 
             final_dir = Path(result.checkpoint_dir) / contract.FINAL_DIRNAME
             checkpoint = upload_checkpoint(blocks.storage, str(final_dir), f"{training.model_name}/{run_id}")
@@ -90,12 +100,16 @@ def retrain(
                 log_run(blocks.tracking, run_id, tags={"deployed_version": version.version, "endpoint": endpoint.url})
             else:
                 get_run_logger().info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
+        except Pause:  # suspended while the job runs: the run, its nodes and its job carry on
+            suspended = True
+            raise
         except BaseException:
             finish_run(blocks.tracking, run_id, "FAILED")
             raise
         finish_run(blocks.tracking, run_id)
     finally:
-        release_nodes(blocks.provider, nodes)
+        if not suspended:
+            release_nodes(blocks.provider, nodes)
 
     outcome = PipelineResult(
         run_id=run_id, run_url=blocks.tracking.run_url(run_id), image=image, checkpoint=checkpoint,
@@ -128,9 +142,13 @@ def run_params(training: TrainingSpec) -> dict[str, object]:
     return params
 
 
-def run_tags(blocks: Stack, image: str, run_key: str) -> dict[str, str]:
+def run_tags(blocks: Stack, image: ImageRef, run_key: str) -> dict[str, str]:
     tags = {f"backend.{step}": slug for step, slug in blocks.backends().items()}
-    tags.update({"git_sha": git_sha(), "image": image, "prefect.flow_run_id": run_key})
+    tags.update({
+        "git_sha": git_sha(), "prefect.flow_run_id": run_key,
+        "image": image.reference or image.note, "image.content_tag": image.content_tag,
+        "image.built": str(image.built).lower(), "image.note": image.note,
+    })  # fmt: skip
     return tags
 
 

@@ -17,7 +17,8 @@
 #
 # `up` is idempotent (a second `up` only checks); `down` stops, by pid, only what `up` started and
 # leaves the shared MariaDB running (unless `up` had to start it). The connection settings go to
-# $GPUFERRY_STACKS/slurm/env.
+# $GPUFERRY_STACKS/slurm/env. `stop-controller`, `start-controller` and `restart-controller` stop
+# (SIGTERM) and start slurmctld alone, for failure drills.
 set -euo pipefail
 
 GPUFERRY_CACHE=${GPUFERRY_CACHE:-$HOME/.cache/gpuferry}
@@ -428,8 +429,24 @@ down() {
   log "down"
 }
 
+# The controller alone, for failure drills (tests): a normal stop (SIGTERM: slurmctld saves its state,
+# running jobs survive) and a start with the same command line `up` uses.
+stop_controller() {
+  pid_alive "$PIDS/slurmctld.pid" slurmctld || die "slurmctld is not running (run \`$0 up\` first)"
+  stop_pid "$PIDS/slurmctld.pid" slurmctld
+}
+
+start_controller() {
+  [[ -f $RUN/env ]] || die "the stack is not up (run \`$0 up\` first)"
+  start_slurm 0
+  wait_for 90 "$LOGS/slurmctld.log" "nodes ${NODES[*]} usable in sinfo" nodes_idle
+}
+
 case ${1:-} in
   up) up ;;
   down) down ;;
-  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+  stop-controller) stop_controller ;;
+  start-controller) start_controller ;;
+  restart-controller) stop_controller; start_controller ;;
+  *) echo "usage: $0 up|down|stop-controller|start-controller|restart-controller" >&2; exit 2 ;;
 esac

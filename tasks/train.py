@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.exceptions import TerminationSignal
 
 from blocks.compute import ComputeBackend
-from blocks.specs import JobResult, TrainingJob
+from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
 from tasks.retry import retry_options
 
 
@@ -36,7 +39,14 @@ def train(compute: ComputeBackend, job: TrainingJob, timeout_seconds: float | No
         for line in text.rstrip("\n").splitlines():
             logger.info("[job %s] %s", handle.job_id, line)
 
-    status = compute.watch(handle, on_progress=on_progress, on_output=on_output, timeout_seconds=timeout_seconds)
+    try:
+        status = compute.watch(handle, on_progress=on_progress, on_output=on_output, timeout_seconds=timeout_seconds)
+    except (TerminationSignal, KeyboardInterrupt, asyncio.CancelledError):
+        # The flow run was cancelled (Prefect's runner/worker delivers that as SIGTERM, raised here as
+        # TerminationSignal) or interrupted: the job must not go on using the cluster unwatched.
+        logger.warning("the flow run was stopped: cancelling job %s", handle.job_id)
+        compute.cancel(handle)
+        raise
     result = compute.result(
         handle, status, gpus=job.resources.gpus_per_node * job.resources.nodes,
         cpus=job.resources.cpus_per_task * job.resources.world_size,
@@ -44,3 +54,58 @@ def train(compute: ComputeBackend, job: TrainingJob, timeout_seconds: float | No
     update_progress_artifact(artifact_id, 100.0, description=f"finished: {status.state}")
     logger.info("job %s %s in %.1f s (%d requeues)", handle.job_id, status.state, result.wall_seconds, result.requeues)
     return result
+
+
+# ---- waiting without a process: the flow suspends while its job runs ------------------------------
+# A suspended flow run holds no process; deployments/job_watcher.py (one process for every waiting run)
+# polls the jobs in one batched query per stack and resumes the run whose job ended. The resumed run
+# executes the flow again from the top: every step before this one is idempotent (keys), submitting
+# adopts the running job, and the suspension that already fired is passed over (its key).
+
+
+@task(name="submit-training", **retry_options(retries=3))
+def submit_training(compute: ComputeBackend, job: TrainingJob) -> JobHandle:
+    handle = compute.submit(job)
+    get_run_logger().info("training job %s on %s (workdir %s)", handle.job_id, handle.backend, handle.workdir)
+    return handle
+
+
+@task(name="poll-training", **retry_options(retries=3))
+def poll_training(compute: ComputeBackend, handle: JobHandle) -> JobStatus:
+    return compute.poll([handle])[handle.job_id]
+
+
+@task(name="collect-training")
+def collect_training(compute: ComputeBackend, job: TrainingJob, handle: JobHandle, status: JobStatus) -> JobResult:
+    result = compute.result(
+        handle, status, gpus=job.resources.gpus_per_node * job.resources.nodes,
+        cpus=job.resources.cpus_per_task * job.resources.world_size,
+    )  # fmt: skip
+    get_run_logger().info("job %s %s in %.1f s (%d requeues)", handle.job_id, status.state, result.wall_seconds,
+                          result.requeues)  # fmt: skip
+    return result
+
+
+def train_suspending(
+    compute: ComputeBackend, job: TrainingJob, *, stack: str = "", timeout_seconds: float | None = None
+) -> JobResult:
+    """The train step for long jobs: submit, then suspend the flow run until the job watcher resumes it.
+
+    Call it from a flow run of a deployment (only those can be suspended). ``stack`` names the saved
+    Stack block whose compute backend the watcher polls ('' = embedded). The run stays suspended at
+    most ``timeout_seconds`` plus an hour (default 30 days); after that the server fails it.
+    """
+    from prefect.flow_runs import suspend_flow_run
+
+    from deployments.job_watcher import register_wait
+
+    handle = submit_training(compute, job)
+    limit = int(timeout_seconds + 3600) if timeout_seconds else 30 * 24 * 3600
+    for attempt in itertools.count():
+        status = poll_training(compute, handle)
+        if status.terminal:
+            return collect_training(compute, job, handle, status)
+        register_wait(handle, stack)
+        # Returns at once when this key's suspension already fired and was resumed (a re-executed run).
+        suspend_flow_run(key=f"{handle.job_id}-{attempt}", timeout=limit)
+    raise AssertionError("unreachable")

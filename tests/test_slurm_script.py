@@ -5,8 +5,10 @@ Regenerate the golden files after an intended change with GPUFERRY_UPDATE_GOLDEN
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,61 @@ def test_state_mapping(slurm: str, requeue: bool, ours: str, terminal: bool) -> 
 def test_exit_codes() -> None:
     assert _wait_status_to_exit(3 << 8) == 3 and _wait_status_to_exit(9) == 137 and _wait_status_to_exit(0) == 0
     assert _sacct_exit("3:0") == 3 and _sacct_exit("0:15") == 143 and _sacct_exit("") is None
+
+
+def _run_with_fake_scontrol(tmp_path: Path, signal_number: int) -> tuple[int, str, list[str]]:
+    """Run a requeueable job script under bash with a recording `scontrol`; send it one signal."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    program = ("import signal, sys, time; [signal.signal(s, lambda *a: sys.exit(75)) for s in "
+               "(signal.SIGUSR1, signal.SIGTERM)]; print('ready', flush=True); time.sleep(60)")  # fmt: skip
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(["python3", "-c", program], workdir=str(tmp_path), requeue=True,
+                                    requeue_exit_code=75, max_requeues=3))  # fmt: skip
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal_number)
+    rc = proc.wait(timeout=30)
+    out = proc.stdout.read()
+    return rc, out, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_warning_signal_exit_requeues_the_job_itself(tmp_path: Path) -> None:
+    rc, out, calls = _run_with_fake_scontrol(tmp_path, 10)  # SIGUSR1: the time-limit warning
+    assert rc == 75 and calls == ["requeue 77"], out
+
+
+def test_term_from_slurm_does_not_requeue_a_second_time(tmp_path: Path) -> None:
+    """Preemption (PreemptMode=REQUEUE) or scancel sends TERM: Slurm decides; the script must not requeue."""
+    rc, out, calls = _run_with_fake_scontrol(tmp_path, 15)
+    assert rc == 75 and calls == [], out
+    assert "Slurm requeues it if it was preempted" in out
+
+
+def test_golden_sweep_array_script(tmp_path: Path) -> None:
+    """A sweep: one array task per configuration, each exporting its entry of tasks.json."""
+    job = TrainingJob(key="run-42-sweep", workdir="/shared/jobs/run-42-sweep", env={"CHECKPOINT_EVERY": "20"},
+                      resources=Resources(gpus_per_node=1, mem_gb=2))  # fmt: skip
+    text = training_cluster()._script_for_job(job, array_size=6, parallelism=2)
+    check_golden("sweep_array", text)
+    assert "#SBATCH --array=0-5%2" in text and "CHECKPOINT_DIR" not in text  # per task, from tasks/<i>.env
+    # The body really exports the words of tasks/$SLURM_ARRAY_TASK_ID.env, hostile values verbatim.
+    hostile = "'; touch pwned; $(touch pwned2) `x`\nline 2 \\"
+    (tmp_path / "tasks").mkdir()
+    for i in range(6):
+        (tmp_path / "tasks" / f"{i}.env").write_bytes(f"HPARAMS={hostile}{i}\0CHECKPOINT_DIR=/c/{i}\0".encode())
+    body = text.replace("/shared/jobs/run-42-sweep", str(tmp_path)).replace(
+        "/opt/venv/bin/python /code/workload/train.py",
+        f"{sys.executable} -c 'import json, os; print(json.dumps([os.environ[\"HPARAMS\"], os.environ[\"CHECKPOINT_DIR\"]]))'",
+    )  # fmt: skip
+    proc = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "SLURM_ARRAY_TASK_ID": "4"})  # fmt: skip
+    assert proc.returncode == 0 and json.loads(proc.stdout) == [f"{hostile}4", "/c/4"], proc.stderr
+    assert not list(tmp_path.glob("pwned*"))
+    missing = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                             env={**os.environ, "SLURM_ARRAY_TASK_ID": "9"})  # fmt: skip
+    assert missing.returncode == 1 and "array task 9: cannot read its settings" in missing.stderr

@@ -1,0 +1,285 @@
+"""P1/P2: a 1000-configuration sweep on the local Slurm — ours vs submitit's map_array vs a plain array.
+
+Every configuration runs a trivial command, so this measures orchestration, not training.
+
+* ours: the sweep flow's own tasks in a flow — ``start_child_runs`` (one MLflow child run per
+  configuration, in the embedded SQLite store) then ``train_sweep`` (ONE job array over SSH, each
+  task exporting its configuration and run id from tasks/<i>.env and running ``sh
+  bench/sweep_task.sh``; one batched poll per cycle; the final state of every task and sacct's
+  accounting);
+* submitit: ``AutoExecutor(...).map_array(f, configurations)`` and every ``job.result()``;
+* plain (the floor): ``sbatch --array=0-N-1 --wrap 'echo ...'`` polled by one ``squeue --json`` a
+  second until all N tasks are COMPLETED.
+
+slurmctld RPCs come from ``sdiag`` (reset before each run, REQUEST_STATS_INFO itself excluded). P2
+also measures one poll of ours with 1 and with 1000 (held) jobs watched.
+
+    .venv/bin/python bench/slurm_sweep.py [--n 1000] [--skip-submitit]
+
+Needs submitit importable (a dependency of the benchmarks). Prints ``RESULT P1 <ours/submitit wall>``,
+``RESULT P1_vs_floor <ours/plain wall>``, ``RESULT P2 <ours/submitit RPCs>`` and
+``RESULT P2_per_poll <RPCs per poll at 1000 jobs / at 1>``. Goals: P1 ≤ 0.6, P1_vs_floor ≤ 1.15,
+P2 ≤ 0.3, P2_per_poll = 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def stack_env() -> dict[str, str]:
+    subprocess.run(["make", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
+    cache = Path(os.environ.get("GPUFERRY_CACHE", Path.home() / ".cache" / "gpuferry"))
+    path = Path(os.environ.get("GPUFERRY_STACKS", cache / "stacks")) / "slurm" / "env"
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+class Sdiag:
+    """slurmctld RPC counts by message type, from ``sdiag`` (reset with ``sdiag -r``)."""
+
+    def __init__(self, slurm_conf: str) -> None:
+        self.env = {**os.environ, "SLURM_CONF": slurm_conf}
+
+    def reset(self) -> None:
+        subprocess.run(["sdiag", "-r"], env=self.env, check=True, capture_output=True)
+
+    def rpcs(self) -> dict[str, int]:
+        out = subprocess.run(["sdiag"], env=self.env, check=True, capture_output=True, text=True).stdout
+        section = out.split("Remote Procedure Call statistics by message type", 1)[1].split("Remote Procedure Call statistics by user", 1)[0]
+        counts = {m[1]: int(m[2]) for m in re.finditer(r"^\s*(\w+)\s*\(\s*\d+\)\s*count:(\d+)", section, re.M)}
+        counts.pop("REQUEST_STATS_INFO", None)
+        return counts
+
+
+def measured(sdiag: Sdiag, fn: Callable[[], Any]) -> tuple[float, int, dict[str, int], Any]:
+    sdiag.reset()
+    start = time.perf_counter()
+    value = fn()
+    wall = time.perf_counter() - start
+    counts = sdiag.rpcs()
+    return wall, sum(counts.values()), counts, value
+
+
+class Clock:
+    """Starts a side's measurement once its setup is done: RPC counters reset, wall clock started."""
+
+    def __init__(self, sdiag: Sdiag) -> None:
+        self.sdiag, self.t0 = sdiag, 0.0
+
+    def start(self) -> None:
+        self.sdiag.reset()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> tuple[float, int, dict[str, int]]:
+        wall = time.perf_counter() - self.t0
+        counts = self.sdiag.rpcs()
+        return wall, sum(counts.values()), counts
+
+
+def wait_quiet(cluster: Any) -> None:
+    """No job of ours queued or running (earlier runs' tasks finish before the next run starts)."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        live = [j for j in cluster._squeue() if j.get("job_state") in ("PENDING", "RUNNING", "COMPLETING")]
+        if not live:
+            return
+        time.sleep(2)
+    raise RuntimeError("the cluster did not become idle")
+
+
+# ---- the three sides -------------------------------------------------------------------------------
+
+
+def run_ours(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any]:
+    from prefect import flow
+
+    from blocks.specs import HyperParameters, Resources, SweepGrid, TrainingJob
+    from blocks.tracking import MlflowTracking
+    from tasks.sweep import start_child_runs, train_sweep
+    from workload import contract
+
+    tracking = MlflowTracking(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}",
+                              artifact_location=(workdir / "artifacts").as_uri())  # fmt: skip
+    experiment = tracking.experiment_id("bench-sweep")  # creating the store is not part of the sweep
+    configurations = SweepGrid(values={"seed": list(range(n))}, max_configurations=n).expand(HyperParameters())
+    key = f"bench-{uuid.uuid4().hex[:8]}-sweep"
+    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), resources=Resources(time_limit_minutes=5),
+                      env={contract.MLFLOW_TRACKING_URI: tracking.tracking_uri})  # fmt: skip
+    marks: dict[str, float] = {}
+
+    @flow(name="bench-sweep")
+    def bench_sweep() -> Any:
+        t0 = time.perf_counter()
+        parent = tracking.client.create_run(experiment, run_name=key).info.run_id
+        children = start_child_runs(tracking, parent, configurations)
+        marks["child_runs_s"] = time.perf_counter() - t0
+        tasks = [{contract.HPARAMS: json.dumps(hp.model_dump()), contract.MLFLOW_RUN_ID: c}
+                 for hp, c in zip(configurations, children, strict=True)]  # fmt: skip
+        return train_sweep(cluster, job, tasks)
+
+    watch = cluster.watch
+    polls = [0]
+
+    def counting_watch(*args: Any, **kwargs: Any) -> Any:
+        original_poll = cluster.poll
+
+        def poll(handles: Any) -> Any:
+            polls[0] += 1
+            return original_poll(handles)
+
+        object.__setattr__(cluster, "poll", poll)
+        try:
+            status = watch(*args, **kwargs)
+            marks["completion_seen_s"] = time.perf_counter() - marks["t0"]
+            return status
+        finally:
+            object.__delattr__(cluster, "poll")
+
+    object.__setattr__(cluster, "watch", counting_watch)
+    clock.start()
+    marks["t0"] = clock.t0
+    try:
+        result = bench_sweep()
+    finally:
+        object.__delattr__(cluster, "watch")
+    assert len(result.completed) == n, f"{len(result.completed)} of {n} tasks completed"
+    line = cluster.read_log(result.handle.model_copy(update={"log_path": result.handle.log_path.replace("%a", str(n - 1))}))[0]
+    assert json.loads(line)["seed"] == n - 1, line  # the last task got ITS configuration
+    return {"polls": polls[0], **{k: v for k, v in marks.items() if k != "t0"}}
+
+
+def run_submitit(clock: Clock, env: dict[str, str], n: int, workdir: Path) -> dict[str, Any]:
+    import submitit
+
+    clock.start()
+    executor = submitit.AutoExecutor(folder=str(workdir / "submitit" / "%j"), cluster="slurm")
+    executor.update_parameters(slurm_partition=env["SLURM_PARTITION"], timeout_min=5, cpus_per_task=1,
+                               slurm_array_parallelism=n)  # fmt: skip
+    configurations = [{"seed": i} for i in range(n)]
+    jobs = executor.map_array(_trivial, configurations)
+    results = [job.result() for job in jobs]
+    assert results == configurations
+    return {"sacct_calls": submitit.SlurmJob.watcher.num_calls}
+
+
+def _trivial(configuration: dict[str, int]) -> dict[str, int]:
+    return configuration
+
+
+def run_plain(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any]:
+    name = f"bench-plain-{uuid.uuid4().hex[:8]}"
+    clock.start()
+    _, out, _ = cluster.run(["sbatch", "--parsable", f"--array=0-{n - 1}", f"--job-name={name}", "--time=5",
+                             f"--output={workdir}/plain-%a.log", "--wrap", "echo $SLURM_ARRAY_TASK_ID"])  # fmt: skip
+    job_id = out.strip().split(";")[0]
+    polls = 0
+    while True:
+        polls += 1
+        done = {r["array_task_id"] for r in cluster._squeue()
+                if str(r.get("array_job_id")) == job_id and r.get("job_state") == "COMPLETED"
+                and r.get("array_task_id") is not None}  # fmt: skip
+        if len(done) >= n:
+            return {"polls": polls}
+        time.sleep(1.0)
+
+
+# ---- P2: one poll with 1 and with 1000 jobs watched --------------------------------------------------
+
+
+def per_poll(cluster: Any, sdiag: Sdiag, env: dict[str, str], count: int) -> list[int]:
+    from blocks.specs import JobHandle
+
+    name = f"bench-poll-{uuid.uuid4().hex[:8]}"
+    local = {**os.environ, "SLURM_CONF": env["SLURM_CONF"]}
+    ids = []
+    for _ in range(count):  # held: they stay in the controller's memory, none runs
+        out = subprocess.run(["sbatch", "--parsable", "--hold", f"--job-name={name}", "--time=1",
+                              "--output=/dev/null", "--wrap", "true"], env=local, check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        ids.append(out.strip().split(";")[0])
+    try:
+        handles = [JobHandle(backend="slurm", job_id=i, key=name, workdir="/tmp", log_path="/dev/null") for i in ids]
+        costs = []
+        for _ in range(3):
+            _, rpcs, _, statuses = measured(sdiag, lambda: cluster.poll(handles))
+            assert len(statuses) == count and all(s.state == "PENDING" for s in statuses.values())
+            costs.append(rpcs)
+        return costs
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], env=local, check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=1000, help="configurations (array tasks) per sweep")
+    parser.add_argument("--skip-submitit", action="store_true", help="measure ours and the floor only")
+    args = parser.parse_args()
+
+    env = stack_env()
+    os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # submitit runs sbatch/sacct on this machine
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its background writes lock the SQLite store
+    from pydantic import SecretStr
+    from prefect.testing.utilities import prefect_test_harness
+
+    from blocks.slurm import SlurmCluster
+
+    root = Path(tempfile.mkdtemp(prefix="bench-sweep-", dir=env["SLURM_SHARED_DIR"]))
+    os.environ["GPUFERRY_HOME"] = str(root / "home")
+    cluster = SlurmCluster(
+        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
+        workdir_root=str(root / "jobs"), partition=env["SLURM_PARTITION"],
+        # The trivial work of one configuration: `sh bench/sweep_task.sh` echoes its HPARAMS.
+        code_dir=str(REPO), python="/bin/sh", entrypoint="bench/sweep_task.sh",
+        poll_interval_start=0.5, poll_interval_max=2.0,
+    )  # fmt: skip
+    sdiag = Sdiag(env["SLURM_CONF"])
+    results: dict[str, dict[str, Any]] = {}
+    with prefect_test_harness(server_startup_timeout=180):
+        clock = Clock(sdiag)
+        sides: list[tuple[str, Callable[[], Any]]] = [
+            ("plain", lambda: run_plain(clock, cluster, args.n, root)),
+            ("ours", lambda: run_ours(clock, cluster, args.n, root)),
+        ]
+        if not args.skip_submitit:
+            sides.append(("submitit", lambda: run_submitit(clock, env, args.n, root)))
+        for side, fn in sides:
+            wait_quiet(cluster)
+            extra = fn()
+            wall, rpcs, counts = clock.stop()
+            top = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
+            results[side] = {"wall": wall, "rpcs": rpcs, **(extra or {})}
+            print(f"{side:9s} N={args.n}: {wall:7.1f} s, {rpcs} slurmctld RPCs ({top}); {extra}", flush=True)
+        one = per_poll(cluster, sdiag, env, 1)
+        many = per_poll(cluster, sdiag, env, 1000)
+    print(f"ours, one poll: {one} slurmctld RPCs with 1 job watched, {many} with 1000")
+    cluster.close()
+
+    ours, plain = results["ours"], results["plain"]
+    if "submitit" in results:
+        print(f"RESULT P1 {ours['wall'] / results['submitit']['wall']:.3f}")
+    print(f"RESULT P1_vs_floor {ours['wall'] / plain['wall']:.3f}")
+    if "submitit" in results:
+        print(f"RESULT P2 {ours['rpcs'] / results['submitit']['rpcs']:.3f}")
+    print(f"RESULT P2_per_poll {statistics.median(many) / statistics.median(one):.3f}")
+
+
+if __name__ == "__main__":
+    main()

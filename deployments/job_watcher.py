@@ -1,0 +1,209 @@
+"""One process that watches every training job a suspended flow run waits for, and resumes the run.
+
+A flow run whose train step uses ``tasks.train.train_suspending`` submits its job, labels itself with
+the job's handle and its stack (``register_wait``), then suspends: it holds no process while the job
+runs, for hours or days. This watcher finds those runs through the Prefect API (state *Suspended*,
+label ``gpuferry.wait.job``), polls their jobs with one batched ``ComputeBackend.poll`` per stack,
+and, for each job that ended, emits ``gpuferry.training_job.ended`` and resumes the run. The resumed
+run reads the job's result and goes on.
+
+It keeps no state of its own: the labels on the suspended runs are the registry, so a restarted
+watcher picks up where it left off, and two watchers at once only resume a run twice (the second is
+refused by the server).
+
+    python -m deployments.job_watcher --interval 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from blocks.compute import ComputeBackend
+from blocks.specs import JobHandle, JobStatus
+
+log = logging.getLogger("gpuferry.job_watcher")
+
+JOB_LABEL = "gpuferry.wait.job"
+STACK_LABEL = "gpuferry.wait.stack"
+ENDED_EVENT = "gpuferry.training_job.ended"
+SUSPENDED = "Suspended"
+
+
+def register_wait(handle: JobHandle, stack: str = "", flow_run_id: UUID | str | None = None) -> None:
+    """Label the (current) flow run with the job it waits for, so the watcher resumes it when the job ends."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    if flow_run_id is None:
+        context = FlowRunContext.get()
+        if context is None or context.flow_run is None:
+            raise RuntimeError("register_wait needs a flow run: call it from a flow or pass flow_run_id")
+        flow_run_id = context.flow_run.id
+    with get_client(sync_client=True) as client:
+        client.update_flow_run_labels(
+            UUID(str(flow_run_id)), {JOB_LABEL: handle.model_dump_json(), STACK_LABEL: stack or ""}
+        )
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A suspended flow run and the job it waits for."""
+
+    flow_run_id: UUID
+    flow_run_name: str
+    stack: str
+    handle: JobHandle
+
+
+def waiting_from(run: Any) -> Waiting | None:
+    """The ``Waiting`` of a flow run read from the API, or None when it waits for no job of ours (pure)."""
+    labels = run.labels or {}
+    raw = labels.get(JOB_LABEL)
+    if not raw:
+        return None
+    try:
+        handle = JobHandle.model_validate(json.loads(raw))
+    except (ValueError, TypeError):
+        log.warning("flow run %s has an unreadable %s label: ignored", run.name, JOB_LABEL)
+        return None
+    return Waiting(flow_run_id=run.id, flow_run_name=run.name, stack=str(labels.get(STACK_LABEL) or ""), handle=handle)
+
+
+def read_waiting(page_size: int = 200) -> list[Waiting]:
+    """Every suspended flow run that waits for a job (all pages)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateName,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    flt = FlowRunFilter(state=FlowRunFilterState(
+        type=FlowRunFilterStateType(any_=[StateType.PAUSED]), name=FlowRunFilterStateName(any_=[SUSPENDED]),
+    ))  # fmt: skip
+    found: list[Waiting] = []
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:
+            runs = client.read_flow_runs(flow_run_filter=flt, limit=page_size, offset=offset)
+            found.extend(w for w in map(waiting_from, runs) if w is not None)
+            if len(runs) < page_size:
+                return found
+            offset += page_size
+
+
+def resume(waiting: Waiting, status: JobStatus) -> bool:
+    """Emit the job's end event and resume its flow run; False when the server refused (already resumed)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events import emit_event
+
+    emit_event(
+        event=ENDED_EVENT,
+        resource={"prefect.resource.id": f"gpuferry.training-job.{waiting.handle.job_id}",
+                  "backend": waiting.handle.backend, "state": status.state},  # fmt: skip
+        related=[{"prefect.resource.id": f"prefect.flow-run.{waiting.flow_run_id}", "prefect.resource.role": "flow-run",
+                  "prefect.resource.name": waiting.flow_run_name}],  # fmt: skip
+        payload={"exit_code": status.exit_code, "reason": status.reason, "stack": waiting.stack},
+    )
+    with get_client(sync_client=True) as client:
+        result = client.resume_flow_run(waiting.flow_run_id)
+    accepted = getattr(result.status, "value", str(result.status)) == "ACCEPT"
+    if not accepted:
+        log.info("flow run %s was not resumed: %s", waiting.flow_run_name, result.details)
+    return accepted
+
+
+class JobWatcher:
+    """Polls the jobs of all waiting flow runs, one batched query per stack, and resumes the finished ones."""
+
+    def __init__(
+        self,
+        *,
+        load_compute: Callable[[str], ComputeBackend] | None = None,
+        read: Callable[[], list[Waiting]] = read_waiting,
+        on_ended: Callable[[Waiting, JobStatus], bool] = resume,
+    ) -> None:
+        self._load_compute = load_compute or _stack_compute
+        self._computes: dict[str, ComputeBackend] = {}
+        self.read = read
+        self.on_ended = on_ended
+        self.polls = 0  # batched backend queries made (for the benchmarks)
+
+    def compute(self, stack: str) -> ComputeBackend:
+        if stack not in self._computes:
+            self._computes[stack] = self._load_compute(stack)
+        return self._computes[stack]
+
+    def poll_once(self) -> list[Waiting]:
+        """One round: read the waiting runs, poll their jobs, resume those whose job ended. Returns those."""
+        by_stack: dict[str, list[Waiting]] = defaultdict(list)
+        for waiting in self.read():
+            by_stack[waiting.stack].append(waiting)
+        ended: list[Waiting] = []
+        for stack, group in by_stack.items():
+            try:
+                statuses = self.compute(stack).poll([w.handle for w in group])
+            except Exception:  # noqa: BLE001 - one stack's outage must not stop the others; retried next round
+                log.exception("polling %d jobs of stack %r failed; retrying next round", len(group), stack or "embedded")
+                self._computes.pop(stack, None)
+                continue
+            self.polls += 1
+            for waiting in group:
+                status = statuses.get(waiting.handle.job_id)
+                if status is None or not status.terminal:
+                    continue
+                log.info("job %s of %s ended %s: resuming it", waiting.handle.job_id, waiting.flow_run_name, status.state)
+                self.on_ended(waiting, status)
+                ended.append(waiting)
+        return ended
+
+    def run(self, interval_seconds: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Poll every ``interval_seconds`` until ``stop()``; a failed round is logged and retried."""
+        while not stop():
+            started = time.monotonic()
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - the Prefect API hiccuped; the next round retries
+                log.exception("watch round failed; retrying in %.0f s", interval_seconds)
+            time.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
+
+
+def _stack_compute(stack: str) -> ComputeBackend:
+    from flows.retrain import load_stack
+
+    return load_stack(stack or None).compute
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between two rounds")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call otherwise
+    if args.interval <= 0:
+        parser.error("--interval must be positive")
+    watcher = JobWatcher()
+    try:
+        watcher.run(args.interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        from prefect.events.worker import EventsWorker
+
+        EventsWorker.drain_all()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The sweep: a hyperparameter grid trained as ONE job array, the best configuration carried on
+through the pipeline (upload → register → deploy) like a retrain.
+
+Each configuration is one array task and one MLflow run, a child of the sweep's run; the task reads
+its hyperparameters and its run id by ``SLURM_ARRAY_TASK_ID`` from a file written with the job. The
+array is watched with one batched poll per cycle, whatever its size.
+
+Sweeps need a backend with job arrays (Slurm). On the embedded ``LocalProcesses`` backend the flow
+stops with a ``ConfigurationError`` before anything is acquired: run configurations one at a time
+with ``retrain`` there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
+
+from blocks.errors import ConfigurationError, JobFailed
+from blocks.provision import NodeRequirements
+from blocks.serving import Release
+from blocks.specs import (
+    PipelineResult, PromotionPolicy, ServingSpec, SweepGrid, SweepResult, TrainingJob, TrainingSpec,
+)  # fmt: skip
+from flows.retrain import load_stack, preflight, report, run_params, run_tags
+from tasks.build import build_image
+from tasks.deploy import deploy
+from tasks.provision import provision_nodes, release_nodes
+from tasks.sweep import child_metrics, mark_children, start_child_runs, train_sweep
+from tasks.track import finish_run, log_run, register_model, start_run
+from tasks.upload import upload_checkpoint
+from workload import contract
+
+
+@flow(name="sweep", log_prints=True)
+def sweep(
+    grid: SweepGrid,
+    training: TrainingSpec = TrainingSpec(),
+    serving: ServingSpec = ServingSpec(),
+    promotion: PromotionPolicy = PromotionPolicy(),
+    stack: str | None = None,
+    parallelism: int | None = None,
+    force_deploy: bool = False,
+) -> SweepResult:
+    """Train every configuration of ``grid`` as one job array and ship the best one.
+
+    Args:
+        grid: the configurations (each overrides ``training.hyperparameters``).
+        training: the base hyperparameters and the resources of EACH configuration.
+        serving: how the inference service runs.
+        promotion: the metric that picks the best configuration, and when it replaces the champion.
+        stack: name of a saved ``Stack`` block (its compute backend must run job arrays, e.g. Slurm).
+        parallelism: the most configurations running at once (None: as many as the cluster fits).
+        force_deploy: deploy the best version even when it is not promoted.
+    """
+    blocks = load_stack(stack)
+    try:
+        configurations = grid.expand(training.hyperparameters)
+    except ValueError as exc:
+        raise ConfigurationError(f"grid: {exc}") from None
+    if not hasattr(blocks.compute, "submit_sweep"):
+        raise ConfigurationError(
+            f"the stack's compute backend ({blocks.compute.backend_name}) has no job arrays, which a sweep needs: "
+            "use a stack whose compute is a Slurm cluster, or train one configuration at a time with `retrain`"
+        )
+    if parallelism is not None and parallelism < 1:
+        raise ConfigurationError(f"parallelism={parallelism}: give a positive number, or None for no limit")
+    preflight(blocks, training, serving)
+    run_key = f"{flow_run.get_id() or 'local'}"
+    logger = get_run_logger()
+
+    nodes = provision_nodes(
+        blocks.provider, training.resources.nodes, NodeRequirements(gpus=training.resources.gpus_per_node), run_key
+    )
+    try:
+        image = build_image(blocks.images)
+        params = {k: v for k, v in run_params(training).items() if k not in grid.values}
+        params.update({"sweep.configurations": len(configurations), "sweep.grid": json.dumps(grid.values)})
+        parent = start_run(
+            blocks.tracking, training.experiment, f"sweep-{flow_run.get_name() or run_key}", params=params,
+            tags={**run_tags(blocks, image, run_key), "gpuferry.sweep": "true"},
+        )  # fmt: skip
+        children: list[str] = []
+        try:
+            children = start_child_runs(blocks.tracking, parent, configurations)
+            key = f"{run_key}-sweep"
+            job = TrainingJob(
+                key=key, workdir=blocks.compute.job_workdir(key), resources=training.resources,
+                env={contract.CHECKPOINT_EVERY: str(training.checkpoint_every),
+                     contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri},
+                image=image if image.reference else None,
+            )  # fmt: skip
+            tasks = [{contract.HPARAMS: json.dumps(hp.model_dump()), contract.MLFLOW_RUN_ID: child}
+                     for hp, child in zip(configurations, children, strict=True)]  # fmt: skip
+            array = train_sweep(blocks.compute, job, tasks, parallelism=parallelism)
+
+            failed = [children[t.index] for t in array.tasks if t.status.state != "COMPLETED"]
+            if failed:
+                mark_children(blocks.tracking, failed, "FAILED")
+            metrics = child_metrics(blocks.tracking, parent)
+            scored = [(metrics.get(children[t.index], {}).get(promotion.metric), t) for t in array.completed]
+            scored = [(value, t) for value, t in scored if value is not None]
+            if not scored:
+                if not array.completed:
+                    first = array.tasks[0].status
+                    raise JobFailed(f"no configuration of the sweep completed; configuration 0: {first.state} "
+                                    f"{first.reason}", state=first.state, exit_code=first.exit_code)  # fmt: skip
+                logged = sorted({m for c in array.completed for m in metrics.get(children[c.index], {})})
+                raise ConfigurationError(
+                    f"promotion.metric={promotion.metric!r} was not logged by any configuration; they logged: {logged}"
+                )
+            pick = max if promotion.direction == "maximize" else min
+            value, best = pick(scored, key=lambda pair: pair[0])
+            best_run = children[best.index]
+            logger.info("best configuration %d (%s=%.4f): %s", best.index, promotion.metric, value,
+                        configurations[best.index].model_dump())  # fmt: skip
+            log_run(
+                blocks.tracking, parent,
+                metrics={"gpu_hours": array.gpu_hours, "cpu_hours": array.cpu_hours, f"best_{promotion.metric}": value,
+                         "completed_configurations": len(array.completed), "failed_configurations": len(failed),
+                         "requeues": sum(t.requeues for t in array.tasks)},
+                tags={"best_child_run_id": best_run, "best_index": str(best.index)},
+            )  # fmt: skip
+
+            final_dir = Path(best.checkpoint_dir) / contract.FINAL_DIRNAME
+            checkpoint = upload_checkpoint(blocks.storage, str(final_dir), f"{training.model_name}/{best_run}")
+            log_run(
+                blocks.tracking, best_run,
+                metrics={"gpu_hours": best.gpu_hours, "cpu_hours": best.cpu_hours, "requeues": best.requeues,
+                         "train_wall_seconds": best.wall_seconds},
+                tags={"checkpoint_uri": checkpoint.uri, "checkpoint_sha256": checkpoint.sha256,
+                      "checkpoint_size_bytes": str(checkpoint.size_bytes)},
+            )  # fmt: skip
+            version = register_model(blocks.tracking, best_run, training.model_name, checkpoint, promotion, value)
+            endpoint = None
+            if version.promoted or force_deploy:
+                endpoint = deploy(blocks.serving, serving, Release(
+                    model_name=version.name, version=version.version, model_uri=checkpoint.uri,
+                    image=image if image.reference else None,
+                ))  # fmt: skip
+                log_run(blocks.tracking, parent, tags={"deployed_version": version.version, "endpoint": endpoint.url})
+            else:
+                logger.info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
+        except BaseException:
+            if children:
+                mark_children(blocks.tracking, children, "FAILED")
+            finish_run(blocks.tracking, parent, "FAILED")
+            raise
+        finish_run(blocks.tracking, parent)
+    finally:
+        release_nodes(blocks.provider, nodes)
+
+    pipeline = PipelineResult(
+        run_id=best_run, run_url=blocks.tracking.run_url(best_run), image=image, checkpoint=checkpoint,
+        model_version=version, metrics=metrics.get(best_run, {}), endpoint=endpoint, deployed=endpoint is not None,
+    )  # fmt: skip
+    report(pipeline)
+    create_table_artifact(
+        key="sweep-configurations",
+        table=[{"index": t.index, "state": t.status.state, promotion.metric: metrics.get(children[t.index], {}).get(promotion.metric),
+                **configurations[t.index].model_dump()} for t in array.tasks[:1000]],  # fmt: skip
+        description="Every configuration of the sweep and how it did",
+    )
+    return SweepResult(
+        parent_run_id=parent, child_run_ids=children, best_index=best.index,
+        best_hyperparameters=configurations[best.index], completed=len(array.completed), failed=len(failed),
+        gpu_hours=array.gpu_hours, cpu_hours=array.cpu_hours, pipeline=pipeline,
+    )  # fmt: skip

@@ -1,0 +1,100 @@
+"""Cancelling a flow run through the Prefect API cancels its Slurm job.
+
+The flow is served by a real Prefect runner (a subprocess, as in production); cancelling the run sets
+it Cancelling, the runner's observer sees that and stops the flow's process with SIGTERM, the waiting
+train task gets TerminationSignal and scancels the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.deployments import run_deployment
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Cancelling
+
+from blocks.slurm import SlurmCluster
+from tests.test_slurm_cluster import REPO, cluster, env, wait_for  # noqa: F401 - fixtures
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
+
+FLOW = textwrap.dedent('''
+    from prefect import flow
+    from prefect.runtime import flow_run
+
+    from blocks.slurm import SlurmCluster
+    from blocks.specs import Resources, TrainingJob
+    from tasks.train import train
+
+
+    @flow(name="slurm-cancel-probe")
+    def long_job(block: str) -> None:
+        compute = SlurmCluster.load(block)
+        key = f"{flow_run.get_id()}-train"
+        train(compute, TrainingJob(key=key, workdir=compute.job_workdir(key), resources=Resources(time_limit_minutes=10)))
+
+
+    if __name__ == "__main__":
+        long_job.serve(name="cancel-probe", limit=1)
+''')
+
+# Stands in for a long training run: the block runs `<python> <code_dir>/<entrypoint>`.
+LONG = 'for i in $(seq 1 600); do echo "tick $i"; sleep 1; done\n'
+
+
+def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+    (tmp_path / "serve_probe.py").write_text(FLOW)
+    (tmp_path / "long.sh").write_text(LONG)
+    block = cluster.model_copy(update={"python": "bash", "code_dir": str(tmp_path), "entrypoint": "long.sh"})
+    block.save("slurm-cancel-probe", overwrite=True)
+
+    runner_env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO),
+                  "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # fmt: skip
+    log = open(tmp_path / "runner.log", "wb")  # noqa: SIM115 - closed below
+    runner = subprocess.Popen([sys.executable, "serve_probe.py"], cwd=tmp_path, env=runner_env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        with get_client(sync_client=True) as client:
+
+            def deployed() -> bool:
+                assert runner.poll() is None, (tmp_path / "runner.log").read_text()[-3000:]
+                try:
+                    client.read_deployment_by_name("slurm-cancel-probe/cancel-probe")
+                    return True
+                except Exception:  # noqa: BLE001 - not registered yet
+                    return False
+
+            wait_for(deployed, 180, "the served deployment")
+            run = run_deployment("slurm-cancel-probe/cancel-probe", parameters={"block": "slurm-cancel-probe"},
+                                 timeout=0)  # fmt: skip
+            key = f"{run.id}-train"
+            job_id = wait_for(lambda: cluster.find_job(key), 180, "the flow's Slurm job")
+            handle = cluster._handle(
+                str(job_id), key, cluster.job_workdir(key), f"{cluster.job_workdir(key)}/job.log"
+            )
+            wait_for(lambda: "tick 2" in cluster.read_log(handle)[0], 120, "the job running")
+
+            client.set_flow_run_state(run.id, Cancelling(message="cancelled by the test"))
+
+            wait_for(lambda: cluster.poll([handle])[handle.job_id].state == "CANCELLED", 120, "the job cancelled")
+            wait_for(lambda: client.read_flow_run(run.id).state.is_cancelled(), 120, "the flow run Cancelled")
+            ticks = cluster.read_log(handle)[0].count("tick ")
+            assert ticks < 300  # stopped long before its end
+            logs = client.read_logs()
+            assert any(f"cancelling job {job_id}" in entry.message for entry in logs
+                       if entry.flow_run_id == run.id)  # fmt: skip
+    finally:
+        os.killpg(runner.pid, signal.SIGINT)
+        try:
+            runner.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait(30)
+        log.close()

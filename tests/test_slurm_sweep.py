@@ -1,0 +1,91 @@
+"""The sweep flow on the real local Slurm, over SSH: one job array, a child MLflow run per configuration,
+the best child through upload → register → deploy, and sacct's GPU/CPU-hours in MLflow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from pydantic import SecretStr
+
+from blocks.slurm import SlurmCluster
+from blocks.specs import HyperParameters, Resources, ServingSpec, SweepGrid, TrainingSpec
+from blocks.stack import Stack
+from flows.sweep import sweep
+from tests.stacks import stack_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
+    env = stack_env("slurm")
+    stack = Stack.embedded()
+    stack.compute = SlurmCluster(
+        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
+        workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"sweep-{uuid.uuid4().hex[:8]}"),
+        partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
+        poll_interval_start=0.5, poll_interval_max=3.0,
+        # A GPU per task from the cluster's settings: the stack's node provider is this (GPU-less)
+        # machine, which would refuse resources.gpus_per_node > 0 in its preflight.
+        additional_directives={"gpus-per-task": "1"},
+    )  # fmt: skip
+    stack.save("slurm-sweep-test", overwrite=True)
+    grid = SweepGrid(values={"lr": [0.002, 0.1], "hidden": [8, 64]})
+    outcome = sweep(
+        grid=grid,
+        training=TrainingSpec(model_name="digits-sweep", hyperparameters=HyperParameters(epochs=2, batch_size=32),
+                              resources=Resources(mem_gb=1, time_limit_minutes=10)),
+        serving=ServingSpec(service_name="digits-sweep"),
+        stack="slurm-sweep-test",
+        force_deploy=True,
+    )  # fmt: skip
+    try:
+        client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+        parent = client.get_run(outcome.parent_run_id)
+        assert outcome.completed == 4 and outcome.failed == 0
+        children = [client.get_run(r) for r in outcome.child_run_ids]
+        configs = grid.expand(HyperParameters(epochs=2, batch_size=32))
+        for child, hp in zip(children, configs, strict=True):
+            assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+            assert child.info.status == "FINISHED"
+            # The array task trained ITS configuration, into ITS run (the workload logged these).
+            assert {k: child.data.params[k] for k in ("lr", "hidden")} == {"lr": str(hp.lr), "hidden": str(hp.hidden)}
+            assert "val_accuracy" in child.data.metrics
+        accuracies = [c.data.metrics["val_accuracy"] for c in children]
+        assert outcome.best_index == accuracies.index(max(accuracies))
+        assert outcome.best_hyperparameters == configs[outcome.best_index]
+        assert max(accuracies) > 0.8 and min(accuracies) < max(accuracies)  # the grid made a difference
+        # The best child went on: registered from ITS run, deployed.
+        assert outcome.pipeline.model_version.run_id == outcome.child_run_ids[outcome.best_index]
+        assert outcome.pipeline.model_version.value == pytest.approx(max(accuracies))
+        assert outcome.pipeline.deployed
+        assert parent.data.tags["best_child_run_id"] == outcome.child_run_ids[outcome.best_index]
+
+        # ONE Slurm job (an array of 4 tasks) carried the whole sweep ...
+        key = f"{parent.data.tags['prefect.flow_run_id']}-sweep"
+        sacct = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-S", "now-1hour", f"--name={key}", "-o", "JobID,State,ElapsedRaw,AllocTRES"],
+            env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        rows = [line.split("|") for line in sacct.split()]
+        assert len({r[0].split("_")[0] for r in rows}) == 1
+        assert sorted(r[0].split("_")[1] for r in rows) == ["0", "1", "2", "3"] and {r[1] for r in rows} == {"COMPLETED"}
+        # ... and its accounting (allocated GPUs × elapsed, from sacct) is in the MLflow runs.
+        gpu_hours = sum(int(r[2]) * int(r[3].split("gres/gpu=")[1].split(",")[0]) for r in rows) / 3600
+        assert gpu_hours > 0
+        assert parent.data.metrics["gpu_hours"] == pytest.approx(gpu_hours)
+        assert parent.data.metrics["cpu_hours"] > 0
+        best = client.get_run(outcome.child_run_ids[outcome.best_index])
+        assert 0 < best.data.metrics["gpu_hours"] < gpu_hours
+        assert json.loads(best.data.tags["gpuferry.hparams"]) == outcome.best_hyperparameters.model_dump()
+    finally:
+        stack.serving.undeploy("digits-sweep")
