@@ -197,3 +197,29 @@ class LocalMachine(NodeProvider):
         except (subprocess.SubprocessError, OSError):
             return []  # an nvidia-smi that cannot talk to a driver: no usable GPU
         return parse_nvidia_smi(query.stdout, parse_cuda_version(banner))
+
+
+class ClusterManaged(NodeProvider):
+    """Nodes the cluster's scheduler owns (a standing Slurm cluster): nothing to acquire or release.
+
+    The scheduler places the job on nodes with the GPUs it asked for (and refuses a request no
+    node can meet), so there is no node to check from here; the run records one logical node.
+    """
+
+    _block_type_name = "gpuferry Cluster-Managed Nodes"
+    _description = "For standing clusters: the scheduler owns the nodes; nothing is acquired or released."
+
+    cluster_name: str = Field("cluster", description="Name recorded for the run's nodes (e.g. the Slurm cluster).")
+
+    def acquire(self, count: int, requirements: NodeRequirements, key: str) -> list[Node]:
+        return [Node(name=self.cluster_name, provider=self.get_block_type_slug(), state="ready",
+                     labels={"run": key, "nodes": str(count), "gpus_per_node": str(requirements.gpus)})]  # fmt: skip
+
+    def inspect(self, nodes: list[Node]) -> list[Node]:
+        return nodes
+
+    def check(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
+        return nodes  # the scheduler enforces the request
+
+    def release(self, nodes: list[Node]) -> None:
+        """Nothing to give back: the cluster's nodes stay."""

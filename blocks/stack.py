@@ -17,7 +17,7 @@ from blocks.home import gpuferry_home
 from blocks.kubernetes import KubernetesCluster
 from blocks.images import CurrentEnvironment, ImageBuilder
 from blocks.ec2 import Ec2Provider
-from blocks.provision import LocalMachine, NodeProvider
+from blocks.provision import ClusterManaged, LocalMachine, NodeProvider
 from blocks.ssh_hosts import SshHosts
 from blocks.s3 import S3CheckpointStore
 from blocks.serving import LocalServing, ServingBackend
@@ -28,7 +28,7 @@ from blocks.tracking import MlflowTracking
 
 # Prefect registers a block's nested block types from its field annotations, and an interface
 # (an ABC) cannot be registered: each field names the concrete choices, and the UI offers them.
-ProviderChoice = LocalMachine | SshHosts | Ec2Provider
+ProviderChoice = LocalMachine | ClusterManaged | SshHosts | Ec2Provider
 ImageChoice = CurrentEnvironment | DockerImageBuilder
 ComputeChoice = LocalProcesses | SlurmCluster
 StorageChoice = LocalCheckpointStore | S3CheckpointStore

@@ -14,6 +14,7 @@ import pytest
 from mlflow import MlflowClient
 from pydantic import SecretStr
 
+from blocks.provision import ClusterManaged
 from blocks.slurm import SlurmCluster
 from blocks.specs import HyperParameters, Resources, TrainingSpec
 from blocks.stack import Stack
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def slurm_stack(env: dict[str, str]) -> Stack:
     stack = Stack.embedded()
+    stack.provider = ClusterManaged(cluster_name="gpuferry-test")  # Slurm owns the nodes and their GPUs
     stack.compute = SlurmCluster(
         host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
         private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
@@ -42,7 +44,7 @@ def test_retrain_trains_on_slurm() -> None:
     slurm_stack(env).save("slurm-pipeline-test", overwrite=True)
     outcome = retrain(
         training=TrainingSpec(
-            model_name="digits-slurm", hyperparameters=HyperParameters(epochs=3), resources=Resources(mem_gb=2)
+            model_name="digits-slurm", hyperparameters=HyperParameters(epochs=3), resources=Resources(mem_gb=2, gpus_per_node=1)
         ),
         stack="slurm-pipeline-test",
         force_deploy=True,
@@ -51,6 +53,7 @@ def test_retrain_trains_on_slurm() -> None:
     assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster"
     assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)
     assert run.data.metrics["cpu_hours"] > 0
+    assert run.data.metrics["gpu_hours"] > 0  # gres/gpu × elapsed, from sacct
     # The job really went through Slurm: sacct knows it by the pipeline's key.
     sacct = subprocess.run(
         ["sacct", "-X", "-n", "-P", "-S", "now-1hour", "-o", "JobID,JobName%100,State"],

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from blocks.errors import ConfigurationError
-from blocks.provision import LocalMachine, NodeRequirements, parse_cuda_version, parse_nvidia_smi
+from blocks.provision import ClusterManaged, LocalMachine, NodeRequirements, parse_cuda_version, parse_nvidia_smi
 
 A100_QUERY = "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n"
 A100_BANNER = "| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |\n"
@@ -51,3 +51,11 @@ def test_cpu_only_machine_fails_gpu_preflight(tmp_path: Path) -> None:
 def test_local_machine_is_one_node() -> None:
     with pytest.raises(ConfigurationError, match="resources.nodes=2"):
         LocalMachine().acquire(2, NodeRequirements(), "run1")
+
+
+def test_cluster_managed_nodes_leave_gpus_to_the_scheduler() -> None:
+    provider = ClusterManaged(cluster_name="gpuferry")
+    nodes = provider.acquire(2, NodeRequirements(gpus=4), "run1")
+    assert provider.bootstrap(nodes, NodeRequirements(gpus=4)) == nodes  # no local GPU check
+    assert nodes[0].labels == {"run": "run1", "nodes": "2", "gpus_per_node": "4"}
+    provider.release(nodes)
