@@ -7,6 +7,8 @@
 # Settings (environment): GPUFERRY_PREFECT_PORT (4290), GPUFERRY_PREFECT_DB (gpuferry_prefect),
 # GPUFERRY_PG_HOST (127.0.0.1), GPUFERRY_PG_PORT (5432), GPUFERRY_PG_USER (postgres; trust auth on loopback),
 # GPUFERRY_PREFECT_POOL (gpuferry).
+# Also installs Debian's chromium: tests/test_prefect_ui.py drives the UI in it (Playwright pointed at
+# /usr/bin/chromium; the drivers' own browser downloads do not work here). GPUFERRY_SKIP_CHROMIUM=1 skips that.
 # Writes $GPUFERRY_STACKS/prefect/env: PREFECT_API_URL, PREFECT_UI_URL, PREFECT_WORK_POOL, GPUFERRY_WORKER_HOME
 # (the GPUFERRY_HOME of the flow runs the worker starts: the embedded backends' state), GPUFERRY_CODE_DIR.
 set -euo pipefail
@@ -155,6 +157,18 @@ stop_pidfile() {
   rm -f "$pidfile"
 }
 
+# The browser of the UI test (a test dependency of this stack).
+ensure_chromium() {
+  [[ "${GPUFERRY_SKIP_CHROMIUM:-0}" == 1 ]] && return
+  [[ -x /usr/bin/chromium ]] && return
+  log "installing Debian's chromium (the browser of the UI test)"
+  apt-get -o DPkg::Lock::Timeout=900 install -y chromium >>"$RUN/apt.log" 2>&1 \
+    || { apt-get -o DPkg::Lock::Timeout=900 update >>"$RUN/apt.log" 2>&1 \
+         && apt-get -o DPkg::Lock::Timeout=900 install -y chromium >>"$RUN/apt.log" 2>&1; } \
+    || die "could not install chromium; last lines of $RUN/apt.log:
+$(tail -n 20 "$RUN/apt.log")"
+}
+
 write_env() {
   local tmp="$RUN/env.tmp"
   {
@@ -177,6 +191,7 @@ up() {
   start_server
   ensure_pool
   start_worker
+  ensure_chromium
   write_env
   log "ready: PREFECT_API_URL=$API_URL, work pool $POOL (env in $RUN/env)"
 }

@@ -1,0 +1,330 @@
+"""P4: alias set in MLflow → deploy-model flow run RUNNING, webhook path vs polling path, in one run.
+
+Starts the servers it needs (`make prefect-up mlflow-up`, idempotent), registers the deployments
+(`prefect deploy --name on-champion`), a throwaway model with fresh versions and a Stack block whose
+tracking is the MLflow server and whose serving is a local directory. Then, one event at a time:
+
+* webhook: MLflow's webhook → deployments/webhook.py (a real receiver process) → Prefect event →
+  the on-champion trigger → the stack's worker runs deploy-model;
+* polling: the receiver is stopped and deployments/poll_registry.py polls the registry instead.
+
+Each event moves the `champion` alias to a new version; the benchmark waits for that version's run
+to finish before the next one (the deployment runs one deploy at a time). Latency is from just before
+the alias call to the run's start time as the server recorded it (RUNNING). The hops come from the
+server too: the event's ``occurred`` (when the receiver or poller emitted it), ``received`` (the events
+API), the run's ``created`` (the automation) and ``start_time``.
+
+    .venv/bin/python bench/event_deploy.py [--events 20] [--poll-interval 10]
+
+Prints ``RESULT P4_median_s``, ``RESULT P4_p95_s`` (webhook path), ``RESULT P4_poll_median_s`` and
+``RESULT P4_poll_p95_s``, and the median of every hop. Goal: P4_median_s ≤ 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DEPLOYMENT = "deploy-model/on-champion"
+RUN_DEADLINE_S = 300.0
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+class Bench:
+    def __init__(self, api_url: str, tracking_uri: str, tmp: Path) -> None:
+        self.api_url = api_url
+        self.tracking_uri = tracking_uri
+        self.tmp = tmp
+        uid = uuid.uuid4().hex[:8]
+        self.model = f"gpuferry-bench-{uid}"
+        self.stack = f"gpuferry-bench-{uid}"
+        self.serving_dir = tmp / "serving"
+        self.env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        self.env.pop("PREFECT_HOME", None)
+        self.next_version = 1
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    # ---- setup ----
+
+    def setup(self, versions: int) -> None:
+        deploy = subprocess.run([str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "on-champion"],
+                                cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        if deploy.returncode != 0:
+            raise SystemExit(f"prefect deploy failed:\n{deploy.stdout[-2000:]}{deploy.stderr[-2000:]}")
+        from blocks.serving import LocalServing
+        from blocks.stack import Stack
+        from blocks.tracking import MlflowTracking
+
+        stack = Stack.embedded()
+        stack.tracking = MlflowTracking(tracking_uri=self.tracking_uri, artifact_location=None)
+        stack.serving = LocalServing(state_dir=str(self.serving_dir), drain_seconds=2)
+        stack.save(self.stack, overwrite=True)
+        self.register(versions)
+
+    def register(self, count: int) -> None:
+        """``count`` versions of one real checkpoint (each alias move deploys another version)."""
+        import torch
+        from mlflow import MlflowClient
+
+        from workload import contract
+        from workload.model import build_model
+
+        client = MlflowClient(self.tracking_uri)
+        experiment = client.create_experiment(self.model, artifact_location=(self.tmp / "artifacts").as_uri())
+        client.create_registered_model(self.model)
+        run = client.create_run(experiment)
+        source = f"{run.info.artifact_uri}/checkpoint"
+        path = Path(urlparse(source).path)
+        path.mkdir(parents=True)
+        torch.manual_seed(0)
+        model = build_model({"hidden": 16})
+        torch.save({"state_dict": model.state_dict(), "config": {"hidden": 16}}, path / contract.MODEL_FILENAME)
+        for _ in range(count):
+            client.create_model_version(self.model, source=source, run_id=run.info.run_id)
+        client.set_terminated(run.info.run_id)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with open(self.tmp / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(argv, cwd=REPO, env=env or self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    # ---- one event ----
+
+    def set_alias_and_time(self, timeout: float = RUN_DEADLINE_S) -> dict[str, float]:
+        """Move `champion` to the next version; wait for its run to finish; return the hops (seconds)."""
+        from mlflow import MlflowClient
+
+        version = str(self.next_version)
+        self.next_version += 1
+        client = MlflowClient(self.tracking_uri)
+        set_at = datetime.now(timezone.utc)
+        client.set_registered_model_alias(self.model, "champion", version)
+        returned_s = (datetime.now(timezone.utc) - set_at).total_seconds()
+
+        run = wait_for(f"the deploy-model run for v{version}", lambda: self.run_for(version, started=True),
+                       timeout=timeout)  # fmt: skip
+        final = wait_for(f"the v{version} run to finish", lambda: self.finished(run.id), timeout=timeout, interval=0.5)
+        if not final.state.is_completed():
+            raise SystemExit(f"the v{version} run ended {final.state.type}: {final.state.message} (logs: {self.tmp})")
+        event = self.event_for(version, set_at)
+        hops = {
+            "alias_call_s": returned_s,
+            "running_s": (run.start_time - set_at).total_seconds(),
+            "created_s": (run.created - set_at).total_seconds(),
+        }
+        if event is not None:
+            hops["emitted_s"] = (event.occurred - set_at).total_seconds()
+            hops["event_received_s"] = (event.received - set_at).total_seconds()
+        return hops
+
+    def run_for(self, version: str, started: bool = False) -> Any:
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        with SyncPrefectClient(self.api_url) as client:
+            dep = client.read_deployment_by_name(DEPLOYMENT)
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                         limit=50, sort=FlowRunSort.EXPECTED_START_TIME_DESC)  # fmt: skip
+        mine = [r for r in runs if r.parameters.get("model_name") == self.model and str(r.parameters.get("version")) == version]
+        if len(mine) > 1:
+            raise SystemExit(f"{len(mine)} deploy-model runs for v{version}: one event, one run expected")
+        if not mine or (started and mine[0].start_time is None):
+            return None
+        return mine[0]
+
+    def finished(self, run_id: Any) -> Any:
+        from prefect.client.orchestration import SyncPrefectClient
+
+        with SyncPrefectClient(self.api_url) as client:
+            run = client.read_flow_run(run_id)
+        return run if run.state and run.state.is_final() else None
+
+    def event_for(self, version: str, since: datetime) -> Any:
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+        from deployments import mlflow_events
+
+        flt = EventFilter(
+            occurred=EventOccurredFilter(since=since - timedelta(seconds=5)),
+            event=EventNameFilter(name=[mlflow_events.ALIAS_SET]),
+            resource=EventResourceFilter(id=[mlflow_events.resource_id(self.model, version)]),
+        )
+        with SyncPrefectClient(self.api_url) as client:
+            events = client.read_events(filter=flt, limit=5).events
+        return min(events, key=lambda e: e.occurred) if events else None
+
+    # ---- the two paths ----
+
+    def webhook_path(self, n: int) -> list[dict[str, float]]:
+        import httpx
+
+        from blocks._proc import free_port
+
+        secret = uuid.uuid4().hex + uuid.uuid4().hex
+        port = free_port("127.0.0.1")
+        receiver = self.start("receiver", [
+            sys.executable, "-m", "deployments.webhook", "--port", str(port), "--stack", self.stack,
+            "--register", self.tracking_uri, "--webhook-name", self.stack, "--model", self.model,
+        ], env={**self.env, "GPUFERRY_WEBHOOK_SECRET": secret})  # fmt: skip
+
+        def up() -> bool:
+            if receiver.poll() is not None:
+                raise SystemExit(f"the receiver exited: {(self.tmp / 'receiver.log').read_text()[-2000:]}")
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for("the webhook receiver", up, timeout=120, interval=0.5)
+        # MLflow caches the list of webhooks per event for MLFLOW_WEBHOOK_CACHE_TTL (60 s): a webhook
+        # created just now is called only once that cache expires. One warm-up event, not counted.
+        warm = time.monotonic()
+        self.set_alias_and_time(timeout=180)
+        print(f"  webhook: first delivery {time.monotonic() - warm:.1f} s after registering (MLflow's webhook cache)")
+        results = []
+        for i in range(n):
+            hops = self.set_alias_and_time()
+            results.append(hops)
+            print(f"  webhook {i + 1}/{n}: " + ", ".join(f"{k} {v:.2f}" for k, v in hops.items()), flush=True)
+        self.stop(receiver)
+        from deployments.webhook import unregister_webhook
+
+        unregister_webhook(self.tracking_uri, self.stack)
+        return results
+
+    def poll_path(self, n: int, interval: float) -> list[dict[str, float]]:
+        state = self.tmp / "poll-state.json"
+        poller = self.start("poller", [
+            sys.executable, "-m", "deployments.poll_registry", "--stack", self.stack, "--interval", str(interval),
+            "--model", self.model, "--alias", "champion", "--state-file", str(state),
+        ])  # fmt: skip
+        wait_for("the poller's first poll", lambda: poller.poll() is None and state.exists(), timeout=120, interval=0.5)
+        results = []
+        for i in range(n):
+            hops = self.set_alias_and_time()
+            results.append(hops)
+            print(f"  poll {i + 1}/{n}: " + ", ".join(f"{k} {v:.2f}" for k, v in hops.items()), flush=True)
+        self.stop(poller)
+        return results
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            self.stop(proc)
+        try:
+            from mlflow import MlflowClient
+
+            from blocks.serving import LocalServing
+            from deployments.webhook import unregister_webhook
+
+            unregister_webhook(self.tracking_uri, self.stack)
+            LocalServing(state_dir=str(self.serving_dir)).undeploy("digits")
+            MlflowClient(self.tracking_uri).delete_registered_model(self.model)
+            from prefect.client.orchestration import SyncPrefectClient
+
+            with SyncPrefectClient(self.api_url) as client:
+                from blocks.stack import Stack
+
+                document = client.read_block_document_by_name(self.stack, Stack.get_block_type_slug())
+                client.delete_block_document(document.id)
+        except Exception as exc:  # noqa: BLE001 - best effort
+            print(f"cleanup: {exc}")
+
+
+def summary(name: str, results: list[dict[str, float]]) -> None:
+    for hop in results[0]:
+        values = [r[hop] for r in results if hop in r]
+        print(f"  {name} {hop}: median {statistics.median(values):.2f} s, p95 {percentile(values, 95):.2f} s, "
+              f"max {max(values):.2f} s")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=20, help="alias changes per path")
+    parser.add_argument("--poll-interval", type=float, default=10.0, help="the poller's interval (its default: 10)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
+    args = parser.parse_args()
+
+    subprocess.run(["make", "-s", "prefect-up", "mlflow-up"], cwd=REPO, check=True)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.stacks import stack_env
+
+    api_url = stack_env("prefect")["PREFECT_API_URL"]
+    tracking_uri = stack_env("mlflow")["MLFLOW_TRACKING_URI"]
+    tmp = Path(tempfile.mkdtemp(prefix="gpuferry-p4-"))
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        bench = Bench(api_url, tracking_uri, tmp)
+        try:
+            bench.setup(versions=2 * args.events + 1)
+            print(f"webhook path: {args.events} alias changes", flush=True)
+            webhook = bench.webhook_path(args.events)
+            print(f"polling path: {args.events} alias changes, poll every {args.poll_interval:g} s", flush=True)
+            poll = bench.poll_path(args.events, args.poll_interval)
+        finally:
+            bench.cleanup()
+            if args.keep:
+                print(f"kept {tmp}")
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+    summary("webhook", webhook)
+    summary("poll", poll)
+    running = [r["running_s"] for r in webhook]
+    poll_running = [r["running_s"] for r in poll]
+    print(f"RESULT P4_median_s {statistics.median(running):.2f}")
+    print(f"RESULT P4_p95_s {percentile(running, 95):.2f}")
+    print(f"RESULT P4_poll_median_s {statistics.median(poll_running):.2f}")
+    print(f"RESULT P4_poll_p95_s {percentile(poll_running, 95):.2f}")
+    for hop in ("emitted_s", "event_received_s", "created_s"):
+        values = [r[hop] for r in webhook if hop in r]
+        if values:
+            print(f"RESULT P4_webhook_{hop.removesuffix('_s')}_median_s {statistics.median(values):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
