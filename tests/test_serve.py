@@ -248,10 +248,12 @@ def post_all_at_once(server: Server, payloads: list[object]) -> list[tuple[int, 
 def test_not_ready_until_warmed_up(server: Server, trained: Trained) -> None:
     not_ready = [seen for seen in server.startup if seen["readyz"] == 503]
     assert not_ready, f"/readyz never said 503 during start-up: {server.startup}"
-    for seen in not_ready:
+    for i, seen in enumerate(not_ready):
         assert seen["healthz"] == 200
         assert seen["state"] in ("loading", "warming-up")
-        assert seen["predict"] == 503 and seen["retry_after"] is not None
+        # /predict is probed just after /readyz: on the last not-ready probe the warm-up may have ended in between.
+        if i < len(not_ready) - 1 or seen["predict"] != 200:
+            assert seen["predict"] == 503 and seen["retry_after"] is not None, seen
     assert server.startup[-1] == {"healthz": 200, "readyz": 200, "state": "ready"}
     assert "model ready" in server.log()
 
