@@ -52,10 +52,10 @@ prefect_env() {
 }
 
 ensure_database() {
-  command -v psql >/dev/null || die "psql not found: install postgresql-client (apt-get install -y postgresql-client)"
+  # shellcheck source=scripts/lib-postgres.sh
+  source "$(dirname "${BASH_SOURCE[0]}")/lib-postgres.sh"
+  ensure_postgres "$PG_HOST" "$PG_PORT" "$PG_USER" || die "no PostgreSQL for the $DB database"
   local psql=(psql -h "$PG_HOST" -p "$PG_PORT" -U "$PG_USER" -d postgres -v ON_ERROR_STOP=1 -qtA)
-  "${psql[@]}" -c 'select 1' >/dev/null 2>&1 \
-    || die "PostgreSQL does not answer at $PG_HOST:$PG_PORT as $PG_USER (start it: pg_ctlcluster 15 main start)"
   if [[ "$("${psql[@]}" -c "select 1 from pg_database where datname = '$DB'")" != 1 ]]; then
     log "creating database $DB"
     "${psql[@]}" -c "create database \"$DB\"" >/dev/null
