@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ class RegistryPoller:
         self.emit = emit
         self.already_emitted = already_emitted
         self.seen: dict[str, dict[str, str]] | None = self._load()
+        self.last_poll: datetime | None = None
 
     def _load(self) -> dict[str, dict[str, str]] | None:
         if self.state_file is None or not self.state_file.exists():
@@ -92,6 +93,7 @@ class RegistryPoller:
 
     def poll_once(self) -> list[dict[str, Any]]:
         """Read the registry once; emit an event for every alias that moved. Returns the emitted events."""
+        started = datetime.now(timezone.utc)
         now = {m: a for m, a in self.read_aliases().items() if model_selected(m, self.models)}
         if self.aliases is not None:
             now = {m: {a: v for a, v in al.items() if a in self.aliases} for m, al in now.items()}
@@ -101,8 +103,9 @@ class RegistryPoller:
             log.info("first poll: %d models recorded, nothing emitted", len(now))
             return []
         emitted = []
+        window = self._dedupe_window(started)
         for model, alias, version, previous in changes(self.seen or {}, now):
-            if self.dedupe_window and self.already_emitted(model, version, alias, self.dedupe_window):
+            if window and self.already_emitted(model, version, alias, window):
                 log.info("%s %s → v%s was already reported (webhook): not emitted again", model, alias, version)
                 continue
             spec = mlflow_events.alias_set_event(
@@ -115,8 +118,16 @@ class RegistryPoller:
             log.info("%s %s: v%s → v%s, emitted %s", model, alias, previous, version, spec["event"])
         # Everything seen is recorded, emitted or not; a failed emit raised above and is retried next poll.
         self.seen = now
+        self.last_poll = started
         self._save()
         return emitted
+
+    def _dedupe_window(self, started: datetime) -> timedelta | None:
+        """How far back a webhook's event can stand for a change this poll sees: not before the previous poll
+        (which saw the old state), else an alias moved back to a version it had minutes ago is never emitted."""
+        if not self.dedupe_window or self.last_poll is None:
+            return self.dedupe_window
+        return min(self.dedupe_window, started - self.last_poll + timedelta(seconds=5))
 
     def run(self, interval_seconds: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Poll every ``interval_seconds`` until ``stop()``; a failed poll is logged and retried."""
