@@ -296,12 +296,14 @@ def test_duplicates_and_both_bridges_deploy_once(world: World) -> None:
     assert before is not None and before["version"] == "1"
     # MLflow resends a delivery (champion → v1 again): the receiver emits it once; a copy sent by
     # another receiver carries the same event id and the Prefect server drops it.
-    first = signed_post(world, alias_payload(world.model, "1"), "delivery-again-v1")
-    again = signed_post(world, alias_payload(world.model, "1"), "delivery-again-v1")
+    # Delivery ids are unique per test run: the Prefect server remembers event ids across runs.
+    delivery = f"delivery-again-v1-{world.model}"
+    first = signed_post(world, alias_payload(world.model, "1"), delivery)
+    again = signed_post(world, alias_payload(world.model, "1"), delivery)
     assert (first.status_code, first.json()["status"]) == (200, "emitted")
     assert (again.status_code, again.json()["status"]) == (200, "duplicate")
     copy = mlflow_events.alias_set_event(world.model, "1", "champion", stack=world.stack, via="webhook",
-                                         id_parts=("mlflow-webhook", "delivery-again-v1"))  # fmt: skip
+                                         id_parts=("mlflow-webhook", delivery))  # fmt: skip
     assert str(copy["id"]) == first.json()["event_id"]
     mlflow_events.emit(copy)
     mlflow_events.flush()
@@ -318,8 +320,12 @@ def test_duplicates_and_both_bridges_deploy_once(world: World) -> None:
     assert poller.seen == {world.model: {"champion": "3"}}
 
     v3 = wait_for("the v3 run", lambda: world.runs_of("deploy-model/on-champion", model_name=world.model, version="3"))
-    # Every copy of the repeated v1 delivery was sent before the v3 event: by now all were evaluated.
+    # The repeated v1 delivery makes one more run (its copies are dropped); the automation may evaluate it
+    # after the v3 event, so wait for it rather than assume the order.
+    wait_for("the repeated v1 delivery's run", lambda: len(
+        world.runs_of("deploy-model/on-champion", model_name=world.model, version="1")) >= 2)  # fmt: skip
     v1 = world.runs_of("deploy-model/on-champion", model_name=world.model, version="1")
+    v3 = world.runs_of("deploy-model/on-champion", model_name=world.model, version="3")
     assert len(v1) == 2 and len(v3) == 1  # the first alias set, and the one repeated delivery
     assert world.runs_of("deploy-model/on-champion", model_name=world.model, version="999") == []  # forged ones
     for run in (*v1, *v3):
