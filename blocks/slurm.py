@@ -21,8 +21,6 @@ file next to it over SFTP, which the script sources.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import io
 import json
 import logging
@@ -44,6 +42,7 @@ from prefect.logging import get_run_logger
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks.compute import ComputeBackend
+from blocks._ssh import fingerprint, load_private_key
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.slurm_script import ADDITIONAL_DIRECTIVES, check_name, sbatch_script
 from blocks.specs import TERMINAL_STATES, JobHandle, JobResult, JobStatus, TrainingJob
@@ -120,26 +119,12 @@ class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         raise ConfigurationError(
             f"the SSH host key of {hostname} is not in known_hosts (it offered {key.get_name()} "
-            f"{_fingerprint(key)}); refusing to connect. Fix: run `ssh-keyscan -p PORT HOST`, check that the "
+            f"{fingerprint(key)}); refusing to connect. Fix: run `ssh-keyscan -p PORT HOST`, check that the "
             "fingerprint (`ssh-keygen -lf -` on its output) matches the one the cluster's admins publish, and "
             "put the line into the block's known_hosts field"
         )
 
 
-def _fingerprint(key: paramiko.PKey) -> str:
-    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
-
-
-def _load_private_key(text: str, passphrase: str | None) -> paramiko.PKey:
-    errors = []
-    for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
-        try:
-            return cls.from_private_key(io.StringIO(text), password=passphrase)
-        except paramiko.PasswordRequiredException as exc:
-            raise ConfigurationError("private_key is encrypted: set private_key_passphrase") from exc
-        except (paramiko.SSHException, ValueError) as exc:
-            errors.append(f"{cls.__name__}: {exc}")
-    raise ConfigurationError(f"private_key is not an OpenSSH/PEM private key ({'; '.join(errors)})")
 
 
 class SlurmCluster(ComputeBackend):
@@ -198,7 +183,7 @@ class SlurmCluster(ComputeBackend):
     def _connect(self) -> paramiko.SSHClient:
         if not self.host or not self.user or self.private_key is None:
             raise ConfigurationError("host, user and private_key are required unless local=True")
-        key = _load_private_key(
+        key = load_private_key(
             self.private_key.get_secret_value(),
             self.private_key_passphrase.get_secret_value() if self.private_key_passphrase else None,
         )
@@ -221,8 +206,8 @@ class SlurmCluster(ComputeBackend):
         except paramiko.BadHostKeyException as exc:
             client.close()
             raise ConfigurationError(
-                f"the SSH host key of {self.host}:{self.port} CHANGED: known_hosts has {_fingerprint(exc.expected_key)}, "
-                f"the server offered {_fingerprint(exc.key)}. This is either a reinstalled login node or an attack; "
+                f"the SSH host key of {self.host}:{self.port} CHANGED: known_hosts has {fingerprint(exc.expected_key)}, "
+                f"the server offered {fingerprint(exc.key)}. This is either a reinstalled login node or an attack; "
                 "confirm the new fingerprint with the cluster's admins, then replace the line in known_hosts"
             ) from exc
         except paramiko.AuthenticationException as exc:

@@ -27,9 +27,6 @@ carries every node's outcome (``Node.state``: ready, failed, unreachable).
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import io
 import json
 import logging
 import re
@@ -44,6 +41,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from blocks._ssh import fingerprint, load_private_key
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.provision import (
     NVIDIA_SMI_QUERY,
@@ -73,21 +71,6 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger("gpuferry.ssh_hosts")
 
 
-def fingerprint(key: paramiko.PKey) -> str:
-    """The key's SHA256 fingerprint as ``ssh-keygen -lf`` prints it."""
-    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
-
-
-def _load_private_key(text: str, passphrase: str | None) -> paramiko.PKey:
-    errors = []
-    for cls in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
-        try:
-            return cls.from_private_key(io.StringIO(text), password=passphrase)
-        except paramiko.PasswordRequiredException as exc:
-            raise ConfigurationError("private_key is encrypted: set private_key_passphrase") from exc
-        except (paramiko.SSHException, ValueError) as exc:
-            errors.append(f"{cls.__name__}: {exc}")
-    raise ConfigurationError(f"private_key is not an OpenSSH/PEM private key ({'; '.join(errors)})")
 
 
 class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
@@ -425,7 +408,7 @@ class SshHosts(NodeProvider):
         """Run ``step`` on every node at once; every node's outcome, failures included, in input order."""
         if not nodes:
             return []
-        key = _load_private_key(
+        key = load_private_key(
             self.private_key.get_secret_value(),
             self.private_key_passphrase.get_secret_value() if self.private_key_passphrase else None,
         )
