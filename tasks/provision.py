@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from blocks.provision import NodeFailures, NodeProvider, NodeRequirements
@@ -35,13 +35,23 @@ def provision_nodes(provider: NodeProvider, count: int, requirements: NodeRequir
         checked = provider.bootstrap(nodes, requirements)
     except NodeFailures as exc:  # every node's outcome, the failed ones named: the inventory shows them
         create_table_artifact(key="node-inventory", table=inventory_rows(exc.nodes), description="Nodes of this run")
-        provider.release(nodes)
+        _release_after_failure(provider, nodes, exc)
         raise
-    except BaseException:
-        provider.release(nodes)
+    except BaseException as exc:
+        _release_after_failure(provider, nodes, exc)
         raise
     create_table_artifact(key="node-inventory", table=inventory_rows(checked), description="Nodes of this run")
     return checked
+
+
+def _release_after_failure(provider: NodeProvider, nodes: list[Node], cause: BaseException) -> None:
+    """Release what was acquired; a failing release is logged and noted, never hiding ``cause``."""
+    try:
+        provider.release(nodes)
+    except Exception as exc:  # noqa: BLE001 - the bootstrap failure is the error to raise
+        names = ", ".join(n.name for n in nodes)
+        get_run_logger().error("releasing %s after a failed bootstrap failed too: %s", names, exc)
+        cause.add_note(f"releasing the nodes ({names}) afterwards failed too: {exc} — release them by hand")
 
 
 @task(name="release", **retry_options(retries=5))

@@ -59,3 +59,29 @@ def test_cluster_managed_nodes_leave_gpus_to_the_scheduler() -> None:
     assert provider.bootstrap(nodes, NodeRequirements(gpus=4)) == nodes  # no local GPU check
     assert nodes[0].labels == {"run": "run1", "nodes": "2", "gpus_per_node": "4"}
     provider.release(nodes)
+
+
+class _FailingBootstrap(LocalMachine):
+    """A machine whose bootstrap fails, and whose release then fails too."""
+
+    _block_type_slug = "test-failing-bootstrap"  # its own block type: LocalMachine's stays registered
+
+    def bootstrap(self, nodes, requirements):  # type: ignore[no-untyped-def]
+        raise ConfigurationError("preflight failed on node local: nvidia-smi missing")
+
+    def release(self, nodes) -> None:  # type: ignore[no-untyped-def]
+        raise OSError("controller unreachable")
+
+
+def test_failed_release_after_failed_bootstrap_keeps_the_cause(prefect_server: None) -> None:
+    from prefect import flow
+
+    from tasks.provision import provision_nodes
+
+    @flow
+    def provision() -> None:
+        provision_nodes(_FailingBootstrap(), 1, NodeRequirements(), "run1")
+
+    with pytest.raises(ConfigurationError, match="nvidia-smi missing") as info:
+        provision()
+    assert any("controller unreachable" in note and "release them by hand" in note for note in info.value.__notes__)
