@@ -107,7 +107,9 @@ kill "$pid" 2>/dev/null || exit 0
 i=0
 while [ -n "$(tr -d '\0' <"/proc/$pid/cmdline" 2>/dev/null)" ]; do
   i=$((i + 1))
-  if [ "$i" -gt 300 ]; then kill -9 "$pid" 2>/dev/null; echo "slurmd $pid ignored SIGTERM for 30 s: killed" >&2; break; fi
+  if [ "$i" -gt 300 ]; then
+    kill -9 "$pid" 2>/dev/null; echo "slurmd $pid ignored SIGTERM for 30 s: killed" >&2; break
+  fi
   sleep 0.1
 done
 """
@@ -675,8 +677,8 @@ class SshHosts(NodeProvider):
                          key_path], "installing the MUNGE key",
                         f"check that user {join.munge_user} exists (is munge installed?) and the path is writable",
                         change=True, stdin=key)  # fmt: skip
-                s.check(join.munge_restart_command, "restarting munge",
-                        "set slurm.munge_restart_command to how munged is restarted on the host", change=True)  # fmt: skip
+                fix = "set slurm.munge_restart_command to how munged is restarted on the host"
+                s.check(join.munge_restart_command, "restarting munge", fix, change=True)
                 changes.append(f"installed the cluster's MUNGE key in {key_path} and restarted munge")
         changed_files = []
         for path, content in join.config_files(name, facts.gpus).items():
@@ -714,8 +716,9 @@ class SshHosts(NodeProvider):
         info = self._node_info(name, s, join)
         if info is not None and not info.drained:
             if "DRAIN" not in info.flags:
-                s.check(join.scontrol_argv(name, "update", f"nodename={name}", "state=drain", f"reason={_RELEASE_REASON}"),
-                        f"draining {name}", "run scontrol on the host by hand and read its error", change=True)  # fmt: skip
+                drain = join.scontrol_argv(name, "update", f"nodename={name}", "state=drain",
+                                           f"reason={_RELEASE_REASON}")  # fmt: skip
+                s.check(drain, f"draining {name}", "run scontrol on the host by hand and read its error", change=True)
                 changes.append("drained")
             deadline = time.monotonic() + join.drain_timeout_seconds
             interval = 0.5
@@ -786,7 +789,8 @@ class SshHosts(NodeProvider):
             info = self._node_info(name, s, join)
             if info is not None and info.usable:
                 return info, resumed
-            registered = info is not None and info.base not in ("UNKNOWN", "FUTURE") and "NOT_RESPONDING" not in info.flags
+            registered = (info is not None and info.base not in ("UNKNOWN", "FUTURE")
+                          and "NOT_RESPONDING" not in info.flags)  # fmt: skip
             if registered and resumed is None and ("DRAIN" in info.flags or info.base == "DOWN"):
                 resumed = info.state + (f" ({info.fields['Reason']})" if info.fields.get("Reason") else "")
                 s.check(join.scontrol_argv(name, "update", f"nodename={name}", "state=resume"), f"resuming {name}",
