@@ -442,7 +442,8 @@ class SshHosts(NodeProvider):
     _block_type_name = "gpuferry SSH Hosts"
     _description = (
         "Bring-your-own GPU hosts reached over SSH: checks GPUs, driver, CUDA and the NVIDIA Container Toolkit, "
-        "and configures docker's nvidia runtime where it is missing, on all hosts at once."
+        "configures docker's nvidia runtime where it is missing and joins the hosts to a Slurm cluster, on all "
+        "hosts at once."
     )
 
     hosts: list[SshHost] = Field(min_length=1, description="The hosts (address, port, user, optional name).")
@@ -712,7 +713,9 @@ class SshHosts(NodeProvider):
 
     def _leave_slurm(self, name: str, s: _Session, join: SlurmJoin) -> list[str]:
         """Drain node ``name``, wait for its jobs to end, stop its slurmd, delete it; (changes made)."""
-        changes = []
+        changes: list[str] = []
+        if s.run(["test", "-f", join.conf_path(name)])[0] != 0:
+            return changes  # never joined (bootstrap stopped before the config was installed)
         info = self._node_info(name, s, join)
         if info is not None and not info.drained:
             if "DRAIN" not in info.flags:
