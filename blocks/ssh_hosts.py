@@ -716,7 +716,14 @@ class SshHosts(NodeProvider):
         changes: list[str] = []
         if s.run(["test", "-f", join.conf_path(name)])[0] != 0:
             return changes  # never joined (bootstrap stopped before the config was installed)
-        info = self._node_info(name, s, join)
+        pid_file = join.pid_file(name)
+        try:
+            info = self._node_info(name, s, join)
+        except TransientError:
+            # The controller does not answer: at least the node stops serving; release again to delete it.
+            if self._slurmd_cmdline(s, pid_file) is not None:
+                self._stop_slurmd(name, s, pid_file)
+            raise
         if info is not None and not info.drained:
             if "DRAIN" not in info.flags:
                 drain = join.scontrol_argv(name, "update", f"nodename={name}", "state=drain",
@@ -734,7 +741,6 @@ class SshHosts(NodeProvider):
                 time.sleep(interval)
                 interval = min(interval * 2, 5.0)
                 info = self._node_info(name, s, join)
-        pid_file = join.pid_file(name)
         if self._slurmd_cmdline(s, pid_file) is not None:
             self._stop_slurmd(name, s, pid_file)
             changes.append("stopped slurmd")

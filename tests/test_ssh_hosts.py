@@ -728,3 +728,30 @@ def test_slurm_join_settings_are_checked_before_anything_runs() -> None:
         "NodeName=g1 Name=gpu Type=a100-sxm4-80gb File=/dev/nvidia0",
         "NodeName=g1 Name=gpu Type=tesla_t4 File=/dev/nvidia1",
     ]
+
+
+def test_a_controller_that_does_not_answer_fails_the_join_clearly_and_release_stops_slurmd(
+    hosts: FakeHosts, joining: tuple[SshHosts, dict[str, str], dict[str, str]]
+) -> None:
+    block, names, env = joining
+    # The cluster's config, but the controller at an address nothing listens on.
+    conf = block.slurm.slurm_conf.replace(f"SlurmctldHost=localhost({env['SLURM_CTLD_ADDR']})",
+                                          "SlurmctldHost=localhost(10.231.6.254)")  # fmt: skip
+    assert conf != block.slurm.slurm_conf
+    lost = block.model_copy(update={
+        "hosts": block.hosts[:1], "slurm": block.slurm.model_copy(update={"slurm_conf": conf}),
+    })  # fmt: skip
+    node = names["a100"]
+    nodes = lost.acquire(1, NodeRequirements(), "run-lost")
+    with pytest.raises(NodesUnreachable) as info:
+        lost.bootstrap(nodes, NodeRequirements(gpus=1))
+    assert f"{node}: `scontrol show node` failed" in str(info.value) and "Unable to contact slurm controller" in str(
+        info.value
+    )
+    assert not in_cluster(env, node)  # the real cluster never saw it
+    running = slurmd_pid(lost.slurm, node)
+    assert running is not None  # slurmd started and keeps trying to register
+
+    with pytest.raises(NodesUnreachable, match=f"{node}: `scontrol show node` failed"):
+        lost.release(nodes)
+    assert slurmd_pid(lost.slurm, node) is None and not _alive(running)  # stopped all the same
