@@ -13,8 +13,15 @@ carry the endpoint URL, so any EC2-compatible API, moto's server included, works
   key; releasing twice is harmless.
 * ``inspect(nodes)`` reads the instances' state and IP addresses from EC2 and their GPUs from the
   instance type table below (model, count, memory). The driver and CUDA version are those of the
-  AMI, which EC2 does not report: to check them, and to set up the NVIDIA Container Toolkit, reach
-  the instances with ``SshHosts`` (blocks/ssh_hosts.py) over their private addresses.
+  AMI, which EC2 does not report.
+* ``bootstrap(nodes, requirements)`` with ``ssh`` set hands the instances to ``SshHosts``
+  (blocks/ssh_hosts.py) at their private addresses, node name = instance id: nvidia-smi preflight,
+  the NVIDIA container runtime and, with ``ssh.slurm``, joining the Slurm cluster. The instances'
+  SSH host keys come from ``ssh.known_hosts`` or else from their console output, where cloud-init
+  prints them (read through the EC2 API, so a key is trusted only from the instance itself).
+  Without ``ssh`` it only checks the instance type table. ``release`` takes the nodes out of the
+  Slurm cluster (when ``ssh.slurm`` is set) before it terminates them; a failure there is logged
+  and the instances are terminated all the same.
 
 Errors: throttling and 5xx answers are left as botocore raised them (``tasks/retry.py`` classifies
 them as transient); no capacity becomes a ``TransientError``; a bad AMI, subnet, security group,
@@ -32,11 +39,12 @@ from botocore.exceptions import ClientError
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect_aws import AwsCredentials
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from blocks.errors import ConfigurationError, TransientError
 from blocks.provision import STATE_ACQUIRED, STATE_FAILED, STATE_READY, NodeProvider, NodeRequirements
 from blocks.specs import GpuInfo, Node
+from blocks.ssh_hosts import SlurmJoin, SshHost, SshHosts
 
 RUN_TAG = "gpuferry:run"
 LIVE_STATES = ["pending", "running"]
@@ -93,6 +101,44 @@ _CONFIG_ERRORS = {
 _CAPACITY_ERRORS = {"InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientCapacity"}
 
 
+_HOST_KEYS_BEGIN = "-----BEGIN SSH HOST KEY KEYS-----"
+_HOST_KEYS_END = "-----END SSH HOST KEY KEYS-----"
+
+
+def console_host_keys(console_output: str) -> list[tuple[str, str]]:
+    """(key type, base64 key) of the SSH host keys cloud-init printed to an instance's console."""
+    if _HOST_KEYS_BEGIN not in console_output:
+        return []
+    block = console_output.rsplit(_HOST_KEYS_BEGIN, 1)[1].split(_HOST_KEYS_END, 1)[0]
+    keys = []
+    for line in block.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and (parts[0].startswith("ssh-") or parts[0].startswith("ecdsa-")):
+            keys.append((parts[0], parts[1]))
+    return keys
+
+
+class Ec2SshAccess(BaseModel):
+    """How ``Ec2Provider`` reaches its instances over SSH (at their private addresses) to bootstrap them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    user: str = Field("ubuntu", min_length=1, description="SSH user of the AMI (root, or a user allowed sudo -n).")
+    port: int = Field(22, ge=1, le=65535, description="SSH port.")
+    private_key: SecretStr = Field(description="Private key of the instances' key pair (OpenSSH or PEM text).")
+    private_key_passphrase: SecretStr | None = Field(None, description="Passphrase of the private key, if any.")
+    known_hosts: str | None = Field(
+        None, description="known_hosts lines of the instances; None: their host keys are read from their console "
+        "output (cloud-init prints them)."
+    )  # fmt: skip
+    host_key_timeout_seconds: float = Field(
+        600.0, gt=0, description="How long to wait for the host keys to appear in the console output."
+    )
+    connect_attempts: int = Field(6, ge=1, le=20, description="SSH connection attempts per instance (sshd may "
+                                                               "still be starting).")  # fmt: skip
+    slurm: SlurmJoin | None = Field(None, description="Join the instances to this Slurm cluster (see SshHosts).")
+
+
 def _logger() -> logging.Logger | logging.LoggerAdapter:
     try:
         return get_run_logger()
@@ -137,6 +183,10 @@ class Ec2Provider(NodeProvider):
     )
     poll_interval_start: float = Field(1.0, gt=0, description="First wait between two state polls, in seconds.")
     poll_interval_max: float = Field(15.0, gt=0, description="Longest wait between two state polls, in seconds.")
+    ssh: Ec2SshAccess | None = Field(
+        None, description="Bootstrap the instances over SSH at their private addresses (SshHosts: GPU preflight, "
+        "NVIDIA container runtime, Slurm join); None: only the instance type table is checked."
+    )  # fmt: skip
 
     @field_validator("instance_type")
     @classmethod
@@ -199,6 +249,61 @@ class Ec2Provider(NodeProvider):
                 out.append(self._node(instance, STATE_READY))
         return out
 
+    def bootstrap(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
+        """With ``ssh``: ``SshHosts.bootstrap`` on the instances' private addresses; else the table check."""
+        if self.ssh is None:
+            return super().bootstrap(nodes, requirements)
+        self.check(nodes, requirements)  # still running, and the type fits
+        return self.ssh_hosts(nodes).bootstrap(nodes, requirements)
+
+    def ssh_hosts(self, nodes: list[Node]) -> SshHosts:
+        """An ``SshHosts`` block over the nodes' private addresses (node name = instance id)."""
+        if self.ssh is None:
+            raise ConfigurationError("ssh is not set: the provider has no SSH access to its instances")
+        without = [n.name for n in nodes if not n.labels.get("private_ip")]
+        if without:
+            nodes = self.inspect(nodes)  # the addresses, read again
+            without = [n.name for n in nodes if not n.labels.get("private_ip")]
+        if without:
+            raise TransientError(f"instances {', '.join(without)} have no private IP address (yet)")
+        ssh = self.ssh
+        hosts = [SshHost(address=n.labels["private_ip"], port=ssh.port, user=ssh.user, name=n.name) for n in nodes]
+        known_hosts = (ssh.known_hosts if ssh.known_hosts is not None
+                       else self._console_known_hosts(hosts, ssh.host_key_timeout_seconds))  # fmt: skip
+        return SshHosts(
+            hosts=hosts, private_key=ssh.private_key, private_key_passphrase=ssh.private_key_passphrase,
+            known_hosts=known_hosts, connect_attempts=ssh.connect_attempts, slurm=ssh.slurm,
+        )  # fmt: skip
+
+    def _console_known_hosts(self, hosts: list[SshHost], timeout: float) -> str:
+        """known_hosts lines from the host keys cloud-init printed to each instance's console."""
+        deadline = time.monotonic() + timeout
+        lines: dict[str, list[str]] = {}
+        interval = self.poll_interval_start
+        while True:
+            for host in hosts:
+                if host.node_name in lines:
+                    continue
+                try:
+                    response = self.client().get_console_output(InstanceId=host.node_name, Latest=True)
+                except ClientError as exc:
+                    raise _explain(exc, f"read the console output of {host.node_name}") from exc
+                keys = console_host_keys(response.get("Output") or "")
+                if keys:
+                    lines[host.node_name] = [f"{host.known_hosts_name} {kind} {key}" for kind, key in keys]
+            missing = [h.node_name for h in hosts if h.node_name not in lines]
+            if not missing:
+                return "".join(line + "\n" for host in hosts for line in lines[host.node_name])
+            if time.monotonic() > deadline:
+                raise TransientError(
+                    f"no SSH host keys in the console output of {', '.join(missing)} after {timeout:.0f} s "
+                    f"(cloud-init prints them between "
+                    f"{_HOST_KEYS_BEGIN} and {_HOST_KEYS_END}). Fix: use an AMI with cloud-init, or set "
+                    "ssh.known_hosts to the instances' keys"
+                )
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(interval * 2, self.poll_interval_max)
+
     def check(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
         inspected = super().check(nodes, requirements)
         gone = [n.labels["error"] for n in inspected if n.state != STATE_READY]
@@ -207,11 +312,26 @@ class Ec2Provider(NodeProvider):
         return inspected
 
     def release(self, nodes: list[Node]) -> None:
-        """Terminate the nodes' instances and any live instance of their runs; idempotent."""
+        """Take the nodes out of Slurm (``ssh.slurm``), then terminate the nodes' instances and any live
+        instance of their runs; idempotent."""
+        if self.ssh is not None and self.ssh.slurm is not None:
+            self._leave_slurm(nodes)
         ids = {n.name for n in nodes if n.name.startswith("i-")}
         for run in {n.labels["run"] for n in nodes if n.labels.get("run")}:
             ids |= {i["InstanceId"] for i in self._instances(run)}
         self._terminate(sorted(ids))
+
+    def _leave_slurm(self, nodes: list[Node]) -> None:
+        """SshHosts.release on the nodes still running; a failure is logged, never stops the termination."""
+        try:
+            running = [n for n in self.inspect(nodes) if n.state == STATE_READY]
+            if running:
+                self.ssh_hosts(running).release(running)
+        except Exception as exc:  # noqa: BLE001 - terminating the instances matters more
+            _logger().error(
+                "could not take %s out of the Slurm cluster before terminating them (%s); remove what is left "
+                "with `scontrol delete nodename=<instance id>` on the cluster", ", ".join(n.name for n in nodes), exc
+            )
 
     # ---- EC2 -----------------------------------------------------------------------------
 

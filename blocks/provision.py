@@ -11,12 +11,13 @@ does not hide the others' results. ``NodeFailures`` carries all of them (``nodes
 ``state`` and, when it failed, ``labels["error"]``) and lists the failed ones in its message.
 
 The embedded default, ``LocalMachine``, is this machine: its GPUs from ``nvidia-smi`` when there is
-one, else CPU only.
+one, else CPU only, and the NVIDIA Container Toolkit's version from ``nvidia-ctk --version``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,8 @@ from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.specs import GpuInfo, Node
 
 NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+TOOLKIT_MISSING = "missing"  # labels["toolkit"] of a node without the NVIDIA Container Toolkit
+_CTK_VERSION = re.compile(r"version\s+v?([0-9][0-9A-Za-z.+~-]*)")
 
 
 class NodeRequirements(BaseModel):
@@ -106,6 +109,12 @@ def parse_cuda_version(nvidia_smi_banner: str) -> str | None:
     return nvidia_smi_banner.split(marker, 1)[1].split()[0].strip("|")
 
 
+def parse_ctk_version(text: str) -> str | None:
+    """The version in ``nvidia-ctk --version`` output ('NVIDIA Container Toolkit CLI version 1.15.0')."""
+    match = _CTK_VERSION.search(text)
+    return match.group(1) if match else None
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".") if p.isdigit())
 
@@ -171,6 +180,7 @@ class LocalMachine(NodeProvider):
     _description = "Provides this machine as the only node; GPUs are read from nvidia-smi when present."
 
     nvidia_smi: str = Field("nvidia-smi", description="nvidia-smi command (a path or a name on PATH).")
+    nvidia_ctk: str = Field("nvidia-ctk", description="nvidia-ctk command (NVIDIA Container Toolkit).")
 
     def acquire(self, count: int, requirements: NodeRequirements, key: str) -> list[Node]:
         if count != 1:
@@ -182,7 +192,9 @@ class LocalMachine(NodeProvider):
     def inspect(self, nodes: list[Node]) -> list[Node]:
         gpus = self._gpus()
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
-        return [n.model_copy(update={"gpus": gpus, "cpus": os.cpu_count() or 1, "memory_mib": mem}) for n in nodes]
+        toolkit = self._toolkit()
+        return [n.model_copy(update={"gpus": gpus, "cpus": os.cpu_count() or 1, "memory_mib": mem,
+                                     "labels": {**n.labels, "toolkit": toolkit}}) for n in nodes]  # fmt: skip
 
     def release(self, nodes: list[Node]) -> None:
         """Nothing to give back: the machine stays."""
@@ -197,6 +209,17 @@ class LocalMachine(NodeProvider):
         except (subprocess.SubprocessError, OSError):
             return []  # an nvidia-smi that cannot talk to a driver: no usable GPU
         return parse_nvidia_smi(query.stdout, parse_cuda_version(banner))
+
+    def _toolkit(self) -> str:
+        """The NVIDIA Container Toolkit's version, or ``missing``."""
+        exe = shutil.which(self.nvidia_ctk)
+        if exe is None:
+            return TOOLKIT_MISSING
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+        except (subprocess.SubprocessError, OSError):
+            return TOOLKIT_MISSING  # present but broken: not usable
+        return parse_ctk_version(out) or TOOLKIT_MISSING
 
 
 class ClusterManaged(NodeProvider):

@@ -5,6 +5,12 @@
 #   -> slurmctld -> two slurmd on one host (nodes n1, n2; own ports; fake GPUs)
 #   + an sshd on 127.0.0.1 (own host key, key-only login) = the cluster's login node.
 #
+# Nodes can join: slurmctld is reached at $CTLD_ADDR (a /32 on the loopback interface, so that
+# other network namespaces and hosts routed to this one reach it; slurmctld listens on every
+# address), MaxNodeCount leaves room for dynamic nodes, and a node that registers with
+# `slurmd -Z --conf "... Feature=joined"` lands in the `joined` partition (a NodeSet by feature),
+# never in the default one. blocks/ssh_hosts.py joins hosts this way (see README, provisioning).
+#
 # Everything this script writes lives under $GPUFERRY_STACKS/slurm (configs, state, pids, logs,
 # keys, the fake GPU device nodes and the "shared filesystem" for job directories); nothing is
 # written to /etc. Because there is no /etc/slurm/slurm.conf, EVERY Slurm command must see
@@ -39,6 +45,9 @@ CTLD_PORT=${GPUFERRY_SLURM_CTLD_PORT:-16817}
 DBD_PORT=${GPUFERRY_SLURM_DBD_PORT:-16819}
 SLURMD_PORT_BASE=${GPUFERRY_SLURM_SLURMD_PORT_BASE:-16820}   # n1 gets +1, n2 +2
 SSH_PORT=${GPUFERRY_SLURM_SSH_PORT:-2299}
+CTLD_ADDR=${GPUFERRY_SLURM_CTLD_ADDR:-10.231.6.1}            # where joined nodes reach slurmctld
+JOIN_PARTITION=${GPUFERRY_SLURM_JOIN_PARTITION:-joined}      # partition (and feature) of joined nodes
+MAX_JOINED=${GPUFERRY_SLURM_MAX_JOINED:-64}                  # dynamic nodes at a time
 GPUS_PER_NODE=${GPUFERRY_SLURM_GPUS_PER_NODE:-4}
 CPUS_PER_NODE=${GPUFERRY_SLURM_CPUS_PER_NODE:-8}              # overcommitted on purpose (throughput)
 DB_NAME=${GPUFERRY_SLURM_DB:-gpuferry_slurm_acct_db}          # own DB: accounts/QoS are per database
@@ -130,7 +139,7 @@ write_configs() {
     cat <<EOF
 # Written by scripts/slurm.sh; rewritten by every \`up\`.
 ClusterName=$CLUSTER
-SlurmctldHost=localhost
+SlurmctldHost=localhost($CTLD_ADDR)
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
@@ -180,6 +189,9 @@ Waittime=0
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
+# Dynamic nodes (slurmd -Z): room for them, and no fan-out through nodes that do not know them.
+MaxNodeCount=$((${#NODES[@]} + MAX_JOINED))
+TreeWidth=65533
 EOF
     i=0
     for n in "${NODES[@]}"; do
@@ -187,6 +199,8 @@ EOF
       echo "NodeName=$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((SLURMD_PORT_BASE + i)) CPUs=$CPUS_PER_NODE RealMemory=8000 Gres=gpu:fake:$GPUS_PER_NODE State=UNKNOWN"
     done
     echo "PartitionName=$PARTITION Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP"
+    echo "NodeSet=$JOIN_PARTITION Feature=$JOIN_PARTITION"
+    echo "PartitionName=$JOIN_PARTITION Nodes=$JOIN_PARTITION MaxTime=INFINITE State=UP"
   } | write_if_changed "$ETC/slurm.conf" 644 && changed=0
 
   {
@@ -230,6 +244,15 @@ make_fake_gpus() {
     # Character devices (major 195 = nvidia): a plain file or a Count-only gres leaves the node INVAL.
     [[ -c $DEV/fakenvidia$i ]] || mknod -m 666 "$DEV/fakenvidia$i" c 195 "$i"
   done
+}
+
+# ---- the controller's address for joined nodes --------------------------------------------------
+ctld_addr_present() { ip -o addr show dev lo | grep -q " inet $CTLD_ADDR/32 "; }
+
+ensure_ctld_addr() {
+  ctld_addr_present && return 0
+  ip addr add "$CTLD_ADDR/32" dev lo || die "cannot add $CTLD_ADDR/32 to lo (set GPUFERRY_SLURM_CTLD_ADDR to a free address)"
+  log "added $CTLD_ADDR/32 to lo (slurmctld's address for joined nodes)"
 }
 
 # ---- daemons -----------------------------------------------------------------------------------
@@ -389,6 +412,11 @@ SLURM_QOS_HIGH=high
 SLURM_SHARED_DIR=$SHARED
 SLURM_GPUS_PER_NODE=$GPUS_PER_NODE
 SLURM_NODES=${#NODES[@]}
+SLURM_CTLD_ADDR=$CTLD_ADDR
+SLURM_JOIN_PARTITION=$JOIN_PARTITION
+SLURM_JOIN_FEATURE=$JOIN_PARTITION
+SLURM_GRES_CONF=$ETC/gres.conf
+SLURM_MUNGE_KEY=/etc/munge/munge.key
 EOF
 }
 
@@ -397,6 +425,7 @@ up() {
   mkdir -p "$ETC" "$PIDS" "$LOGS" "$STATE/slurmctld" "$SSHDIR" "$DEV" "$SHARED"
   for n in "${NODES[@]}"; do mkdir -p "$STATE/slurmd-$n"; done
   install_packages
+  ensure_ctld_addr
   ensure_mariadb
   write_configs && restart=1
   [[ -n $(ls -A "$PIDS" 2>/dev/null) ]] || restart=0   # first start: nothing to restart
@@ -422,6 +451,7 @@ down() {
   stop_pid "$PIDS/slurmdbd.pid" slurmdbd
   stop_pid "$PIDS/munged.pid" munged
   stop_pid "$PIDS/mariadbd.pid" mariadbd   # only when `up` started it
+  if ctld_addr_present; then ip addr del "$CTLD_ADDR/32" dev lo || true; fi
   # Empty cgroup directories slurmd created for its nodes.
   for n in "${NODES[@]}"; do
     find /sys/fs/cgroup/*/slurm_"$n" -depth -type d -exec rmdir {} + 2>/dev/null || true
@@ -438,6 +468,7 @@ stop_controller() {
 
 start_controller() {
   [[ -f $RUN/env ]] || die "the stack is not up (run \`$0 up\` first)"
+  ensure_ctld_addr
   start_slurm 0
   wait_for 90 "$LOGS/slurmctld.log" "nodes ${NODES[*]} usable in sinfo" nodes_idle
 }

@@ -206,3 +206,82 @@ def test_failure_after_acquire_still_terminates_the_runs_instances(
     tags = {t["Key"]: t["Value"] for t in instances[0]["Tags"]}
     assert tags[RUN_TAG] and tags["Name"] == f"{prefix}-{tags[RUN_TAG]}"
     assert instances[0]["State"]["Name"] in ("shutting-down", "terminated")  # ... and released it
+
+
+CLOUD_INIT_CONSOLE = """[   12.3] cloud-init[1021]: Cloud-init v. 23.4 running 'modules:config'
+ec2:
+ec2: #############################################################
+ec2: -----BEGIN SSH HOST KEY FINGERPRINTS-----
+ec2: 256 SHA256:Xb7Xj6rIbQ0v3hX6Xn0bUqv1F5m0xY8R2d9q8oVdLk4 root@ip-10-0-1-17 (ECDSA)
+ec2: -----END SSH HOST KEY FINGERPRINTS-----
+ec2: #############################################################
+-----BEGIN SSH HOST KEY KEYS-----
+ecdsa-sha2-nistp256 AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBOb4 root@ip-10-0-1-17
+ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHn6 root@ip-10-0-1-17
+-----END SSH HOST KEY KEYS-----
+[   13.0] cloud-init[1021]: Cloud-init v. 23.4 finished
+"""
+
+
+def test_host_keys_are_read_from_cloud_init_console_output() -> None:
+    from blocks.ec2 import console_host_keys
+
+    assert console_host_keys(CLOUD_INIT_CONSOLE) == [
+        ("ecdsa-sha2-nistp256", "AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBOb4"),
+        ("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIHn6"),
+    ]
+    assert console_host_keys("Linux version 6.1 ... no keys printed yet") == []
+
+
+def test_bootstrap_goes_over_ssh_to_the_instances_private_addresses(
+    credentials: AwsCredentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto's instances cannot be reached over SSH: SshHosts' bootstrap/release are recorded, not run."""
+    from blocks.ec2 import Ec2SshAccess
+    from blocks.ssh_hosts import SlurmJoin, SshHosts
+
+    calls: list[tuple[str, list[tuple[str, str, int, str]], list[str], dict[str, str]]] = []
+
+    def record(action: str):  # noqa: ANN202
+        def method(self: SshHosts, nodes: list, *args: object) -> object:
+            states = {n.name: s for n, s in ((n, instances_of(block, key).get(n.name)) for n in nodes)}
+            calls.append((action, [(h.name, h.address, h.port, h.user) for h in self.hosts], [n.name for n in nodes],
+                          states))  # fmt: skip
+            assert self.slurm == join and self.known_hosts == known_hosts
+            return [n.model_copy(update={"state": STATE_READY, "labels": {**n.labels, "bootstrap": "changed"}})
+                    for n in nodes] if action == "bootstrap" else None  # fmt: skip
+        return method
+
+    monkeypatch.setattr(SshHosts, "bootstrap", record("bootstrap"))
+    monkeypatch.setattr(SshHosts, "release", record("release"))
+    join = SlurmJoin(slurm_conf="SlurmctldHost=ctl(10.0.0.2)\nMaxNodeCount=20\n", features=["joined"])
+    known_hosts = "10.0.0.9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHn6\n"
+    ssh = Ec2SshAccess(user="ec2-user", private_key="-----BEGIN OPENSSH PRIVATE KEY-----\n...", known_hosts=known_hosts,
+                       slurm=join)  # fmt: skip
+    block = provider(credentials, ssh=ssh)
+    key = f"run-{uuid.uuid4().hex[:8]}"
+    nodes = block.acquire(2, NodeRequirements(gpus=4), key)
+    pages = block.client().describe_instances(InstanceIds=[n.name for n in nodes])
+    private = {i["InstanceId"]: i["PrivateIpAddress"] for r in pages["Reservations"] for i in r["Instances"]}
+
+    ready = block.bootstrap(nodes, NodeRequirements(gpus=4))
+    assert [n.state for n in ready] == [STATE_READY] * 2 and ready[0].labels["bootstrap"] == "changed"
+    expected_hosts = [(n.name, private[n.name], 22, "ec2-user") for n in nodes]
+    assert calls == [("bootstrap", expected_hosts, [n.name for n in nodes], {n.name: "running" for n in nodes})]
+
+    block.release(ready)  # the Slurm nodes leave while their instances still run; then they are terminated
+    assert calls[1] == ("release", expected_hosts, [n.name for n in nodes], {n.name: "running" for n in nodes})
+    assert set(instances_of(block, key).values()) <= {"shutting-down", "terminated"}
+    block.release(ready)  # twice: nothing is running any more, so nothing leaves Slurm again
+    assert len(calls) == 2
+
+    # Without known_hosts the keys come from the console output; moto's has none: a clear error, not a guess.
+    console = provider(credentials, ssh=ssh.model_copy(update={"known_hosts": None, "host_key_timeout_seconds": 0.5}))
+    fresh = console.acquire(1, NodeRequirements(), key)
+    try:
+        with pytest.raises(TransientError, match=rf"no SSH host keys in the console output of {fresh[0].name} .*"
+                                                 r"set ssh.known_hosts"):  # fmt: skip
+            console.bootstrap(fresh, NodeRequirements())
+        assert len(calls) == 2  # nothing was tried over SSH
+    finally:
+        console.release(fresh)

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from blocks.errors import ConfigurationError
-from blocks.provision import ClusterManaged, LocalMachine, NodeRequirements, parse_cuda_version, parse_nvidia_smi
+from blocks.provision import (
+    ClusterManaged,
+    LocalMachine,
+    NodeRequirements,
+    parse_ctk_version,
+    parse_cuda_version,
+    parse_nvidia_smi,
+)
+from tasks.provision import inventory_rows
 
 A100_QUERY = "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n"
 A100_BANNER = "| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |\n"
@@ -24,6 +32,15 @@ def fake_nvidia_smi(tmp_path: Path) -> str:
     return str(path)
 
 
+def fake_nvidia_ctk(tmp_path: Path, version_output: str) -> str:
+    """An nvidia-ctk whose --version prints ``version_output``."""
+    path = tmp_path / "nvidia-ctk"
+    (tmp_path / "ctk.txt").write_text(version_output)
+    path.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec cat {tmp_path}/ctk.txt\nexit 2\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
 def test_parse() -> None:
     gpus = parse_nvidia_smi(A100_QUERY, parse_cuda_version(A100_BANNER))
     assert [(g.index, g.name, g.memory_mib, g.driver_version, g.cuda_version) for g in gpus] == [
@@ -33,17 +50,23 @@ def test_parse() -> None:
 
 
 def test_local_machine_with_gpus(tmp_path: Path) -> None:
-    provider = LocalMachine(nvidia_smi=fake_nvidia_smi(tmp_path))
+    ctk = fake_nvidia_ctk(tmp_path, "NVIDIA Container Toolkit CLI version 1.16.2\ncommit: a470818\n")
+    provider = LocalMachine(nvidia_smi=fake_nvidia_smi(tmp_path), nvidia_ctk=ctk)
     nodes = provider.check(provider.acquire(1, NodeRequirements(gpus=2), "run1"), NodeRequirements(gpus=2))
     assert len(nodes[0].gpus) == 2 and nodes[0].gpus[0].cuda_version == "12.4"
+    assert nodes[0].labels == {"run": "run1", "toolkit": "1.16.2"}
+    row = inventory_rows(nodes)[0]
+    assert (row["driver"], row["cuda"], row["toolkit"]) == ("550.54.15", "12.4", "1.16.2")
     with pytest.raises(ConfigurationError, match=r"driver 550.54.15 is older than 560"):
         provider.check(nodes, NodeRequirements(gpus=1, min_driver_version="560.0"))
 
 
 def test_cpu_only_machine_fails_gpu_preflight(tmp_path: Path) -> None:
-    provider = LocalMachine(nvidia_smi=str(tmp_path / "absent"))
+    provider = LocalMachine(nvidia_smi=str(tmp_path / "absent"), nvidia_ctk=str(tmp_path / "absent-ctk"))
     nodes = provider.acquire(1, NodeRequirements(), "run1")
-    assert provider.check(nodes, NodeRequirements())[0].gpus == []
+    checked = provider.check(nodes, NodeRequirements())
+    assert checked[0].gpus == [] and checked[0].labels["toolkit"] == "missing"
+    assert inventory_rows(checked)[0]["toolkit"] == "missing"
     with pytest.raises(ConfigurationError, match=r"0 GPU\(s\) found, 1 required"):
         provider.check(nodes, NodeRequirements(gpus=1))
 
@@ -59,6 +82,15 @@ def test_cluster_managed_nodes_leave_gpus_to_the_scheduler() -> None:
     assert provider.bootstrap(nodes, NodeRequirements(gpus=4)) == nodes  # no local GPU check
     assert nodes[0].labels == {"run": "run1", "nodes": "2", "gpus_per_node": "4"}
     provider.release(nodes)
+
+
+def test_toolkit_version_parsing(tmp_path: Path) -> None:
+    assert parse_ctk_version("NVIDIA Container Toolkit CLI version 1.15.0\ncommit: ddeeca3") == "1.15.0"
+    assert parse_ctk_version("nvidia-ctk version v1.14.6-rc.1") == "1.14.6-rc.1"
+    assert parse_ctk_version("Usage: nvidia-ctk [global options]") is None
+    # An nvidia-ctk that prints no version (broken install) counts as missing, not as a version.
+    broken = LocalMachine(nvidia_smi=str(tmp_path / "absent"), nvidia_ctk=fake_nvidia_ctk(tmp_path, "oops\n"))
+    assert broken.inspect(broken.acquire(1, NodeRequirements(), "r"))[0].labels["toolkit"] == "missing"
 
 
 class _FailingBootstrap(LocalMachine):

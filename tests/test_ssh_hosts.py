@@ -8,11 +8,18 @@ keeps its runtime configuration in files: `nvidia-ctk runtime configure` writes 
 only a `systemctl restart docker` makes `docker info` list the nvidia runtime, so the bootstrap's
 change, and that a second run makes none, can be observed. A third host has no GPU and no toolkit;
 a fourth namespace has an address but no sshd (unreachable). Everything is removed at the end.
+
+Each namespace also has a route to the local Slurm stack's controller address (scripts/slurm.sh,
+SLURM_CTLD_ADDR), so the GPU hosts can join that real cluster as dynamic nodes: the hosts share
+this machine's filesystem (and its munged, whose socket is a file) but have their own network, so
+their slurmd listens on the host's own address and the controller reaches it there. Their GPUs are
+character devices made with mknod under a directory of each node (gres.conf File=).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import fcntl
 import json
 import logging
@@ -37,10 +44,13 @@ from blocks.provision import (
     NodeRequirements,
     NodesFailed,
     NodesUnreachable,
+    parse_nvidia_smi,
 )
-from blocks.ssh_hosts import SshHost, SshHosts
+from blocks.specs import Node
+from blocks.ssh_hosts import SlurmJoin, SshHost, SshHosts, gres_type
 from tasks.provision import inventory_rows
 from tasks.retry import is_transient
+from tests.stacks import stack_env, stacks_root
 
 pytestmark = pytest.mark.integration
 
@@ -122,6 +132,7 @@ SYSTEMCTL = """#!/bin/bash
 STATE={state}
 BARRIER={barrier}
 {log}case "$*" in
+  "restart munge") ;;
   "restart docker")
     if [ -f "$BARRIER/expected" ]; then
       touch "$BARRIER/started-{name}"
@@ -135,6 +146,17 @@ BARRIER={barrier}
   *) echo "systemctl: unsupported arguments: $*" >&2; exit 1 ;;
 esac
 """
+
+
+def ctld_addr() -> str | None:
+    """The local Slurm stack's controller address for joining nodes, when the stack is up."""
+    env = stacks_root() / "slurm" / "env"
+    if not env.exists():
+        return None
+    for line in env.read_text().splitlines():
+        if line.startswith("SLURM_CTLD_ADDR="):
+            return line.partition("=")[2].strip() or None
+    return None
 
 
 def run(*argv: str) -> str:
@@ -211,6 +233,9 @@ class FakeHost:
         run("ip", "-n", self.ns, "addr", "add", f"{self.address}/30", "dev", ns_if)
         run("ip", "-n", self.ns, "link", "set", ns_if, "up")
         run("ip", "-n", self.ns, "link", "set", "lo", "up")
+        controller = ctld_addr()
+        if controller:  # the Slurm controller, reached through this machine's end of the pair
+            run("ip", "-n", self.ns, "route", "add", f"{controller}/32", "via", f"{NET}.{4 * self.index + 1}")
 
     def start_sshd(self, authorized_keys: Path) -> None:
         run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / "host_key"))
@@ -515,3 +540,218 @@ def test_provision_task_bootstraps_and_writes_the_inventory(hosts: FakeHosts) ->
     rows = {r["host"]: r for r in inventory(run_id)}
     assert rows["a100"]["state"] == "ready" and rows["cpu"]["toolkit"] == "missing"
     assert rows["cpu"]["state"].startswith("failed: cpu: preflight check 'nvidia-smi' failed")
+
+
+# ---- joining the real local Slurm cluster ------------------------------------------------------------
+
+
+def slurm_cmd(env: dict[str, str], *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_CONF": env["SLURM_CONF"]})  # fmt: skip
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def slurmd_pid(join: SlurmJoin, node: str) -> int | None:
+    path = Path(join.pid_file(node))
+    if not path.exists():
+        return None
+    pid = int(path.read_text().strip())
+    try:
+        alive = Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd" and _alive(pid)
+    except OSError:
+        return None
+    return pid if alive else None
+
+
+def in_cluster(env: dict[str, str], node: str) -> bool:
+    proc = slurm_cmd(env, "scontrol", "show", "node", node, check=False)
+    if proc.returncode != 0 and "not found" in (proc.stdout + proc.stderr):
+        return False
+    assert proc.returncode == 0, proc.stderr
+    return True
+
+
+@pytest.fixture
+def joining(hosts: FakeHosts, tmp_path: Path) -> Iterator[tuple[SshHosts, dict[str, str], dict[str, str]]]:
+    """An SshHosts block of the A100 and RTX 3090 hosts that joins the local Slurm stack, node names unique per run.
+
+    Yields (block, {host: node name}, the stack's settings); at the end every node it may have left
+    behind is taken out of the cluster and its slurmd stopped.
+    """
+    env = stack_env("slurm")
+    if "SLURM_JOIN_PARTITION" not in env or not ctld_addr():
+        pytest.fail("the slurm stack does not take joining nodes: run `make slurm-up` (scripts/slurm.sh) again")
+    run_id = uuid.uuid4().hex[:6]
+    names = {"a100": f"gfj{run_id}-a100", "rtx3090": f"gfj{run_id}-rtx"}
+    minor = 200 + int(run_id, 16) % 40 * 4  # fake GPU device numbers: major 195 (nvidia), minors of this run
+    for host, node in names.items():
+        dev = tmp_path / node / "dev"
+        dev.mkdir(parents=True)
+        for index in range(2 if host == "a100" else 1):
+            os.mknod(dev / f"nvidia{index}", 0o666 | 0o020000, os.makedev(195, minor + index))
+        minor += 2
+    join = SlurmJoin(
+        slurm_conf=Path(env["SLURM_CONF"]).read_text(),
+        gres_conf=Path(env["SLURM_GRES_CONF"]).read_text(),
+        cgroup_conf=(Path(env["SLURM_CONF"]).parent / "cgroup.conf").read_text(),
+        munge_key=base64.b64encode(Path(env["SLURM_MUNGE_KEY"]).read_bytes()).decode(),
+        features=[env["SLURM_JOIN_FEATURE"]],
+        conf_dir=f"{tmp_path}/{{node}}/etc-slurm",  # the hosts share this filesystem: one directory each
+        munge_key_path=f"{tmp_path}/{{node}}/munge/munge.key",
+        gpu_device=f"{tmp_path}/{{node}}/dev/nvidia{{index}}",
+        registration_timeout_seconds=180, drain_timeout_seconds=180,
+    )  # fmt: skip
+    block = SshHosts(
+        hosts=[SshHost(address=hosts[h].address, name=node) for h, node in names.items()],
+        private_key=hosts.client_key, known_hosts=hosts.known_hosts(), connect_timeout=5, slurm=join,
+    )  # fmt: skip
+    try:
+        yield block, names, env
+    finally:
+        leftovers = [n for n in names.values() if in_cluster(env, n) or slurmd_pid(join, n)]
+        if leftovers:
+            block.release([Node(name=n, provider="test") for n in leftovers])
+        spool = next((line.split("=", 1)[1] for line in join.slurm_conf.splitlines()
+                      if line.startswith("SlurmdSpoolDir=")), None)  # fmt: skip
+        for node in names.values():
+            if spool:
+                shutil.rmtree(spool.replace("%n", node), ignore_errors=True)
+            for cgroup in Path("/sys/fs/cgroup").glob(f"*/slurm_{node}"):
+                for directory in sorted(cgroup.rglob("*"), key=lambda d: -len(d.parts)) + [cgroup]:
+                    if directory.is_dir():
+                        try:
+                            directory.rmdir()
+                        except OSError:
+                            pass
+
+
+def wait_job(env: dict[str, str], job_id: str) -> str:
+    """The job's final state, polled from the controller (generous deadline: the machine is shared)."""
+    deadline = time.monotonic() + 300
+    while True:
+        out = slurm_cmd(env, "scontrol", "show", "job", job_id).stdout
+        state = out.split("JobState=", 1)[1].split()[0]
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"):
+            return state
+        assert time.monotonic() < deadline, f"job {job_id} still {state} after 300 s:\n{out}"
+        time.sleep(0.5)
+
+
+def test_hosts_join_the_slurm_cluster_run_a_job_and_leave_at_release(
+    hosts: FakeHosts, joining: tuple[SshHosts, dict[str, str], dict[str, str]], tmp_path: Path
+) -> None:
+    block, names, env = joining
+    a100, rtx = names["a100"], names["rtx3090"]
+    partition = env["SLURM_JOIN_PARTITION"]
+    nodes = block.acquire(2, NodeRequirements(gpus=1), "run-join")
+
+    first = block.bootstrap(nodes, NodeRequirements(gpus=1))
+    assert [(n.name, n.state, n.labels["bootstrap"], n.labels["slurm"]) for n in first] == [
+        (a100, STATE_READY, "changed", "joined"), (rtx, STATE_READY, "changed", "joined")
+    ]
+    for node, host in ((first[0], "a100"), (first[1], "rtx3090")):
+        changes = node.labels["changes"]
+        assert "installed the cluster's MUNGE key" in changes and "slurm.conf" in changes
+        assert "started slurmd" in changes
+        assert "systemctl restart munge" in hosts[host].calls()
+        key = Path(block.slurm.key_path(node.name))
+        assert key.read_bytes() == Path(env["SLURM_MUNGE_KEY"]).read_bytes() and key.stat().st_mode & 0o777 == 0o400
+        assert Path(block.slurm.conf_path(node.name)).read_text() == Path(env["SLURM_CONF"]).read_text()
+
+    # Both are in the real cluster, in the joined partition, with the GPUs their nvidia-smi lists.
+    sinfo = slurm_cmd(env, "sinfo", "-h", "-N", "-n", f"{a100},{rtx}", "-o", "%N|%T|%G|%P").stdout
+    rows = {line.split("|")[0]: line.split("|")[1:] for line in sinfo.splitlines()}
+    assert rows[a100][0] == "idle" and rows[a100][1].startswith("gpu:a100-sxm4-80gb:2") and rows[a100][2] == partition
+    assert rows[rtx][0] == "idle" and rows[rtx][1].startswith("gpu:geforce_rtx_3090:1") and rows[rtx][2] == partition
+    shown = slurm_cmd(env, "scontrol", "show", "node", a100).stdout
+    assert f"NodeAddr={hosts['a100'].address} " in shown  # the controller talks to the host's own address
+    assert f"ActiveFeatures={env['SLURM_JOIN_FEATURE']}" in shown
+
+    # A job pinned to the A100 node gets its two GPUs and runs in that host's network.
+    out = tmp_path / "job-%j.out"
+    job_id = slurm_cmd(env, "sbatch", "--parsable", "-p", partition, "-w", a100, "--gres=gpu:2", "-t", "5",
+                       "-o", str(out), "--wrap",
+                       'echo "node=$SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES addr=$(hostname -I)"').stdout.strip()  # fmt: skip
+    assert wait_job(env, job_id) == "COMPLETED"
+    printed = Path(str(out).replace("%j", job_id.split(";")[0])).read_text()
+    assert f"node={a100} gpus=0,1 addr={hosts['a100'].address}" in printed, printed
+
+    # Bootstrapping again changes nothing: same slurmd, no file written, no restart.
+    pids = {n: slurmd_pid(block.slurm, n) for n in names.values()}
+    before = {h: len(hosts[h].calls()) for h in names}
+    second = block.bootstrap(nodes, NodeRequirements(gpus=1))
+    assert [(n.state, n.labels["bootstrap"]) for n in second] == [(STATE_READY, "unchanged")] * 2, [
+        n.labels.get("changes") for n in second
+    ]
+    assert {n: slurmd_pid(block.slurm, n) for n in names.values()} == pids and all(pids.values())
+    for host in names:
+        assert not [c for c in hosts[host].calls()[before[host]:] if c.startswith("systemctl")]
+
+    # A node drained behind our back is resumed by the next bootstrap (and only that one changes).
+    slurm_cmd(env, "scontrol", "update", f"nodename={rtx}", "state=drain", "reason=test")
+    third = block.bootstrap(nodes, NodeRequirements(gpus=1))
+    assert [n.labels["bootstrap"] for n in third] == ["unchanged", "changed"]
+    assert third[1].labels["changes"].startswith("resumed the node (it was IDLE+DRAIN")
+    assert slurm_cmd(env, "sinfo", "-h", "-N", "-n", rtx, "-o", "%T").stdout.strip() == "idle"
+
+    # Release: drained, slurmd stopped, the nodes gone from the cluster; twice is harmless.
+    block.release(nodes)
+    for node in names.values():
+        assert not in_cluster(env, node) and slurmd_pid(block.slurm, node) is None
+        assert pids[node] is not None and not _alive(pids[node])
+    assert slurm_cmd(env, "sinfo", "-h", "-N", "-n", f"{a100},{rtx}", "-o", "%N").stdout.strip() == ""
+    block.release(nodes)
+
+
+def test_slurm_join_settings_are_checked_before_anything_runs() -> None:
+    conf = "ClusterName=c\nSlurmctldHost=ctl(10.0.0.1)\nMaxNodeCount=10\n"
+    with pytest.raises(ValueError, match=r"no MaxNodeCount: the cluster does not take dynamic nodes; add MaxNodeCount"):
+        SlurmJoin(slurm_conf="ClusterName=c\nSlurmctldHost=ctl\n")
+    with pytest.raises(ValueError, match="no SlurmctldHost"):
+        SlurmJoin(slurm_conf="MaxNodeCount=4\n")
+    with pytest.raises(ValueError, match="slurm.munge_key is not base64"):
+        SlurmJoin(slurm_conf=conf, munge_key="not base64 at all!")
+    with pytest.raises(ValueError, match=r"slurm.features: \['a b'\]"):
+        SlurmJoin(slurm_conf=conf, features=["a b"])
+    with pytest.raises(ValueError, match=r"hosts: \['10.0.0.7'\] are not Slurm node names .* set `name`"):
+        SshHosts(hosts=[SshHost(address="10.0.0.7")], private_key="k", known_hosts="", slurm=SlurmJoin(slurm_conf=conf))
+    join = SlurmJoin(slurm_conf=conf + "SlurmdPidFile=/run/slurmd-%n.pid\n", features=["joined"])
+    assert join.pid_file("g1") == "/run/slurmd-g1.pid"
+    assert gres_type("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
+    assert gres_type("NVIDIA GeForce RTX 3090") == "geforce_rtx_3090"
+    gpus = parse_nvidia_smi("0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, Tesla T4, 15360, 550.54.15\n")
+    assert join.slurmd_argv("g1", gpus) == ["slurmd", "-f", "/etc/slurm/slurm.conf", "-N", "g1", "-Z", "--conf",
+                                            "Gres=gpu:a100-sxm4-80gb:1,gpu:tesla_t4:1 Feature=joined"]  # fmt: skip
+    assert join.gres_conf_for("g1", gpus).splitlines()[1:] == [
+        "NodeName=g1 Name=gpu Type=a100-sxm4-80gb File=/dev/nvidia0",
+        "NodeName=g1 Name=gpu Type=tesla_t4 File=/dev/nvidia1",
+    ]
+
+
+def test_a_controller_that_does_not_answer_fails_the_join_clearly_and_release_stops_slurmd(
+    hosts: FakeHosts, joining: tuple[SshHosts, dict[str, str], dict[str, str]]
+) -> None:
+    block, names, env = joining
+    # The cluster's config, but the controller at an address nothing listens on.
+    conf = block.slurm.slurm_conf.replace(f"SlurmctldHost=localhost({env['SLURM_CTLD_ADDR']})",
+                                          "SlurmctldHost=localhost(10.231.6.254)")  # fmt: skip
+    assert conf != block.slurm.slurm_conf
+    lost = block.model_copy(update={
+        "hosts": block.hosts[:1], "slurm": block.slurm.model_copy(update={"slurm_conf": conf}),
+    })  # fmt: skip
+    node = names["a100"]
+    nodes = lost.acquire(1, NodeRequirements(), "run-lost")
+    with pytest.raises(NodesUnreachable) as info:
+        lost.bootstrap(nodes, NodeRequirements(gpus=1))
+    assert f"{node}: `scontrol show node` failed" in str(info.value) and "Unable to contact slurm controller" in str(
+        info.value
+    )
+    assert not in_cluster(env, node)  # the real cluster never saw it
+    running = slurmd_pid(lost.slurm, node)
+    assert running is not None  # slurmd started and keeps trying to register
+
+    with pytest.raises(NodesUnreachable, match=f"{node}: `scontrol show node` failed"):
+        lost.release(nodes)
+    assert slurmd_pid(lost.slurm, node) is None and not _alive(running)  # stopped all the same
