@@ -23,9 +23,8 @@ def deploy(serving: ServingBackend, spec: ServingSpec, release: Release) -> Endp
     try:
         endpoint = serving.deploy(spec, release)
     except Exception as exc:
-        create_markdown_artifact(
-            key=key, markdown=DeployOutcome.from_error(release, exc).markdown(), description="Outcome of the deploy step"
-        )
+        outcome = DeployOutcome.from_error(release, exc)
+        create_markdown_artifact(key=key, markdown=outcome.markdown(), description="Outcome of the deploy step")
         raise
     outcome = DeployOutcome.deployed(release, endpoint)
     get_run_logger().info("%s", outcome.markdown().replace("**", ""))

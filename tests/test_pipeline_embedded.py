@@ -22,6 +22,7 @@ from blocks.serving import LocalServing
 from blocks.specs import HyperParameters, PipelineResult, ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.storage import MANIFEST, local_path, verify_checkpoint
+from flows.deploy_model import deploy_model
 from flows.retrain import retrain
 from workload.data import load_digits_split
 
@@ -148,7 +149,7 @@ def test_job_directory_holds_the_trained_model(runs: dict) -> None:
     assert Path(local_path(good.checkpoint.uri)).parent.name == "digits-e2e"
 
 
-def test_failed_deploy_fails_the_flow_and_mlflow_says_why() -> None:
+def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serves_it() -> None:
     # The smoke prediction sends 3 features where the model takes 64: the new server answers 422.
     serving = ServingSpec(service_name="digits-refused", smoke_request={"inputs": [[0.0, 1.0, 2.0]]})
     with pytest.raises(DeployFailed, match="smoke test: /predict answered 422"):
@@ -164,6 +165,18 @@ def test_failed_deploy_fails_the_flow_and_mlflow_says_why() -> None:
         assert tags["deploy.reason"].startswith("DeployFailed: smoke test: /predict answered 422")
         assert "422" in tags["deploy.message"] and "deploy.endpoint" not in tags
     assert Stack.embedded().serving.current("digits-refused") is None  # nothing serves the refused version
+
+    # deploy-model serves the same version with a working smoke request: the record is replaced, on the
+    # version and on its source run (deploy-model has no run of its own), and the failure's fields go.
+    endpoint = deploy_model(model_name="digits-e2e-refused", version=str(version.version),
+                            serving=ServingSpec(service_name="digits-refused"))  # fmt: skip
+    try:
+        for tags in (client.get_run(version.run_id).data.tags,
+                     client.get_model_version("digits-e2e-refused", version.version).tags):  # fmt: skip
+            assert tags["deploy.status"] == "deployed" and tags["deploy.endpoint"] == endpoint.url
+            assert not any(k in tags for k in ("deploy.reason", "deploy.message", "deploy.failed_version"))
+    finally:
+        Stack.embedded().serving.undeploy("digits-refused")
 
 
 def test_serving_preflight_stops_the_run_before_anything_trains() -> None:
