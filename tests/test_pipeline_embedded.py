@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from mlflow import MlflowClient
+from prefect.artifacts import Artifact
 
 from blocks._proc import alive
 from blocks.errors import ConfigurationError, DeployFailed
@@ -165,6 +166,8 @@ def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serv
         assert tags["deploy.reason"].startswith("DeployFailed: smoke test: /predict answered 422")
         assert "422" in tags["deploy.message"] and "deploy.endpoint" not in tags
     assert Stack.embedded().serving.current("digits-refused") is None  # nothing serves the refused version
+    artifact = Artifact.get("deploy-digits-refused")  # the newest of that key
+    assert artifact and "**digits-e2e-refused v1 not deployed**" in str(artifact.data)
 
     # deploy-model serves the same version with a working smoke request: the record is replaced, on the
     # version and on its source run (deploy-model has no run of its own), and the failure's fields go.

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from mlflow import MlflowClient
+from prefect.artifacts import Artifact
 from pydantic import SecretStr
 
 from blocks import k8s_manifests as m
@@ -195,6 +196,8 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
         assert "exit code 2" in tags["deploy.message"] and "v1 is available again" in tags["deploy.message"]
         assert "deploy.endpoint" not in tags
     assert client.get_model_version(model, "1").tags["deploy.status"] == "deployed"  # v1's record is its own
+    artifact = Artifact.get("deploy-digits")  # the newest of that key
+    assert artifact and "rolled back** (CrashLoopBackOff): v1 serves again" in str(artifact.data)
 
     # v1 serves again, from the same image and checkpoint.
     dep = block._api().get(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits")
@@ -217,3 +220,4 @@ def test_no_gpu_node_stops_the_retrain_before_it_trains(k8s: dict[str, str], k8s
                 serving=ServingSpec(mig_profile="2g.20gb"), stack=name)  # fmt: skip
     assert MlflowClient(tracking_uri=stack.tracking.tracking_uri).get_experiment_by_name(experiment) is None
     assert stack.serving.current("digits") is None  # nothing was applied either
+
