@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 WORK = {
     "training": [("blocks.compute", "LocalProcesses", "submit"), ("blocks.compute", "ComputeBackend", "watch")],
     "checkpoint copy": [("blocks.storage", "LocalCheckpointStore", "put")],
-    "server start": [("blocks.serving", "LocalServing", "deploy")],
+    "server start": [("blocks.serving", "LocalServing", "deploy"), ("blocks.serving", "LocalServing", "preflight")],
     "mlflow": [
         ("blocks.tracking", "MlflowTracking", name)
         for name in ("start_run", "log", "run_metrics", "end_run", "register", "version_by_alias",
-                     "version_metric", "set_alias", "tag_version", "run_url")
+                     "version_metric", "set_alias", "tag_version", "record_deploy", "run_url")
     ],  # fmt: skip
     "provisioning": [("blocks.provision", "LocalMachine", "acquire"), ("blocks.provision", "NodeProvider", "check"),
                      ("blocks.provision", "LocalMachine", "release")],  # fmt: skip

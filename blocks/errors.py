@@ -40,6 +40,16 @@ class DeployFailed(GpuferryError):
     """A new version of the inference service did not become ready; traffic stayed on the old one."""
 
 
+class RolledBack(DeployFailed):
+    """The new version failed to roll out and was rolled back automatically: the previous one serves again."""
+
+    def __init__(self, message: str, *, failed_version: str, rolled_back_to: str, reason: str) -> None:
+        super().__init__(message)
+        self.failed_version = failed_version
+        self.rolled_back_to = rolled_back_to
+        self.reason = reason
+
+
 def explain_exit_code(exit_code: int | None) -> str:
     """An actionable sentence for a training process's exit code."""
     if exit_code is None:

@@ -32,7 +32,7 @@ from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import k8s_manifests as manifests
 from blocks import k8s_rollout as rollout
-from blocks.errors import ConfigurationError, DeployFailed
+from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.k8s_api import Connection, KubeApi, NotFound, connection_from_kubeconfig, connection_in_cluster
 from blocks.serving import Release, ServingBackend
 from blocks.specs import MIG_PROFILES, Endpoint, ServingSpec
@@ -45,16 +45,6 @@ _PLURALS = {
     "Deployment": "deployments", "Service": "services",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "PodDisruptionBudget": "poddisruptionbudgets",
 }  # fmt: skip
-
-
-class RolledBack(DeployFailed):
-    """The new version failed to roll out and the previous one serves again."""
-
-    def __init__(self, message: str, *, failed_version: str, rolled_back_to: str, reason: str) -> None:
-        super().__init__(message)
-        self.failed_version = failed_version
-        self.rolled_back_to = rolled_back_to
-        self.reason = reason
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
@@ -196,7 +186,9 @@ class KubernetesCluster(ServingBackend):
             )
 
     def preflight(self, spec: ServingSpec) -> None:
-        """Read-only checks against the cluster: the namespace exists, a node offers the GPU resource."""
+        """Read-only checks against the cluster: the namespace exists, the HPA/PDB API versions the block
+        needs are served, a schedulable node offers the GPU resource. Retrain and sweep run it before they
+        acquire nodes; ``deploy`` runs it again before it applies anything."""
         self.validate(spec)
         api = self._api()
         if api.get_or_none(f"/api/v1/namespaces/{self.namespace}") is None:
@@ -204,6 +196,7 @@ class KubernetesCluster(ServingBackend):
                 f"namespace={self.namespace!r} does not exist in the cluster: create it "
                 f"(kubectl create namespace {self.namespace}) or set the block's namespace"
             )
+        self._discover_versions()
         request = manifests.gpu_request(spec, self._options())
         if request is None:
             return

@@ -3,7 +3,12 @@
 ``ServingBackend.deploy(spec, release)`` brings up the new model version, checks it (ready, then a
 smoke prediction) and only then moves traffic to it and retires the previous version. A version that
 fails its checks never receives traffic and the previous one keeps serving. Deploying the version
-that already serves changes nothing.
+that already serves changes nothing. ``preflight(spec)`` makes the read-only checks against the
+backend that a pipeline runs before it acquires nodes or trains, so that a long training does not end
+in a service that cannot be scheduled.
+
+``DeployOutcome`` is what a deploy ended with (deployed, rolled back and why, or failed and why), as
+the pipeline records it in MLflow and in the deploy step's Prefect artifact.
 
 The embedded default, ``LocalServing``, runs ``workload/serve.py`` as a process on a free port.
 """
@@ -12,19 +17,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import httpx
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field
 
 from blocks._proc import alive, free_port, start_time, stop
-from blocks.errors import ConfigurationError, DeployFailed
+from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.home import gpuferry_home
 from blocks.specs import Endpoint, ImageRef, ServingSpec
 from workload import contract
@@ -41,6 +47,70 @@ class Release(BaseModel):
     version: str
     model_uri: str
     image: ImageRef | None = None
+
+
+class DeployOutcome(BaseModel):
+    """What one deploy ended with: the release serves, or it was rolled back (and why), or it failed (and why)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    TAG_PREFIX: ClassVar[str] = "deploy."
+    MAX_TEXT: ClassVar[int] = 4000  # MLflow run tags hold 8000 characters; a rollout's message stays well below
+
+    status: Literal["deployed", "rolled_back", "failed"]
+    model_name: str
+    version: str = Field(description="The version the deploy tried to serve.")
+    endpoint: str | None = None
+    backend: str | None = None
+    previous_version: str | None = Field(None, description="The version that served before (deployed).")
+    rolled_back_to: str | None = Field(None, description="The version that serves again after the rollback.")
+    reason: str | None = Field(None, description="Why it did not deploy: a rollout reason or the error's first line.")
+    message: str | None = Field(None, description="The whole error message.")
+
+    @classmethod
+    def deployed(cls, release: Release, endpoint: Endpoint) -> DeployOutcome:
+        return cls(
+            status="deployed", model_name=release.model_name, version=release.version, endpoint=endpoint.url,
+            backend=endpoint.backend, previous_version=endpoint.previous_version,
+        )  # fmt: skip
+
+    @classmethod
+    def from_error(cls, release: Release, exc: BaseException) -> DeployOutcome:
+        """The outcome of a deploy that raised ``exc``: rolled back (``RolledBack``) or failed (anything else)."""
+        text = str(exc) or type(exc).__name__
+        message = text if len(text) <= cls.MAX_TEXT else text[: cls.MAX_TEXT - 1] + "…"
+        if isinstance(exc, RolledBack):
+            return cls(
+                status="rolled_back", model_name=release.model_name, version=exc.failed_version,
+                rolled_back_to=exc.rolled_back_to, reason=exc.reason, message=message,
+            )  # fmt: skip
+        first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        return cls(
+            status="failed", model_name=release.model_name, version=release.version,
+            reason=f"{type(exc).__name__}: {first_line[:500]}", message=message,
+        )  # fmt: skip
+
+    def tags(self) -> dict[str, str]:
+        """The outcome as MLflow tags (``deploy.*``), the same on the run and on the model version."""
+        fields = {
+            "status": self.status, "version": self.version, "endpoint": self.endpoint, "backend": self.backend,
+            "previous_version": self.previous_version, "rolled_back_to": self.rolled_back_to,
+            "failed_version": self.version if self.status != "deployed" else None,
+            "reason": self.reason, "message": self.message,
+        }  # fmt: skip
+        return {f"{self.TAG_PREFIX}{k}": v for k, v in fields.items() if v is not None}
+
+    def markdown(self) -> str:
+        """The outcome for the deploy step's Prefect artifact."""
+        head = f"{self.model_name} v{self.version}"
+        if self.status == "deployed":
+            previous = f" (replaced v{self.previous_version})" if self.previous_version else ""
+            return f"**{head}** serves at {self.endpoint}{previous}"
+        if self.status == "rolled_back":
+            summary = f"**{head} rolled back** ({self.reason}): v{self.rolled_back_to} serves again"
+        else:
+            summary = f"**{head} not deployed**"
+        return f"{summary}\n\n```\n{self.message}\n```"
 
 
 def smoke_test(url: str, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
@@ -63,6 +133,11 @@ class ServingBackend(Block, ABC):
     @abstractmethod
     def validate(self, spec: ServingSpec) -> None:
         """Raise ``ConfigurationError`` when this backend cannot serve ``spec`` (no side effect)."""
+
+    def preflight(self, spec: ServingSpec) -> None:
+        """Read-only checks against the backend itself (``validate``, then what needs a call), run before a
+        pipeline acquires nodes or trains. Raise ``ConfigurationError`` when ``spec`` cannot be served there."""
+        self.validate(spec)
 
     @abstractmethod
     def deploy(self, spec: ServingSpec, release: Release) -> Endpoint:
@@ -100,6 +175,15 @@ class LocalServing(ServingBackend):
             )
         if spec.replicas != 1:
             raise ConfigurationError(f"replicas={spec.replicas}: local serving runs one replica; set replicas=1")
+
+    def preflight(self, spec: ServingSpec) -> None:
+        """``validate``, and the server's interpreter must exist."""
+        self.validate(spec)
+        if shutil.which(self.python) is None:
+            raise ConfigurationError(
+                f"python={self.python!r}: no such executable here; set the block's python to an interpreter "
+                "that has the workload's packages"
+            )
 
     def current(self, service: str) -> dict[str, Any] | None:
         try:

@@ -11,6 +11,7 @@ MLflow server (``http://...``) for a shared one.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
 
@@ -180,6 +181,25 @@ class MlflowTracking(Block):
     def tag_version(self, model_name: str, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_model_version_tag(model_name, version, key, value)
+
+    def record_deploy(self, model_name: str, version: str, tags: dict[str, str], prefix: str,
+                      runs: Iterable[str] = ()) -> list[str]:  # fmt: skip
+        """Set ``tags`` (a deploy's outcome) on the model version, on its source run and on ``runs``.
+
+        Tags under ``prefix`` that ``tags`` does not set are removed, so that an earlier outcome's
+        fields (an old rollback's reason) do not linger next to a newer one. Returns the runs tagged.
+        """
+        mv = self.client.get_model_version(model_name, version)
+        stale = [k for k in mv.tags if k.startswith(prefix) and k not in tags]
+        for key in stale:
+            self.client.delete_model_version_tag(model_name, version, key)
+        self.tag_version(model_name, version, tags)
+        run_ids = list(dict.fromkeys([*([mv.run_id] if mv.run_id else []), *runs]))
+        for run_id in run_ids:
+            for key in [k for k in self.client.get_run(run_id).data.tags if k.startswith(prefix) and k not in tags]:
+                self.client.delete_tag(run_id, key)
+            self.log(run_id, tags=tags)
+        return run_ids
 
     def resolve_version(self, model_name: str, version: str | None = None, alias: str | None = None) -> tuple[str, str]:
         """``(version, source)`` of ``model_name``: ``version`` itself, else the version ``alias`` points at.

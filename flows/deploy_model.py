@@ -2,7 +2,9 @@
 
 Triggered by the ``mlflow.model_version.alias_set`` event (see ``deployments/webhook.py`` and
 ``deployments/poll_registry.py``), from the UI, or by hand. Deploying the version that already serves
-changes nothing, so a repeated event is harmless.
+changes nothing, so a repeated event is harmless. The serving image is the stack's image builder's
+(content-addressed: an unchanged workload is not rebuilt). The outcome (deployed, rolled back and
+why, failed) is recorded as ``deploy.*`` tags on the model version and on its source run.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from blocks.errors import ConfigurationError
 from blocks.serving import Release
 from blocks.specs import Endpoint, ServingSpec
 from flows.retrain import load_stack
-from tasks.deploy import deploy
+from flows.ship import deploy_and_record
+from tasks.build import build_image
 from tasks.registry import resolve_version
 
 # What the serving backends can load (workload/contract.py: MODEL_URI).
@@ -59,7 +62,11 @@ def deploy_model(
             return None
     resolved, source = resolve_version(blocks.tracking, model_name, version or None, alias or None)
     check_source(model_name, resolved, source)
-    endpoint = deploy(blocks.serving, serving, Release(model_name=model_name, version=resolved, model_uri=source))
+    image = build_image(blocks.images)
+    release = Release(
+        model_name=model_name, version=resolved, model_uri=source, image=image if image.reference else None
+    )
+    endpoint = deploy_and_record(blocks, serving, release)
     if endpoint.detail.get("changed") is False:
         get_run_logger().info("%s v%s already serves at %s: nothing changed", model_name, resolved, endpoint.url)
     return endpoint

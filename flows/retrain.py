@@ -14,15 +14,14 @@ from prefect.runtime import flow_run
 
 from blocks.errors import ConfigurationError
 from blocks.provision import NodeRequirements
-from blocks.serving import Release
 from blocks.specs import ImageRef, PipelineResult, PromotionPolicy, ServingSpec, TrainingJob, TrainingSpec
 from blocks.stack import Stack
+from flows.ship import ship
 from tasks.build import build_image
-from tasks.deploy import deploy
+from tasks.deploy import serving_preflight
 from tasks.provision import provision_nodes, release_nodes
-from tasks.track import finish_run, log_run, register_model, run_metrics, start_run
+from tasks.track import finish_run, run_metrics, start_run
 from tasks.train import train, train_suspending
-from tasks.upload import upload_checkpoint
 from workload import contract
 
 
@@ -48,6 +47,7 @@ def retrain(
     """
     blocks = load_stack(stack)
     preflight(blocks, training, serving)
+    serving_preflight(blocks.serving, serving)  # before nodes are acquired and days of training start
     run_key = f"{flow_run.get_id() or 'local'}"
     suspended = False
 
@@ -72,34 +72,15 @@ def retrain(
             else:
                 result = train(blocks.compute, job, timeout_seconds=timeout)
 
-            final_dir = Path(result.checkpoint_dir) / contract.FINAL_DIRNAME
-            checkpoint = upload_checkpoint(blocks.storage, str(final_dir), f"{training.model_name}/{run_id}")
-
             metrics = run_metrics(blocks.tracking, run_id)
             if promotion.metric not in metrics:
                 raise ConfigurationError(
                     f"promotion.metric={promotion.metric!r} was not logged by the run; it logged: {sorted(metrics)}"
                 )
-            log_run(
-                blocks.tracking, run_id,
-                metrics={"gpu_hours": result.gpu_hours, "cpu_hours": result.cpu_hours, "requeues": result.requeues,
-                         "train_wall_seconds": result.wall_seconds},
-                tags={"checkpoint_uri": checkpoint.uri, "checkpoint_sha256": checkpoint.sha256,
-                      "checkpoint_size_bytes": str(checkpoint.size_bytes)},
+            checkpoint, version, endpoint = ship(
+                blocks, model_name=training.model_name, run_id=run_id, trained=result, promotion=promotion,
+                value=metrics[promotion.metric], serving=serving, image=image, force_deploy=force_deploy,
             )  # fmt: skip
-            version = register_model(
-                blocks.tracking, run_id, training.model_name, checkpoint, promotion, metrics[promotion.metric]
-            )
-
-            endpoint = None
-            if version.promoted or force_deploy:
-                endpoint = deploy(blocks.serving, serving, Release(
-                    model_name=version.name, version=version.version, model_uri=checkpoint.uri,
-                    image=image if image.reference else None,
-                ))  # fmt: skip
-                log_run(blocks.tracking, run_id, tags={"deployed_version": version.version, "endpoint": endpoint.url})
-            else:
-                get_run_logger().info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
         except Pause:  # suspended while the job runs: the run, its nodes and its job carry on
             suspended = True
             raise
@@ -128,7 +109,8 @@ def load_stack(name: str | None) -> Stack:
 
 
 def preflight(blocks: Stack, training: TrainingSpec, serving: ServingSpec) -> None:
-    """Every check that needs no outside call, before anything is acquired or submitted."""
+    """Every check that needs no outside call, before anything is acquired or submitted (the serving
+    backend's checks against its cluster follow: ``serving_preflight``)."""
     blocks.compute.validate_job(
         TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources)
     )

@@ -13,7 +13,6 @@ with ``retrain`` there.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
@@ -21,17 +20,16 @@ from prefect.runtime import flow_run
 
 from blocks.errors import ConfigurationError, JobFailed
 from blocks.provision import NodeRequirements
-from blocks.serving import Release
 from blocks.specs import (
     PipelineResult, PromotionPolicy, ServingSpec, SweepGrid, SweepResult, TrainingJob, TrainingSpec,
 )  # fmt: skip
 from flows.retrain import load_stack, preflight, report, run_params, run_tags
+from flows.ship import ship
 from tasks.build import build_image
-from tasks.deploy import deploy
+from tasks.deploy import serving_preflight
 from tasks.provision import provision_nodes, release_nodes
 from tasks.sweep import child_metrics, mark_children, start_child_runs, train_sweep
-from tasks.track import finish_run, log_run, register_model, start_run
-from tasks.upload import upload_checkpoint
+from tasks.track import finish_run, log_run, start_run
 from workload import contract
 
 
@@ -69,6 +67,7 @@ def sweep(
     if parallelism is not None and parallelism < 1:
         raise ConfigurationError(f"parallelism={parallelism}: give a positive number, or None for no limit")
     preflight(blocks, training, serving)
+    serving_preflight(blocks.serving, serving)  # before nodes are acquired and the array is submitted
     run_key = f"{flow_run.get_id() or 'local'}"
     logger = get_run_logger()
 
@@ -125,25 +124,10 @@ def sweep(
                 tags={"best_child_run_id": best_run, "best_index": str(best.index)},
             )  # fmt: skip
 
-            final_dir = Path(best.checkpoint_dir) / contract.FINAL_DIRNAME
-            checkpoint = upload_checkpoint(blocks.storage, str(final_dir), f"{training.model_name}/{best_run}")
-            log_run(
-                blocks.tracking, best_run,
-                metrics={"gpu_hours": best.gpu_hours, "cpu_hours": best.cpu_hours, "requeues": best.requeues,
-                         "train_wall_seconds": best.wall_seconds},
-                tags={"checkpoint_uri": checkpoint.uri, "checkpoint_sha256": checkpoint.sha256,
-                      "checkpoint_size_bytes": str(checkpoint.size_bytes)},
+            checkpoint, version, endpoint = ship(
+                blocks, model_name=training.model_name, run_id=best_run, trained=best, promotion=promotion,
+                value=value, serving=serving, image=image, force_deploy=force_deploy, runs=[parent],
             )  # fmt: skip
-            version = register_model(blocks.tracking, best_run, training.model_name, checkpoint, promotion, value)
-            endpoint = None
-            if version.promoted or force_deploy:
-                endpoint = deploy(blocks.serving, serving, Release(
-                    model_name=version.name, version=version.version, model_uri=checkpoint.uri,
-                    image=image if image.reference else None,
-                ))  # fmt: skip
-                log_run(blocks.tracking, parent, tags={"deployed_version": version.version, "endpoint": endpoint.url})
-            else:
-                logger.info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
         except BaseException:
             if children:
                 mark_children(blocks.tracking, children, "FAILED")

@@ -1,14 +1,19 @@
-"""Deploy a model version on the stack's serving backend."""
+"""The serving steps: read-only checks before a pipeline trains, and the deploy itself."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from blocks.errors import DeployFailed
-from blocks.serving import Release, ServingBackend
+from blocks.serving import DeployOutcome, Release, ServingBackend
 from blocks.specs import Endpoint, ServingSpec
 from tasks.retry import retry_options
+
+
+@task(name="serving-preflight", **retry_options())
+def serving_preflight(serving: ServingBackend, spec: ServingSpec) -> None:
+    """Can the backend serve ``spec`` (a Kubernetes namespace, a node with the GPU or MIG resource)? Read-only."""
+    serving.preflight(spec)
 
 
 @task(name="deploy", **retry_options(retries=3))
@@ -17,16 +22,11 @@ def deploy(serving: ServingBackend, spec: ServingSpec, release: Release) -> Endp
     key = f"deploy-{spec.service_name.lower()}"
     try:
         endpoint = serving.deploy(spec, release)
-    except DeployFailed as exc:
-        create_markdown_artifact(
-            key=key, markdown=f"**{release.model_name} v{release.version} not deployed**\n\n```\n{exc}\n```",
-            description="Outcome of the deploy step",
-        )  # fmt: skip
+    except Exception as exc:
+        outcome = DeployOutcome.from_error(release, exc)
+        create_markdown_artifact(key=key, markdown=outcome.markdown(), description="Outcome of the deploy step")
         raise
-    previous = f" (replaced v{endpoint.previous_version})" if endpoint.previous_version else ""
-    get_run_logger().info("%s v%s serving at %s%s", release.model_name, release.version, endpoint.url, previous)
-    create_markdown_artifact(
-        key=key, markdown=f"**{release.model_name} v{release.version}** serves at {endpoint.url}{previous}",
-        description="Outcome of the deploy step",
-    )  # fmt: skip
+    outcome = DeployOutcome.deployed(release, endpoint)
+    get_run_logger().info("%s", outcome.markdown().replace("**", ""))
+    create_markdown_artifact(key=key, markdown=outcome.markdown(), description="Outcome of the deploy step")
     return endpoint

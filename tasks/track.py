@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from blocks.serving import DeployOutcome
 from blocks.specs import CheckpointRef, ModelVersionRef, PromotionPolicy
 from blocks.tracking import MlflowTracking
 from tasks.retry import retry_options
@@ -65,3 +66,10 @@ def register_model(
 @task(name="finish-run", **retry_options())
 def finish_run(tracking: MlflowTracking, run_id: str, status: str = "FINISHED") -> None:
     tracking.end_run(run_id, status)
+
+
+@task(name="record-deploy", **retry_options())
+def record_deploy(tracking: MlflowTracking, outcome: DeployOutcome, runs: list[str] | None = None) -> list[str]:
+    """The deploy's outcome as ``deploy.*`` tags on the model version, its source run and ``runs``."""
+    return tracking.record_deploy(outcome.model_name, outcome.version, outcome.tags(), DeployOutcome.TAG_PREFIX,
+                                  runs or [])  # fmt: skip

@@ -10,7 +10,6 @@ inference server image with podman (the registry stack must be up) and readiness
 from __future__ import annotations
 
 import http.server
-import os
 import ssl
 import threading
 import time
@@ -24,12 +23,12 @@ import pytest
 from pydantic import SecretStr
 
 from blocks import k8s_manifests as m
+from blocks.docker_image import DockerImageBuilder
 from blocks.errors import ConfigurationError, DeployFailed, TransientError
 from blocks.k8s_api import ApplyConflict
 from blocks.kubernetes import KubernetesCluster, RolledBack
 from blocks.serving import Release
 from blocks.specs import ImageRef, ServingSpec
-from tests.stacks import stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -39,26 +38,11 @@ GOOD_2 = "registry.example.com/gpuferry/serve@sha256:" + "2" * 64
 MISSING = "registry.invalid/gpuferry/serve@sha256:" + "e" * 64
 
 
-@pytest.fixture(scope="module")
-def k8s() -> dict[str, str]:
-    # The images below are example.com's: the stand-in only simulates their pods (podman mode too).
-    return stack_env("k8s")
-
-
 def release(version: str, image: str = GOOD) -> Release:
     return Release(
         model_name="digits-mlp", version=version, model_uri=f"s3://models/digits/{version}",
         image=ImageRef(builder="test", content_tag=version, reference=image, built=True),
     )  # fmt: skip
-
-
-@pytest.fixture
-def namespace(k8s: dict[str, str]) -> Iterator[str]:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    api = admin(k8s)._api()
-    api.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    yield name
-    api.delete(f"/api/v1/namespaces/{name}")
 
 
 def admin(k8s: dict[str, str], **fields: Any) -> KubernetesCluster:
@@ -87,13 +71,13 @@ def ready_pods(block: KubernetesCluster, name: str) -> list[dict[str, Any]]:
 # ---- first deploy, rolling update, same version again, MIG -------------------------------------------
 
 
-def test_deploy_update_and_redeploy_same_version(k8s: dict[str, str], namespace: str) -> None:
-    block = cluster(k8s, namespace)
+def test_deploy_update_and_redeploy_same_version(k8s: dict[str, str], k8s_namespace: str) -> None:
+    block = cluster(k8s, k8s_namespace)
     spec = ServingSpec(service_name="digits", replicas=2, mig_profile="1g.10gb")
 
     first = block.deploy(spec, release("1"))
     assert first.model_version == "1" and first.previous_version is None and first.detail["changed"] is True
-    assert first.url == f"http://digits.{namespace}.svc.cluster.local:80"
+    assert first.url == f"http://digits.{k8s_namespace}.svc.cluster.local:80"
     dep = deployment(block, "digits")
     assert dep["status"]["availableReplicas"] == 2
     assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
@@ -103,7 +87,7 @@ def test_deploy_update_and_redeploy_same_version(k8s: dict[str, str], namespace:
     assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} == {k8s["K8S_NODE"]}
     limits = pods[0]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/mig-1g.10gb"] == "1"
-    svc = block._api().get(f"/api/v1/namespaces/{namespace}/services/digits")
+    svc = block._api().get(f"/api/v1/namespaces/{k8s_namespace}/services/digits")
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
 
     # The same version again: nothing changes (no new generation, no new ReplicaSet).
@@ -132,8 +116,8 @@ def test_deploy_update_and_redeploy_same_version(k8s: dict[str, str], namespace:
 # ---- failed rollout → automatic rollback --------------------------------------------------------------
 
 
-def test_bad_image_rolls_back_and_old_version_keeps_serving(k8s: dict[str, str], namespace: str) -> None:
-    block = cluster(k8s, namespace)
+def test_bad_image_rolls_back_and_old_version_keeps_serving(k8s: dict[str, str], k8s_namespace: str) -> None:
+    block = cluster(k8s, k8s_namespace)
     spec = ServingSpec(service_name="digits", replicas=2)
     block.deploy(spec, release("1"))
     started = time.monotonic()
@@ -156,51 +140,53 @@ def test_bad_image_rolls_back_and_old_version_keeps_serving(k8s: dict[str, str],
     assert block.deploy(spec, release("3", GOOD_2)).previous_version == "1"
 
 
-def test_first_deploy_that_fails_has_nothing_to_roll_back(k8s: dict[str, str], namespace: str) -> None:
-    block = cluster(k8s, namespace)
+def test_first_deploy_that_fails_has_nothing_to_roll_back(k8s: dict[str, str], k8s_namespace: str) -> None:
+    block = cluster(k8s, k8s_namespace)
     with pytest.raises(DeployFailed, match="no previous revision to roll back to") as failed:
         block.deploy(ServingSpec(service_name="digits"), release("1", MISSING))
     assert not isinstance(failed.value, RolledBack)
 
 
-def test_hpa_and_pdb_in_the_api_versions_the_server_serves(k8s: dict[str, str], namespace: str) -> None:
-    block = cluster(k8s, namespace, autoscale_max_replicas=3, pdb_min_available=1)
+def test_hpa_and_pdb_in_the_api_versions_the_server_serves(k8s: dict[str, str], k8s_namespace: str) -> None:
+    block = cluster(k8s, k8s_namespace, autoscale_max_replicas=3, pdb_min_available=1)
     block.deploy(ServingSpec(service_name="digits", replicas=1), release("1"))
     groups = {g["name"]: [v["version"] for v in g["versions"]] for g in block._api().get("/apis")["groups"]}
     hpa_version = next(v for v in ("v2", "v2beta2") if v in groups["autoscaling"])
     pdb_version = next(v for v in ("v1", "v1beta1") if v in groups["policy"])
-    hpa = block._api().get(f"/apis/autoscaling/{hpa_version}/namespaces/{namespace}/horizontalpodautoscalers/digits")
+    hpa_path = f"/apis/autoscaling/{hpa_version}/namespaces/{k8s_namespace}/horizontalpodautoscalers/digits"
+    hpa = block._api().get(hpa_path)
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
-    pdb = block._api().get(f"/apis/policy/{pdb_version}/namespaces/{namespace}/poddisruptionbudgets/digits")
+    pdb = block._api().get(f"/apis/policy/{pdb_version}/namespaces/{k8s_namespace}/poddisruptionbudgets/digits")
     assert pdb["spec"]["minAvailable"] == 1
     # The HPA owns .spec.replicas: our field manager does not.
     dep = deployment(block, "digits")
     ours = next(f for f in dep["metadata"]["managedFields"] if f["manager"] == "gpuferry")
     assert "f:replicas" not in ours["fieldsV1"]["f:spec"]
     assert block.undeploy("digits") is True
-    assert block._api().get_or_none(f"/apis/policy/{pdb_version}/namespaces/{namespace}/poddisruptionbudgets/digits") is None
+    pdb_path = f"/apis/policy/{pdb_version}/namespaces/{k8s_namespace}/poddisruptionbudgets/digits"
+    assert block._api().get_or_none(pdb_path) is None
 
 
 # ---- preflight and validation -------------------------------------------------------------------------
 
 
-def test_no_node_offers_the_gpu_resource(k8s: dict[str, str], namespace: str) -> None:
-    block = cluster(k8s, namespace)
+def test_no_node_offers_the_gpu_resource(k8s: dict[str, str], k8s_namespace: str) -> None:
+    block = cluster(k8s, k8s_namespace)
     for spec, resource in ((ServingSpec(service_name="digits", mig_profile="2g.20gb"), "nvidia.com/mig-2g.20gb"),
                            (ServingSpec(service_name="digits", gpus=8), "nvidia.com/gpu"),
                            (ServingSpec(service_name="digits", gpus=1), "nvidia.com/gpu.shared")):  # fmt: skip
-        b = cluster(k8s, namespace, gpu_resource=resource) if resource.endswith("shared") else block
+        b = cluster(k8s, k8s_namespace, gpu_resource=resource) if resource.endswith("shared") else block
         with pytest.raises(ConfigurationError, match=f"no schedulable node offers .* {resource} .*nvidia.com/gpu=") as e:
             b.deploy(spec, release("1"))
         assert k8s["K8S_NODE"] in str(e.value)
     # Nothing was applied.
-    assert block._api().get_or_none(f"/apis/apps/v1/namespaces/{namespace}/deployments/digits") is None
+    assert block._api().get_or_none(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits") is None
     with pytest.raises(ConfigurationError, match="node_selector"):
-        cluster(k8s, namespace, node_selector={"pool": "a100"}).deploy(ServingSpec(gpus=1), release("1"))
+        cluster(k8s, k8s_namespace, node_selector={"pool": "a100"}).deploy(ServingSpec(gpus=1), release("1"))
 
 
-def test_mig_typo_fails_before_any_call(k8s: dict[str, str], namespace: str) -> None:
-    block = cluster(k8s, namespace)
+def test_mig_typo_fails_before_any_call(k8s: dict[str, str], k8s_namespace: str) -> None:
+    block = cluster(k8s, k8s_namespace)
     typo = ServingSpec.model_construct(**{**ServingSpec().model_dump(), "mig_profile": "1g.10g"})
     api = block._api()
     before = api.attempts
@@ -217,12 +203,12 @@ def test_missing_namespace_is_a_clear_error(k8s: dict[str, str]) -> None:
 # ---- server-side apply conflict ---------------------------------------------------------------------
 
 
-def test_conflict_with_another_field_manager(k8s: dict[str, str], namespace: str) -> None:
-    block = cluster(k8s, namespace)
+def test_conflict_with_another_field_manager(k8s: dict[str, str], k8s_namespace: str) -> None:
+    block = cluster(k8s, k8s_namespace)
     spec = ServingSpec(service_name="digits", replicas=1)
     block.deploy(spec, release("1"))
     # Another team takes over .spec.replicas with its own field manager.
-    path = f"/apis/apps/v1/namespaces/{namespace}/deployments/digits"
+    path = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits"
     other = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "digits"}, "spec": {"replicas": 3}}
     block._api().apply(path, other, field_manager="other-team", force=True)
 
@@ -232,8 +218,9 @@ def test_conflict_with_another_field_manager(k8s: dict[str, str], namespace: str
     assert isinstance(conflict.value, ConfigurationError)
     assert deployment(block, "digits")["spec"]["replicas"] == 3  # nothing of ours was applied
 
-    forced = cluster(k8s, namespace, force_conflicts=True).deploy(ServingSpec(service_name="digits", replicas=2),
-                                                                   release("1"))  # fmt: skip
+    forced = cluster(k8s, k8s_namespace, force_conflicts=True).deploy(
+        ServingSpec(service_name="digits", replicas=2), release("1")
+    )
     assert forced.detail["available_replicas"] == 2
 
 
@@ -309,9 +296,10 @@ def proxy(k8s: dict[str, str]) -> Iterator[FlakyProxy]:
     p.close()
 
 
-def test_api_5xx_and_timeouts_are_retried(k8s: dict[str, str], namespace: str, proxy: FlakyProxy) -> None:
+def test_api_5xx_and_timeouts_are_retried(k8s: dict[str, str], k8s_namespace: str, proxy: FlakyProxy) -> None:
     block = KubernetesCluster(
-        kubeconfig=SecretStr(proxy.kubeconfig()), namespace=namespace, request_timeout_seconds=1.5, api_retries=4,
+        kubeconfig=SecretStr(proxy.kubeconfig()), namespace=k8s_namespace, request_timeout_seconds=1.5,
+        api_retries=4,
         rollout_timeout_seconds=90, cpu_request="10m", memory_request="16Mi",
     )  # fmt: skip
     # The first requests of the deploy (preflight, discovery, the apply) fail: 503, a hang, 503.
@@ -331,28 +319,8 @@ def test_api_5xx_and_timeouts_are_retried(k8s: dict[str, str], namespace: str, p
 
 
 @pytest.fixture(scope="module")
-def workload_image(k8s: dict[str, str]) -> str:
-    if k8s.get("K8S_KUBELET_MODE") != "podman":
-        message = "the kubelet stand-in runs in fake mode: `make registry-up`, then `make k8s-up` again"
-        if os.environ.get("GPUFERRY_REQUIRE_STACKS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    from prefect_docker.credentials import DockerRegistryCredentials
-    from prefect_docker.host import DockerHost
-
-    from blocks.docker_image import DockerImageBuilder
-    from blocks.images import WORKLOAD_DIR
-
-    reg = stack_env("registry")
-    builder = DockerImageBuilder(
-        docker_host=DockerHost(base_url=reg["DOCKER_HOST"]),
-        credentials=DockerRegistryCredentials(
-            username=reg["REGISTRY_USER"], password=Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
-            registry_url=f"http://{reg['REGISTRY_URL']}",
-        ),
-        repository="gpuferry-test/workload", context=str(WORKLOAD_DIR), build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
-    )  # fmt: skip
-    reference = builder.build().reference
+def workload_image(workload_builder: DockerImageBuilder) -> str:
+    reference = workload_builder.build().reference
     assert reference and "@sha256:" in reference
     return reference
 
@@ -377,14 +345,14 @@ def _server_url(block: KubernetesCluster, name: str) -> str:
 
 
 def test_real_server_rollout_and_crash_rollback(
-    k8s: dict[str, str], namespace: str, workload_image: str, tmp_path: Path
+    k8s: dict[str, str], k8s_namespace: str, workload_image: str, tmp_path: Path
 ) -> None:
     models = tmp_path / "models"
     models.mkdir()
     models.chmod(0o755)
     for hidden in (16, 24):
         _model_dir(models, hidden)
-    block = cluster(k8s, namespace, host_path_mounts={str(models): "/models"}, env={"WARMUP_ITERATIONS": "1"},
+    block = cluster(k8s, k8s_namespace, host_path_mounts={str(models): "/models"}, env={"WARMUP_ITERATIONS": "1"},
                     memory_limit=None, rollout_timeout_seconds=180)  # fmt: skip
     spec = ServingSpec(service_name="digits", replicas=1, ready_timeout_seconds=120)
 
@@ -404,7 +372,7 @@ def test_real_server_rollout_and_crash_rollback(
     assert answer.status_code == 200 and len(answer.json()["predictions"]) == 1
 
     # v3's server exits at start (a setting it rejects): CrashLoopBackOff → back to v2, still serving.
-    crashing = cluster(k8s, namespace, host_path_mounts={str(models): "/models"},
+    crashing = cluster(k8s, k8s_namespace, host_path_mounts={str(models): "/models"},
                        env={"WARMUP_ITERATIONS": "1", "MAX_QUEUE": "0"}, memory_limit=None,
                        rollout_timeout_seconds=180)  # fmt: skip
     with pytest.raises(RolledBack) as failed:
@@ -421,9 +389,9 @@ def test_real_server_rollout_and_crash_rollback(
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_saved_block_keeps_the_kubeconfig_secret_and_deploys(k8s: dict[str, str], namespace: str) -> None:
+def test_saved_block_keeps_the_kubeconfig_secret_and_deploys(k8s: dict[str, str], k8s_namespace: str) -> None:
     name = f"k8s-{uuid.uuid4().hex[:8]}"
-    cluster(k8s, namespace).save(name)
+    cluster(k8s, k8s_namespace).save(name)
     loaded = KubernetesCluster.load(name)
     assert "kubeconfig" in KubernetesCluster.model_json_schema()["secret_fields"]
     assert "BEGIN" not in repr(loaded) and "client-key-data" not in repr(loaded)

@@ -6,15 +6,12 @@ import hashlib
 import os
 import socket
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect_aws import AwsCredentials, S3Bucket
-from prefect_aws.client_parameters import AwsClientParameters
 
 from blocks.s3 import S3CheckpointStore
 from blocks.specs import CheckpointRef, PromotionPolicy
@@ -31,25 +28,6 @@ def mlflow_env() -> dict[str, str]:
     return stack_env("mlflow")
 
 
-@pytest.fixture(scope="module")
-def store() -> Iterator[S3CheckpointStore]:
-    env = stack_env("s3")
-    bucket = f"gpuferry-mlflow-test-{uuid.uuid4().hex[:8]}"
-    credentials = AwsCredentials(
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name=env["AWS_DEFAULT_REGION"],
-        aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]),
-    )  # fmt: skip
-    s3 = credentials.get_s3_client()
-    s3.create_bucket(Bucket=bucket)
-    yield S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials))
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
-    s3.delete_bucket(Bucket=bucket)
-
-
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
     src = tmp_path / "final"
@@ -60,10 +38,10 @@ def checkpoint(tmp_path: Path) -> Path:
 
 
 def test_run_and_version_record_the_checkpoint(
-    mlflow_env: dict[str, str], store: S3CheckpointStore, checkpoint: Path, tmp_path: Path
+    mlflow_env: dict[str, str], s3_store: S3CheckpointStore, checkpoint: Path, tmp_path: Path
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    ref = store.put(checkpoint, f"digits/{tag}")
+    ref = s3_store.put(checkpoint, f"digits/{tag}")
     # artifact_location=None: the server's own artifact root (the S3 stack), not a local directory.
     tracking = MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None)
     tags = {"prefect.flow_run_id": f"test-{tag}"}
@@ -80,7 +58,7 @@ def test_run_and_version_record_the_checkpoint(
 
     run = tracking.client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.tags["checkpoint_uri"] == ref.uri == f"s3://{store.bucket.bucket_name}/checkpoints/digits/{tag}"
+    assert run.data.tags["checkpoint_uri"] == ref.uri == f"s3://{s3_store.bucket.bucket_name}/checkpoints/digits/{tag}"
     assert run.data.tags["checkpoint_sha256"] == ref.sha256
     assert run.data.tags["checkpoint_size_bytes"] == str(ref.size_bytes) == str(300_000 + 15)
     assert run.info.artifact_uri.startswith("mlflow-artifacts:/")  # no second copy of the weights was made
@@ -94,9 +72,9 @@ def test_run_and_version_record_the_checkpoint(
 
     # The version serves from its source: fetched by that URI, every file verified, the same manifest.
     source = tracking.model_source(model, version)
-    out = store.get(source, tmp_path / "served")
+    out = s3_store.get(source, tmp_path / "served")
     assert (out / "model.pt").read_bytes() == (checkpoint / "model.pt").read_bytes()
-    assert hashlib.sha256(manifest_bytes(store.read_manifest(source))).hexdigest() == mv.tags["checkpoint_sha256"]
+    assert hashlib.sha256(manifest_bytes(s3_store.read_manifest(source))).hexdigest() == mv.tags["checkpoint_sha256"]
     assert not (out / MANIFEST).exists()
 
     # The server's database outlives the test session: leave nothing behind.

@@ -2,22 +2,28 @@
 
 Three runs, as a team would see them: a weak first model becomes champion and is served; a better
 one replaces it (the old server process is gone); a worse one is registered but neither promoted
-nor deployed.
+nor deployed. Then a deploy that fails (its smoke prediction is refused): the flow fails and MLflow
+says why; and a serving backend that cannot serve stops the run before anything trains.
 """
 
 from __future__ import annotations
 
 import hashlib
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 from mlflow import MlflowClient
+from prefect.artifacts import Artifact
 
 from blocks._proc import alive
-from blocks.specs import HyperParameters, PipelineResult, TrainingSpec
+from blocks.errors import ConfigurationError, DeployFailed
+from blocks.serving import LocalServing
+from blocks.specs import HyperParameters, PipelineResult, ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.storage import MANIFEST, local_path, verify_checkpoint
+from flows.deploy_model import deploy_model
 from flows.retrain import retrain
 from workload.data import load_digits_split
 
@@ -92,7 +98,21 @@ def test_run_records_params_metrics_and_backends(runs: dict) -> None:
     assert run.data.tags["backend.images"] == "gpuferry-current-environment"
     assert run.data.tags["image"].startswith("no image: runs from the current environment")
     assert "git_sha" in run.data.tags
-    assert run.data.tags["deployed_version"] == good.model_version.version
+
+
+def test_deploy_outcome_recorded_on_the_run_and_the_version(runs: dict) -> None:
+    good, worse = runs["good"], runs["worse"]
+    client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
+    for tags in (client.get_run(good.run_id).data.tags,
+                 client.get_model_version("digits-e2e", good.model_version.version).tags):  # fmt: skip
+        assert tags["deploy.status"] == "deployed"
+        assert tags["deploy.version"] == good.model_version.version
+        assert tags["deploy.endpoint"] == runs["good_server"]["url"]
+        assert tags["deploy.previous_version"] == runs["weak"].model_version.version
+        assert tags["deploy.backend"] == "gpuferry-local-serving"
+        assert not any(k in tags for k in ("deploy.reason", "deploy.rolled_back_to"))
+    # Not deployed: nothing recorded.
+    assert not any(k.startswith("deploy.") for k in client.get_run(worse.run_id).data.tags)
 
 
 def test_endpoint_classifies_held_out_digits(runs: dict) -> None:
@@ -128,3 +148,50 @@ def test_job_directory_holds_the_trained_model(runs: dict) -> None:
     stored = sorted(p.name for p in local_path(good.checkpoint.uri).iterdir())
     assert stored == [MANIFEST, "metrics.json", "model.pt"]
     assert Path(local_path(good.checkpoint.uri)).parent.name == "digits-e2e"
+
+
+def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serves_it() -> None:
+    # The smoke prediction sends 3 features where the model takes 64: the new server answers 422.
+    serving = ServingSpec(service_name="digits-refused", smoke_request={"inputs": [[0.0, 1.0, 2.0]]})
+    with pytest.raises(DeployFailed, match="smoke test: /predict answered 422"):
+        retrain(training=TrainingSpec(model_name="digits-e2e-refused", hyperparameters=HyperParameters(epochs=1)),
+                serving=serving, force_deploy=True)  # fmt: skip
+    client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
+    (version,) = client.search_model_versions("name = 'digits-e2e-refused'")
+    run = client.get_run(version.run_id)
+    assert run.info.status == "FAILED"
+    for tags in (run.data.tags, version.tags):
+        assert tags["deploy.status"] == "failed"
+        assert tags["deploy.version"] == tags["deploy.failed_version"] == str(version.version)
+        assert tags["deploy.reason"].startswith("DeployFailed: smoke test: /predict answered 422")
+        assert "422" in tags["deploy.message"] and "deploy.endpoint" not in tags
+    assert Stack.embedded().serving.current("digits-refused") is None  # nothing serves the refused version
+    artifact = Artifact.get("deploy-digits-refused")  # the newest of that key
+    assert artifact and "**digits-e2e-refused v1 not deployed**" in str(artifact.data)
+
+    # deploy-model serves the same version with a working smoke request: the record is replaced, on the
+    # version and on its source run (deploy-model has no run of its own), and the failure's fields go.
+    endpoint = deploy_model(model_name="digits-e2e-refused", version=str(version.version),
+                            serving=ServingSpec(service_name="digits-refused"))  # fmt: skip
+    try:
+        for tags in (client.get_run(version.run_id).data.tags,
+                     client.get_model_version("digits-e2e-refused", version.version).tags):  # fmt: skip
+            assert tags["deploy.status"] == "deployed" and tags["deploy.endpoint"] == endpoint.url
+            assert not any(k in tags for k in ("deploy.reason", "deploy.message", "deploy.failed_version"))
+    finally:
+        Stack.embedded().serving.undeploy("digits-refused")
+
+
+def test_serving_preflight_stops_the_run_before_anything_trains() -> None:
+    name = f"stack-bad-serving-{uuid.uuid4().hex[:8]}"
+    stack = Stack.embedded()
+    stack.serving = LocalServing(python="/nonexistent/bin/python3")
+    stack.save(name)
+    experiment = f"preflight-{uuid.uuid4().hex[:8]}"
+    jobs = Path(stack.compute.job_workdir("x")).parent
+    before = set(jobs.iterdir()) if jobs.exists() else set()
+    with pytest.raises(ConfigurationError, match="python='/nonexistent/bin/python3': no such executable"):
+        retrain(training=TrainingSpec(model_name="digits-e2e-preflight", experiment=experiment), stack=name)
+    client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+    assert client.get_experiment_by_name(experiment) is None  # no run was started
+    assert (set(jobs.iterdir()) if jobs.exists() else set()) == before  # no job was submitted

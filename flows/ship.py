@@ -1,0 +1,93 @@
+"""The tail every training flow shares: upload the trained model → register it → deploy it, and the
+deploy's outcome recorded in MLflow. Composition only: each step is a task.
+
+``deploy_and_record`` is the one place a deploy's outcome reaches MLflow, as ``deploy.*`` tags on the
+model version, on its source run and on any other run given (a sweep's parent run): ``deployed``
+(version, endpoint), ``rolled_back`` (the failed version, the version serving again, the rollout's
+reason) or ``failed`` (the error). A deploy that did not serve the new version still fails the flow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from prefect import get_run_logger
+
+from blocks.serving import DeployOutcome, Release
+from blocks.specs import (
+    CheckpointRef, Endpoint, ImageRef, JobResult, ModelVersionRef, PromotionPolicy, ServingSpec, SweepTaskResult,
+)  # fmt: skip
+from blocks.stack import Stack
+from tasks.deploy import deploy
+from tasks.track import log_run, record_deploy, register_model
+from tasks.upload import upload_checkpoint
+from workload import contract
+
+
+class Shipped(NamedTuple):
+    checkpoint: CheckpointRef
+    version: ModelVersionRef
+    endpoint: Endpoint | None
+
+
+def ship(
+    blocks: Stack,
+    *,
+    model_name: str,
+    run_id: str,
+    trained: JobResult | SweepTaskResult,
+    promotion: PromotionPolicy,
+    value: float,
+    serving: ServingSpec,
+    image: ImageRef,
+    force_deploy: bool = False,
+    runs: Sequence[str] = (),
+) -> Shipped:
+    """Store the model ``trained`` in run ``run_id``, register it, and serve it when promoted (or forced).
+
+    ``value`` is the run's ``promotion.metric``; ``runs`` are other runs that record the deploy's outcome.
+    """
+    final_dir = Path(trained.checkpoint_dir) / contract.FINAL_DIRNAME
+    checkpoint = upload_checkpoint(blocks.storage, str(final_dir), f"{model_name}/{run_id}")
+    log_run(
+        blocks.tracking, run_id,
+        metrics={"gpu_hours": trained.gpu_hours, "cpu_hours": trained.cpu_hours, "requeues": trained.requeues,
+                 "train_wall_seconds": trained.wall_seconds},
+        tags={"checkpoint_uri": checkpoint.uri, "checkpoint_sha256": checkpoint.sha256,
+              "checkpoint_size_bytes": str(checkpoint.size_bytes)},
+    )  # fmt: skip
+    version = register_model(blocks.tracking, run_id, model_name, checkpoint, promotion, value)
+    endpoint = None
+    if version.promoted or force_deploy:
+        release = Release(
+            model_name=version.name, version=version.version, model_uri=checkpoint.uri,
+            image=image if image.reference else None,
+        )  # fmt: skip
+        endpoint = deploy_and_record(blocks, serving, release, runs)
+    else:
+        get_run_logger().info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
+    return Shipped(checkpoint, version, endpoint)
+
+
+def deploy_and_record(blocks: Stack, serving: ServingSpec, release: Release, runs: Sequence[str] = ()) -> Endpoint:
+    """Deploy ``release`` and record the outcome on the model version, its source run and ``runs``.
+
+    A deploy that raised (rolled back, failed) raises again once its outcome is recorded; when MLflow
+    cannot take the record either, the deploy's error is the one raised.
+    """
+    try:
+        endpoint = deploy(blocks.serving, serving, release)
+    except Exception as exc:
+        outcome = DeployOutcome.from_error(release, exc)
+        try:
+            record_deploy(blocks.tracking, outcome, list(runs))
+        except Exception as record_error:
+            get_run_logger().error(
+                "the deploy's outcome (%s: %s) could not be recorded in MLflow: %s", outcome.status, outcome.reason,
+                record_error,
+            )  # fmt: skip
+        raise
+    record_deploy(blocks.tracking, DeployOutcome.deployed(release, endpoint), list(runs))
+    return endpoint

@@ -1,0 +1,223 @@
+"""The retrain flow end to end with serving on Kubernetes: every stack but compute is a real server.
+
+The stack, saved as a Prefect block and given to the flow by name: the workload image built with
+podman and pushed to the registry stack (pinned by digest), checkpoints in the s3 stack, the MLflow
+server stack, training as local processes, serving on the local Kubernetes control plane, whose
+kubelet stand-in really runs the pod's container with podman. The pod loads the model from S3 by its
+MODEL_URI: moto listens on loopback, which a container does not share, so the test relays it on the
+address containers reach the host at, and hands the pod that endpoint and the credentials in a Secret.
+
+A first retrain serves v1; a second one whose server cannot start rolls back to v1, fails the flow,
+and MLflow says so on the run and on the model version.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from mlflow import MlflowClient
+from prefect.artifacts import Artifact
+from pydantic import SecretStr
+
+from blocks import k8s_manifests as m
+from blocks.compute import LocalProcesses
+from blocks.docker_image import DockerImageBuilder
+from blocks.errors import ConfigurationError, RolledBack
+from blocks.kubernetes import KubernetesCluster
+from blocks.provision import LocalMachine
+from blocks.s3 import S3CheckpointStore
+from blocks.specs import HyperParameters, ServingSpec, TrainingSpec
+from blocks.stack import Stack
+from blocks.tracking import MlflowTracking
+from flows.retrain import retrain
+from tests.stacks import stack_env
+from workload.data import load_digits_split
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
+
+SECRET = "model-store"  # the Secret holding the pod's S3 endpoint and credentials
+
+
+class Relay:
+    """TCP relay from ``listen_host``:<free port> to ``target`` (host, port), one thread per connection."""
+
+    def __init__(self, listen_host: str, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = socket.create_server((listen_host, 0))
+        self.address = self.server.getsockname()[:2]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(self.target, timeout=30)
+            except OSError:
+                client.close()
+                continue
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def host_address() -> str:
+    """This machine's address on its default route: containers on podman's bridge reach the host there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.254", 9))  # a UDP "connect" only picks the route; nothing is sent
+        return s.getsockname()[0]
+
+
+@pytest.fixture(scope="module")
+def s3_for_pods() -> Iterator[dict[str, str]]:
+    """The pods' view of the s3 stack: its endpoint relayed off loopback, and its credentials."""
+    env = stack_env("s3")
+    host = host_address()
+    if host.startswith("127."):
+        pytest.skip("this machine has no address besides loopback: containers cannot reach the s3 stack")
+    endpoint = httpx.URL(env["S3_ENDPOINT_URL"])
+    relay = Relay(host, (endpoint.host, endpoint.port))
+    yield {
+        "AWS_ENDPOINT_URL": f"http://{relay.address[0]}:{relay.address[1]}",
+        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+        "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
+    }  # fmt: skip
+    relay.close()
+
+
+def serving_block(k8s: dict[str, str], namespace: str, **fields: Any) -> KubernetesCluster:
+    fields = {
+        "rollout_timeout_seconds": 400, "cpu_request": "10m", "memory_request": "16Mi", "memory_limit": None,
+        "env_from_secret": SECRET, **fields,
+    }  # fmt: skip
+    return KubernetesCluster(kubeconfig=SecretStr(Path(k8s["KUBECONFIG"]).read_text()), namespace=namespace, **fields)
+
+
+def save_stack(serving: KubernetesCluster, images: Any, storage: Any, tracking: MlflowTracking) -> str:
+    name = f"k8s-pipeline-{uuid.uuid4().hex[:8]}"
+    Stack(provider=LocalMachine(), images=images, compute=LocalProcesses(), storage=storage, tracking=tracking,
+          serving=serving).save(name)  # fmt: skip
+    return name
+
+
+def pod_url(block: KubernetesCluster, name: str) -> str:
+    """The ready pod's server, on the loopback port the kubelet stand-in published it on."""
+    pods = block._api().get(f"/api/v1/namespaces/{block.namespace}/pods", labelSelector=m.label_selector(name))
+    ready = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]  # fmt: skip
+    (pod,) = ready
+    return f"http://127.0.0.1:{pod['metadata']['annotations']['kubelet-standin.gpuferry.io/host-port']}"
+
+
+def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
+    k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder, s3_store: S3CheckpointStore,
+    s3_for_pods: dict[str, str],
+) -> None:  # fmt: skip
+    block = serving_block(k8s, k8s_namespace, env={"WARMUP_ITERATIONS": "1"})
+    block._api().request("POST", f"/api/v1/namespaces/{k8s_namespace}/secrets", body={
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET}, "stringData": s3_for_pods})  # fmt: skip
+    tracking = MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
+    tag = uuid.uuid4().hex[:8]
+    model, experiment = f"digits-k8s-{tag}", f"gpuferry-k8s-{tag}"
+    training = TrainingSpec(model_name=model, experiment=experiment, hyperparameters=HyperParameters(epochs=15, lr=0.05))
+    serving = ServingSpec(service_name="digits", replicas=1, ready_timeout_seconds=300)
+
+    # ---- a first version: built, trained, stored, registered, served --------------------------------
+    stack = save_stack(block, workload_builder, s3_store, tracking)
+    first = retrain(training=training, serving=serving, stack=stack)
+
+    assert first.deployed and first.model_version.version == "1"
+    image = first.image.reference
+    assert image and image.startswith(f"{stack_env('registry')['REGISTRY_URL']}/gpuferry-test/workload@sha256:")
+    dep = block._api().get(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == image  # by digest, from the build step
+    assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
+    assert dep["spec"]["template"]["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
+    assert dep["status"]["availableReplicas"] == 1
+
+    # The pod's server loaded the checkpoint from S3 by its MODEL_URI, and classifies held-out digits.
+    url = pod_url(block, "digits")
+    ready = httpx.get(f"{url}/readyz", timeout=30).json()
+    assert ready["model"]["uri"] == first.checkpoint.uri and first.checkpoint.uri.startswith("s3://")
+    x_test, y_test = load_digits_split()["test"]
+    answer = httpx.post(f"{url}/predict", json={"inputs": x_test.tolist()}, timeout=120)
+    assert answer.status_code == 200
+    accuracy = sum(int(p == y) for p, y in zip(answer.json()["predictions"], y_test.tolist(), strict=True)) / len(y_test)
+    assert accuracy >= 0.9  # 0.95-0.97 with these settings (tests/test_pipeline_embedded.py)
+
+    client = MlflowClient(tracking_uri=tracking.tracking_uri)
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    for tags in (run.data.tags, client.get_model_version(model, "1").tags):
+        assert tags["deploy.status"] == "deployed" and tags["deploy.version"] == "1"
+        assert tags["deploy.endpoint"] == first.endpoint.url == f"http://digits.{k8s_namespace}.svc.cluster.local:80"
+        assert tags["deploy.backend"] == "gpuferry-kubernetes-cluster"
+        assert "deploy.previous_version" not in tags and "deploy.reason" not in tags
+
+    # ---- a bad release: v2's server exits at start (a setting it rejects) ---------------------------
+    crashing = serving_block(k8s, k8s_namespace, env={"WARMUP_ITERATIONS": "1", "MAX_QUEUE": "0"})
+    bad_stack = save_stack(crashing, workload_builder, s3_store, tracking)
+    with pytest.raises(RolledBack, match="CrashLoopBackOff") as failed:
+        retrain(training=training.model_copy(update={"hyperparameters": HyperParameters(epochs=1)}), serving=serving,
+                stack=bad_stack, force_deploy=True)  # fmt: skip
+    assert failed.value.failed_version == "2" and failed.value.rolled_back_to == "1"
+
+    run = client.get_run(client.get_model_version(model, "2").run_id)
+    assert run.info.status == "FAILED"  # the flow failed, and said why
+    for tags in (run.data.tags, client.get_model_version(model, "2").tags):
+        assert tags["deploy.status"] == "rolled_back"
+        assert tags["deploy.failed_version"] == "2" and tags["deploy.rolled_back_to"] == "1"
+        assert tags["deploy.reason"] == "CrashLoopBackOff"
+        assert "exit code 2" in tags["deploy.message"] and "v1 is available again" in tags["deploy.message"]
+        assert "deploy.endpoint" not in tags
+    assert client.get_model_version(model, "1").tags["deploy.status"] == "deployed"  # v1's record is its own
+    artifact = Artifact.get("deploy-digits")  # the newest of that key
+    assert artifact and "rolled back** (CrashLoopBackOff): v1 serves again" in str(artifact.data)
+
+    # v1 serves again, from the same image and checkpoint.
+    dep = block._api().get(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits")
+    assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == image
+    url = pod_url(block, "digits")
+    assert httpx.get(f"{url}/readyz", timeout=30).json()["model"]["uri"] == first.checkpoint.uri
+    assert httpx.post(f"{url}/predict", json={"inputs": [[0.0] * 64]}, timeout=60).status_code == 200
+    block.undeploy("digits")
+
+
+def test_no_gpu_node_stops_the_retrain_before_it_trains(k8s: dict[str, str], k8s_namespace: str) -> None:
+    stack = Stack.embedded()
+    stack.serving = serving_block(k8s, k8s_namespace)
+    name = f"k8s-preflight-{uuid.uuid4().hex[:8]}"
+    stack.save(name)
+    experiment = f"gpuferry-k8s-preflight-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ConfigurationError, match=r"no schedulable node offers 1 × nvidia.com/mig-2g.20gb"):
+        retrain(training=TrainingSpec(model_name="digits-k8s-preflight", experiment=experiment),
+                serving=ServingSpec(mig_profile="2g.20gb"), stack=name)  # fmt: skip
+    assert MlflowClient(tracking_uri=stack.tracking.tracking_uri).get_experiment_by_name(experiment) is None
+    assert stack.serving.current("digits") is None  # nothing was applied either
+
