@@ -156,7 +156,11 @@ class SlurmCluster(ComputeBackend):
     warning_signal: str | None = Field(
         "B:USR1@90", description="Signal sent ahead of the time limit so the job checkpoints (sbatch --signal)."
     )
-    rdzv_port: int = Field(29500, ge=1024, le=65535, description="torchrun rendezvous port on the first node.")
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="Lowest torchrun rendezvous port on the first node.")
+    rdzv_port_span: int = Field(
+        1000, ge=1, le=64512, description="A multi-node job rendezvous on port rdzv_port + job id % rdzv_port_span "
+        "(1: always rdzv_port), so jobs that share their first node do not collide.",
+    )
     additional_directives: dict[str, str | bool] = Field(
         default_factory=dict,
         description=f"Extra sbatch directives for every job, from: {', '.join(sorted(ADDITIONAL_DIRECTIVES))}.",
@@ -494,7 +498,8 @@ class SlurmCluster(ComputeBackend):
         if self.warning_signal:
             options["signal"] = self.warning_signal
         if torchrun:
-            options.update(torchrun_nproc_per_node=res.processes_per_node, rdzv_port=self.rdzv_port)
+            options.update(torchrun_nproc_per_node=res.processes_per_node, rdzv_port=self.rdzv_port,
+                           rdzv_port_span=self.rdzv_port_span)  # fmt: skip
         if array_size is not None:
             # One array task per configuration; each exports its own settings (checkpoint dir, progress
             # file, hyperparameters, MLflow run) from tasks/<index>.env, written next to the script.
