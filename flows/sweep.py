@@ -29,7 +29,7 @@ from flows.retrain import load_stack, preflight, report, run_params, run_tags
 from tasks.build import build_image
 from tasks.deploy import deploy
 from tasks.provision import provision_nodes, release_nodes
-from tasks.sweep import child_metrics, mark_children, start_child_runs, train_sweep
+from tasks.sweep import child_metrics, mark_children, train_sweep
 from tasks.track import finish_run, log_run, register_model, start_run
 from tasks.upload import upload_checkpoint
 from workload import contract
@@ -85,7 +85,6 @@ def sweep(
         )  # fmt: skip
         children: list[str] = []
         try:
-            children = start_child_runs(blocks.tracking, parent, configurations)
             key = f"{run_key}-sweep"
             job = TrainingJob(
                 key=key, workdir=blocks.compute.job_workdir(key), resources=training.resources,
@@ -93,9 +92,8 @@ def sweep(
                      contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri},
                 image=image if image.reference else None,
             )  # fmt: skip
-            tasks = [{contract.HPARAMS: json.dumps(hp.model_dump()), contract.MLFLOW_RUN_ID: child}
-                     for hp, child in zip(configurations, children, strict=True)]  # fmt: skip
-            array = train_sweep(blocks.compute, job, tasks, parallelism=parallelism)
+            children, array = train_sweep(blocks.compute, job, configurations, blocks.tracking, parent,
+                                          parallelism=parallelism)  # fmt: skip
 
             failed = [children[t.index] for t in array.tasks if t.status.state != "COMPLETED"]
             if failed:
@@ -145,8 +143,7 @@ def sweep(
             else:
                 logger.info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
         except BaseException:
-            if children:
-                mark_children(blocks.tracking, children, "FAILED")
+            mark_children(blocks.tracking, children or list(child_metrics(blocks.tracking, parent)), "FAILED")
             finish_run(blocks.tracking, parent, "FAILED")
             raise
         finish_run(blocks.tracking, parent)
