@@ -7,7 +7,9 @@ in ``blocks/slurm.py``):
   submit never creates a second job;
 * ``poll(handles)`` reads the state of many jobs in one query;
 * ``cancel(handle)``, ``read_log(handle, offset)``, ``read_progress(handle)``;
-* ``watch(handle, ...)`` polls until the job is terminal, starting fast and backing off.
+* ``watch(handle, ...)`` polls until the job is terminal, starting fast and backing off, and polls
+  on through an outage of the backend (a ``TransientError``: the job keeps running) for up to
+  ``outage_tolerance_seconds``. A backend only has to raise its passing errors as ``TransientError``.
 
 Preempted jobs (exit code ``EXIT_PREEMPTED`` of the contract) are requeued by the backend up to
 ``resources.max_requeues`` times, and resume from their last checkpoint.
@@ -16,6 +18,7 @@ Preempted jobs (exit code ``EXIT_PREEMPTED`` of the contract) are requeued by th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -27,15 +30,25 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from prefect.blocks.core import Block
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
 from pydantic import Field
 
 from blocks._proc import alive, start_time
 from blocks.home import gpuferry_home
-from blocks.errors import ConfigurationError, JobFailed, explain_exit_code
+from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
 from blocks.specs import JobHandle, JobResult, JobStatus, Resources, TrainingJob
 from workload import contract
 
 WORKLOAD_ROOT = Path(contract.__file__).resolve().parent.parent
+
+
+def run_logger(fallback: str = "gpuferry.compute") -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect run's logger inside a flow or task run, else a plain logger."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(fallback)
 
 
 class ComputeBackend(Block, ABC):
@@ -48,6 +61,10 @@ class ComputeBackend(Block, ABC):
     )
     poll_interval_start: float = Field(0.25, gt=0, description="First wait between two polls, in seconds.")
     poll_interval_max: float = Field(10.0, gt=0, description="Longest wait between two polls, in seconds.")
+    outage_tolerance_seconds: float = Field(
+        600.0, ge=0, description="How long watch() keeps polling through an outage of the backend (a controller "
+        "restart, a dropped connection: the jobs keep running) before it gives up with a transient error.",
+    )
 
     @property
     def backend_name(self) -> str:
@@ -106,18 +123,39 @@ class ComputeBackend(Block, ABC):
 
         The interval starts at ``poll_interval_start`` and grows by half each poll up to
         ``poll_interval_max``: short jobs are seen finishing at once, long ones cost little.
+        A ``TransientError`` while polling (the backend is briefly unreachable; the job goes on) is
+        logged and polling continues, for up to ``outage_tolerance_seconds`` in a row; then it is raised.
         """
         interval = self.poll_interval_start
         offset = 0
         last_progress: dict[str, Any] | None = None
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        outage_since: float | None = None
         while True:
-            status = self.poll([handle])[handle.job_id]
-            if on_output is not None:
-                text, offset = self.read_log(handle, offset)
-                if text:
-                    on_output(text)
-            progress = self.read_progress(handle)
+            try:
+                status = self.poll([handle])[handle.job_id]
+                if on_output is not None:
+                    text, offset = self.read_log(handle, offset)
+                    if text:
+                        on_output(text)
+                progress = self.read_progress(handle)
+            except TransientError as exc:
+                now = time.monotonic()
+                outage_since = outage_since or now
+                if now - outage_since > self.outage_tolerance_seconds:
+                    raise TransientError(
+                        f"job {handle.job_id}: the {self.backend_name} backend did not answer for "
+                        f"{now - outage_since:.0f} s (outage_tolerance_seconds={self.outage_tolerance_seconds:.0f}); "
+                        f"last error: {exc}"
+                    ) from exc
+                run_logger().warning("job %s: cannot poll (%s); still trying", handle.job_id, exc)
+                time.sleep(interval)
+                interval = min(interval * 1.5, self.poll_interval_max)
+                continue
+            if outage_since is not None:
+                run_logger().info("job %s: the backend answers again after %.0f s", handle.job_id,
+                                  time.monotonic() - outage_since)  # fmt: skip
+                outage_since = None
             if on_progress is not None and progress and progress != last_progress:
                 on_progress(progress)
                 last_progress = progress

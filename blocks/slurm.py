@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import posixpath
 import select
 import shlex
@@ -32,13 +31,11 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import paramiko
-from prefect.exceptions import MissingContextError
-from prefect.logging import get_run_logger
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks.compute import ComputeBackend
@@ -51,8 +48,8 @@ from workload import contract
 KEY_COMMENT_PREFIX = "gpuferry-key:"
 SCRIPT_NAME = "job.sbatch"
 SECRETS_NAME = ".secret.env"
-TASKS_NAME = "tasks.json"
 TASKS_DIR = "tasks"
+MAX_ARRAY_TASKS = 1_000_000  # Slurm's own bound; a cluster's MaxArraySize is lower (sbatch then says so)
 
 # Slurm job states -> ours. PREEMPTED / NODE_FAIL depend on whether the job will be requeued.
 _PENDING = {"PENDING", "CONFIGURING", "SUSPENDED", "RESV_DEL_HOLD", "RESIZING", "POWER_UP_NODE", "STOPPED"}
@@ -108,11 +105,18 @@ def _sacct_exit(text: str) -> int | None:
     return 128 + signal if signal else code
 
 
-def _logger() -> logging.Logger | logging.LoggerAdapter:
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("gpuferry.slurm")
+def _index_ranges(indexes: Iterable[int]) -> str:
+    """Array task indexes as Slurm writes them: 0-4,7,9-12."""
+    parts: list[str] = []
+    run: list[int] = []
+    for index in sorted(set(indexes)):
+        if run and index != run[-1] + 1:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(index)
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
 
 
 class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
@@ -156,22 +160,23 @@ class SlurmCluster(ComputeBackend):
     warning_signal: str | None = Field(
         "B:USR1@90", description="Signal sent ahead of the time limit so the job checkpoints (sbatch --signal)."
     )
-    rdzv_port: int = Field(29500, ge=1024, le=65535, description="torchrun rendezvous port on the first node.")
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="Lowest torchrun rendezvous port on the first node.")
+    rdzv_port_span: int = Field(
+        1000, ge=1, le=64512, description="A multi-node job rendezvous on port rdzv_port + job id % rdzv_port_span "
+        "(1: always rdzv_port), so jobs that share their first node do not collide.",
+    )
     additional_directives: dict[str, str | bool] = Field(
         default_factory=dict,
         description=f"Extra sbatch directives for every job, from: {', '.join(sorted(ADDITIONAL_DIRECTIVES))}.",
     )
     adopt_lookback_days: int = Field(30, ge=1, description="How far back sacct is searched for a job to adopt.")
     poll_interval_start: float = Field(0.5, gt=0, description="First wait between two polls, in seconds.")
-    outage_tolerance_seconds: float = Field(
-        600.0, ge=0, description="How long watch() keeps polling through a controller restart or SSH outage "
-        "(the jobs keep running) before it gives up with a transient error.",
-    )
 
     _lock: Any = PrivateAttr(default_factory=threading.RLock)
     _client: paramiko.SSHClient | None = PrivateAttr(None)
     _sftp_client: paramiko.SFTPClient | None = PrivateAttr(None)
     _client_for: tuple[Any, ...] | None = PrivateAttr(None)
+    _last_jobs: tuple[float, list[dict[str, Any]]] = PrivateAttr((0.0, []))
 
     _TERMINAL_SLURM: ClassVar[frozenset[str]] = frozenset(
         {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "NODE_FAIL",
@@ -267,11 +272,11 @@ class SlurmCluster(ComputeBackend):
     # ---- commands --------------------------------------------------------------------------
 
     def run(self, argv: Sequence[str], *, check: bool = True, retry: bool = True,
-            timeout: float | None = None) -> tuple[int, str, str]:  # fmt: skip
+            timeout: float | None = None, stdin: bytes | None = None) -> tuple[int, str, str]:  # fmt: skip
         """Run ``argv`` on the login node: (exit code, stdout, stderr).
 
         ``retry``: when the SSH connection turns out to be dead, reconnect and run it once more
-        (only for commands that are safe to repeat; sbatch is not).
+        (only for commands that are safe to repeat; sbatch is not). ``stdin``: bytes fed to the command.
         """
         argv = list(argv)
         if self.slurm_conf:
@@ -279,16 +284,16 @@ class SlurmCluster(ComputeBackend):
         timeout = timeout or self.command_timeout
         if self.local:
             try:
-                proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+                proc = subprocess.run(argv, capture_output=True, input=stdin or b"", timeout=timeout, check=False)
             except FileNotFoundError as exc:
                 raise ConfigurationError(f"{argv[0]} is not installed on this machine (local=True): {exc}") from exc
             except subprocess.TimeoutExpired as exc:
                 raise TransientError(f"{shlex.join(argv)} did not answer within {timeout:.0f} s") from exc
-            rc, out, err = proc.returncode, proc.stdout, proc.stderr
+            rc, out, err = proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
         else:
             for attempt in (1, 2):
                 try:
-                    rc, out, err = self._exec(shlex.join(argv), timeout)
+                    rc, out, err = self._exec(shlex.join(argv), timeout, stdin)
                     break
                 except (OSError, EOFError, paramiko.SSHException) as exc:
                     self.close()
@@ -299,7 +304,7 @@ class SlurmCluster(ComputeBackend):
             self._raise_for(argv, rc, err or out)
         return rc, out, err
 
-    def _exec(self, command: str, timeout: float) -> tuple[int, str, str]:
+    def _exec(self, command: str, timeout: float, stdin: bytes | None = None) -> tuple[int, str, str]:
         transport = self._ssh().get_transport()
         if transport is None:
             raise EOFError("no SSH transport")
@@ -307,6 +312,8 @@ class SlurmCluster(ComputeBackend):
         try:
             chan.settimeout(timeout)
             chan.exec_command(command)
+            if stdin:
+                chan.sendall(stdin)
             chan.shutdown_write()
             out, err = bytearray(), bytearray()
             deadline = time.monotonic() + timeout
@@ -348,8 +355,21 @@ class SlurmCluster(ComputeBackend):
 
     # ---- files on the cluster --------------------------------------------------------------
 
-    def _mkdir(self, path: str) -> None:
-        self.run(["mkdir", "-p", "--", path])
+    def _put_files(self, workdir: str, files: Mapping[str, tuple[bytes, int]], *, keep_existing: bool = False) -> None:
+        """Write ``files`` (name relative to ``workdir`` -> (data, mode)) in ONE command: a tar sent on
+        stdin, unpacked at the filesystem root (so ``workdir`` and the folders in it are created too).
+        ``keep_existing``: leave a file that is already there as it is (a retried write of the same data).
+        """
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, (data, mode) in files.items():
+                info = tarfile.TarInfo(posixpath.join(workdir, name).lstrip("/"))
+                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        argv = ["tar", "-x", "--no-same-owner", "-C", "/", "-f", "-"]
+        if keep_existing:
+            argv.insert(2, "--skip-old-files")
+        self.run(argv, stdin=archive.getvalue())
 
     def _write(self, path: str, data: bytes, mode: int) -> None:
         if self.local:
@@ -494,7 +514,8 @@ class SlurmCluster(ComputeBackend):
         if self.warning_signal:
             options["signal"] = self.warning_signal
         if torchrun:
-            options.update(torchrun_nproc_per_node=res.processes_per_node, rdzv_port=self.rdzv_port)
+            options.update(torchrun_nproc_per_node=res.processes_per_node, rdzv_port=self.rdzv_port,
+                           rdzv_port_span=self.rdzv_port_span)  # fmt: skip
         if array_size is not None:
             # One array task per configuration; each exports its own settings (checkpoint dir, progress
             # file, hyperparameters, MLflow run) from tasks/<index>.env, written next to the script.
@@ -522,73 +543,125 @@ class SlurmCluster(ComputeBackend):
         top of ``job.env``, and its own checkpoint directory and progress file under ``task_dir``).
 
         Idempotent by ``job.key`` like ``submit``. ``parallelism`` throttles how many tasks run at once
-        (``--array=0-N%P``). Next to the script go ``tasks.json`` (every task's settings, for people)
-        and ``tasks/<index>.env`` (NUL-separated NAME=value words), which task ``SLURM_ARRAY_TASK_ID``
-        exports without starting any program; they arrive as one tar, unpacked in one command.
-        The settings are not secrets (use secret_env for those).
+        (``--array=0-N%P``). The same as ``submit_held_sweep`` then ``release_sweep_tasks`` of all tasks.
         """
-        self.validate_job(job)
         if not tasks:
             raise ConfigurationError("a sweep needs at least one task")
-        entries = []
-        for index, task_env in enumerate(tasks):
+        settings = dict(enumerate(tasks))
+        self._task_entries(job.workdir, settings)  # every setting checked before anything is submitted
+        handle = self.submit_held_sweep(job, len(tasks), parallelism=parallelism)
+        self.release_sweep_tasks(handle, settings)
+        return handle
+
+    def submit_held_sweep(self, job: TrainingJob, size: int, *, parallelism: int | None = None) -> JobHandle:
+        """Queue a job array of ``size`` tasks, held (``sbatch --hold``): a task runs once
+        ``release_sweep_tasks`` has given it its settings. The array can thus be queued while the
+        settings (each task's MLflow run, say) are still being made, and start in chunks as they come.
+
+        Idempotent by ``job.key`` like ``submit``: a retry adopts the array, whose released tasks go on.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_ARRAY_TASKS:
+            raise ConfigurationError(f"a sweep has 1 to {MAX_ARRAY_TASKS} tasks, not {size!r}")
+        self.validate_job(job)
+        script = self._script_for_job(job, array_size=size, parallelism=parallelism)
+        return self._submit(job.key, job.workdir, script, array=True, hold=True)
+
+    def release_sweep_tasks(self, handle: JobHandle, tasks: Mapping[int, Mapping[str, str]]) -> None:
+        """Give these tasks of a held array (index -> its environment) their settings and let them run.
+
+        Two commands, however many tasks: the settings go next to the script as ``tasks/<index>.env``
+        (NUL-separated NAME=value words, which task ``SLURM_ARRAY_TASK_ID`` exports without starting
+        any program), then ``scontrol release``. A settings file already there is kept (a retry writes
+        the same settings), and releasing a task that already ran is no error. The settings are not
+        secrets (use secret_env for those).
+        """
+        entries = self._task_entries(handle.workdir, tasks)
+        if not entries:
+            return
+        files = {f"{TASKS_DIR}/{index}.env": ("".join(f"{name}={value}\0" for name, value in entry.items()).encode(), 0o644)
+                 for index, entry in entries.items()}  # fmt: skip
+        self._put_files(handle.workdir, files, keep_existing=True)
+        argv = ["scontrol", "release", f"{handle.job_id}_[{_index_ranges(entries)}]"]
+        rc, out, err = self.run(argv, check=False)
+        problems = [line for line in (err + out).splitlines()
+                    if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
+        if rc != 0 and problems:
+            self._raise_for(argv, rc, "\n".join(problems))
+
+    def _task_entries(self, workdir: str, tasks: Mapping[int, Mapping[str, str]]) -> dict[int, dict[str, str]]:
+        entries = {}
+        for index, task_env in sorted(tasks.items()):
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_ARRAY_TASKS:
+                raise ConfigurationError(f"task index {index!r} must be an integer from 0 to {MAX_ARRAY_TASKS - 1}")
             for name, value in task_env.items():
                 if not isinstance(name, str) or not name.isidentifier() or not name.isascii():
                     raise ConfigurationError(f"task {index}: environment name {name!r} is not a variable name")
                 if not isinstance(value, str) or "\x00" in value:
                     raise ConfigurationError(f"task {index}: {name} must be a string without NUL bytes")
-            task_dir = self.task_dir(job.workdir, index)
-            entries.append({
+            task_dir = self.task_dir(workdir, index)
+            entries[index] = {
                 **task_env,
                 contract.CHECKPOINT_DIR: posixpath.join(task_dir, "checkpoints"),
                 contract.PROGRESS_FILE: posixpath.join(task_dir, "progress.json"),
-            })  # fmt: skip
-        script = self._script_for_job(job, array_size=len(tasks), parallelism=parallelism)
-        archive = io.BytesIO()
-        with tarfile.open(fileobj=archive, mode="w") as tar:
-            for index, entry in enumerate(entries):
-                data = "".join(f"{name}={value}\0" for name, value in entry.items()).encode()
-                info = tarfile.TarInfo(f"{TASKS_DIR}/{index}.env")
-                info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
-                tar.addfile(info, io.BytesIO(data))
-        files = {TASKS_NAME: json.dumps(entries, indent=1).encode(), TASKS_DIR + ".tar": archive.getvalue()}
-        return self._submit(job.key, job.workdir, script, array=True, files=files, unpack=TASKS_DIR + ".tar")
+            }  # fmt: skip
+        return entries
 
-    def array_tasks(self, handle: JobHandle, size: int, *, wait_seconds: float = 60.0) -> dict[int, JobStatus]:
-        """The final state of each of the ``size`` tasks of a finished array, in one query per try.
+    def array_outcome(self, handle: JobHandle, size: int, *,
+                      wait_seconds: float = 60.0) -> dict[int, tuple[JobStatus, dict[str, float]]]:  # fmt: skip
+        """The final state and the usage (``accounting``'s keys) of each of the ``size`` tasks of a
+        finished array.
 
-        The controller's records come first (it keeps finished tasks for MinJobAge); tasks it has
-        forgotten are read from sacct, which lags: this waits up to ``wait_seconds`` for all of them.
+        One ``squeue`` (none when the poll that saw the array end, a moment ago, holds every task):
+        the controller keeps finished tasks (MinJobAge) with their state, times and allocated TRES,
+        which is all of it for a task that ran once. Tasks it has forgotten, and requeued ones (only
+        sacct has their earlier attempts), come from ONE sacct per try, which lags the controller:
+        this waits up to ``wait_seconds`` for them.
         """
+        found: dict[int, tuple[JobStatus, dict[str, float]]] = {}
+        fetched, records = self._last_jobs
+        ended = sum(1 for r in records if str(r.get("array_job_id") or "") == handle.job_id
+                    and r.get("array_task_id") is not None and self._from_squeue(r).terminal)  # fmt: skip
+        if time.monotonic() - fetched > 30 or ended < size:
+            records = self._squeue()
+        for record in records:
+            if str(record.get("array_job_id") or "") != handle.job_id or record.get("array_task_id") is None:
+                continue
+            status = self._from_squeue(record)
+            if status.terminal and not record.get("restart_cnt"):
+                elapsed = max(0, int(record.get("end_time") or 0) - int(record.get("start_time") or 0))
+                row = [status.job_id, status.job_id, str(record.get("job_state")), str(elapsed),
+                       str(record.get("tres_alloc_str") or ""), str(record.get("cpus") or 0)]  # fmt: skip
+                found[int(record["array_task_id"])] = (status, self._usage([row]))
+        rest = [i for i in range(size) if i not in found]
         deadline = time.monotonic() + wait_seconds
-        while True:
-            found: dict[int, JobStatus] = {}
-            for record in self._squeue():
-                if str(record.get("array_job_id") or "") == handle.job_id and record.get("array_task_id") is not None:
-                    status = self._from_squeue(record)
-                    if status.terminal:
-                        found[int(record["array_task_id"])] = status
-            if len(found) < size:
-                _, out, _ = self.run([
-                    "sacct", "-X", "-n", "-P", "-j", handle.job_id,
-                    "--format=JobIDRaw,JobID,State,ExitCode,ElapsedRaw,Reason",
-                ])  # fmt: skip
-                for line in out.splitlines():
-                    parts = line.split("|")
-                    if len(parts) < 6 or "_" not in parts[1] or not parts[1].split("_", 1)[1].isdigit():
-                        continue
-                    index = int(parts[1].split("_", 1)[1])
-                    exit_code = _sacct_exit(parts[3])
-                    state, why = map_state(parts[2], requeue=False, exit_code=exit_code)
-                    if index not in found and state in TERMINAL_STATES:
-                        found[index] = JobStatus(job_id=parts[1], state=state, exit_code=exit_code, reason=why,
-                                                 elapsed_seconds=float(parts[4] or 0))  # fmt: skip
-            if len(found) >= size or time.monotonic() > deadline:
+        while rest:
+            _, out, _ = self.run([
+                "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id,
+                "--format=JobIDRaw,JobID,State,ElapsedRaw,AllocTRES,NCPUS,ExitCode,Reason",
+            ])  # fmt: skip
+            per_task: dict[int, list[list[str]]] = {}
+            for line in out.splitlines():
+                row = line.split("|")
+                if len(row) >= 8 and "_" in row[1] and row[1].split("_", 1)[1].isdigit():
+                    per_task.setdefault(int(row[1].split("_", 1)[1]), []).append(row)
+            for index in list(rest):
+                rows = per_task.get(index, [])
+                last = rows[-1] if rows else None  # sacct lists the attempts in order
+                if last is None:
+                    continue
+                exit_code = _sacct_exit(last[6])
+                state, why = map_state(last[2], requeue=False, exit_code=exit_code,
+                                       reason="" if last[7] in ("", "None") else f"Slurm reason: {last[7]}")  # fmt: skip
+                if state in TERMINAL_STATES:
+                    found[index] = (JobStatus(job_id=last[1], state=state, exit_code=exit_code, reason=why,  # type: ignore[arg-type]
+                                              elapsed_seconds=float(last[3] or 0)), self._usage(rows))  # fmt: skip
+                    rest.remove(index)
+            if not rest or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
-        return {i: found.get(i, JobStatus(job_id=f"{handle.job_id}_{i}", state="FAILED",
-                                          reason="no final state recorded for this array task"))  # fmt: skip
-                for i in range(size)}
+        missing = JobStatus(job_id=handle.job_id, state="FAILED", reason="no final state recorded for this array task")
+        return {i: found.get(i, (missing.model_copy(update={"job_id": f"{handle.job_id}_{i}"}), self._usage([])))
+                for i in range(size)}  # fmt: skip
 
     def submit_command(
         self, key: str, command: Sequence[str], *, workdir: str | None = None,
@@ -617,30 +690,22 @@ class SlurmCluster(ComputeBackend):
         self._check_partition(options.get("partition"))
         return self._submit(key, workdir, script, array=array, secret_env=secret_env)
 
-    def _submit(self, key: str, workdir: str, script: str, *, array: bool,
-                secret_env: Mapping[str, SecretStr] | None = None,
-                files: Mapping[str, bytes] | None = None, unpack: str | None = None) -> JobHandle:  # fmt: skip
+    def _submit(self, key: str, workdir: str, script: str, *, array: bool, hold: bool = False,
+                secret_env: Mapping[str, SecretStr] | None = None) -> JobHandle:  # fmt: skip
         log = posixpath.join(workdir, "task-%a.log" if array else "job.log")
         existing = self.find_job(key)
         if existing is not None:
             return self._handle(existing, key, workdir, log)
-        self._mkdir(workdir)
-        for name, data in (files or {}).items():
-            self._write(posixpath.join(workdir, name), data, 0o644)
-        if unpack is not None:
-            archive = posixpath.join(workdir, unpack)
-            self.run(["tar", "-x", "--no-same-owner", "-f", archive, "-C", workdir])
-            self.run(["rm", "-f", "--", archive])
+        path = posixpath.join(workdir, SCRIPT_NAME)
+        self._put_files(workdir, {SCRIPT_NAME: (script.encode(), 0o700)})  # creates workdir too
         if secret_env:
             for name in secret_env:
                 if not name.isidentifier():
                     raise ConfigurationError(f"secret_env name {name!r} is not a variable name")
             body = "".join(f"{n}={shlex.quote(v.get_secret_value())}\n" for n, v in sorted(secret_env.items()))
             self._write(posixpath.join(workdir, SECRETS_NAME), body.encode(), 0o600)
-        path = posixpath.join(workdir, SCRIPT_NAME)
-        self._write(path, script.encode(), 0o700)
         try:
-            _, out, _ = self.run(["sbatch", "--parsable", path], retry=False)
+            _, out, _ = self.run(["sbatch", "--parsable", *(["--hold"] if hold else []), path], retry=False)
         except TransientError as exc:
             raise TransientError(f"{exc} — the job may have been submitted; a retried submit adopts it by its key") from exc
         job_id = out.strip().split(";")[0]
@@ -654,13 +719,15 @@ class SlurmCluster(ComputeBackend):
     def find_job(self, key: str) -> str | None:
         """The id of a live or finished job carrying ``key`` (live ones first), or None."""
         comment = KEY_COMMENT_PREFIX + key
-        # sacct has the comment only where AccountingStoreFlags=job_comment; the name alone is the key there.
+        # Every state (-t all): a job that just finished is in the controller's memory before sacct has it.
         live = []
-        for record in self._squeue():
-            if record.get("name") == key and record.get("comment") == comment:
-                live.append(str(record.get("array_job_id") or record["job_id"]))
+        for line in self._live_jobs(key):
+            job_id, name, job_comment = (line.split("|", 2) + ["", ""])[:3]
+            if name == key and job_comment == comment and job_id.isdigit():
+                live.append(job_id)
         if live:
             return min(live, key=int)
+        # sacct has the comment only where AccountingStoreFlags=job_comment; the name alone is the key there.
         _, out, _ = self.run([
             "sacct", "-X", "-n", "-P", f"--name={key}", f"--starttime=now-{self.adopt_lookback_days}days",
             "--format=JobIDRaw,JobID,Comment",
@@ -668,6 +735,12 @@ class SlurmCluster(ComputeBackend):
         found = [line.split("|")[1].split("_")[0] for line in out.splitlines()
                  if line.count("|") >= 2 and line.split("|", 2)[2] in (comment, "")]  # fmt: skip
         return min(found, key=int) if found else None
+
+    def _live_jobs(self, name: str) -> list[str]:
+        """The controller's jobs named ``name`` as ``array job id|name|comment`` lines (text squeue
+        filters by name; ``squeue --json`` would return every job in memory)."""
+        _, out, _ = self.run(["squeue", "-h", "-t", "all", f"--name={name}", "-o", "%F|%j|%k"])
+        return out.splitlines()
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -684,7 +757,9 @@ class SlurmCluster(ComputeBackend):
             detail = "; ".join(f"{e.get('source', '')}: {e.get('description', '')} ({e.get('error', '')})"
                                for e in errors if isinstance(e, dict)) or str(errors)[:200]  # fmt: skip
             raise TransientError(f"squeue --json could not read the controller's jobs: {detail}")
-        return data.get("jobs", [])
+        jobs = data.get("jobs", [])
+        self._last_jobs = (time.monotonic(), jobs)
+        return jobs
 
     def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
         handles = list(handles)
@@ -785,63 +860,6 @@ class SlurmCluster(ComputeBackend):
     def cancel(self, handle: JobHandle) -> None:
         self.run(["scancel", handle.job_id])
 
-    def watch(
-        self,
-        handle: JobHandle,
-        *,
-        on_progress: Callable[[dict[str, Any]], None] | None = None,
-        on_output: Callable[[str], None] | None = None,
-        timeout_seconds: float | None = None,
-    ) -> JobStatus:
-        """Poll until the job is terminal, streaming its output and progress (see ``ComputeBackend.watch``).
-
-        A controller restart or a dropped SSH connection does not end the watch: Slurm keeps the job
-        running, so transient errors are logged and polling goes on, for up to
-        ``outage_tolerance_seconds`` in a row.
-        """
-        interval = self.poll_interval_start
-        offset = 0
-        last_progress: dict[str, Any] | None = None
-        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-        outage_since: float | None = None
-        while True:
-            try:
-                status = self.poll([handle])[handle.job_id]
-                if on_output is not None:
-                    text, offset = self.read_log(handle, offset)
-                    if text:
-                        on_output(text)
-                progress = self.read_progress(handle)
-            except TransientError as exc:
-                now = time.monotonic()
-                outage_since = outage_since or now
-                if now - outage_since > self.outage_tolerance_seconds:
-                    raise TransientError(
-                        f"job {handle.job_id}: the cluster did not answer for {now - outage_since:.0f} s "
-                        f"(outage_tolerance_seconds={self.outage_tolerance_seconds:.0f}); last error: {exc}"
-                    ) from exc
-                _logger().warning("job %s: cannot poll Slurm (%s); still trying", handle.job_id, exc)
-                time.sleep(min(interval, self.poll_interval_max))
-                interval = min(interval * 1.5, self.poll_interval_max)
-                continue
-            if outage_since is not None:
-                _logger().info("job %s: Slurm answers again after %.0f s", handle.job_id,
-                               time.monotonic() - outage_since)  # fmt: skip
-                outage_since = None
-            if on_progress is not None and progress and progress != last_progress:
-                on_progress(progress)
-                last_progress = progress
-            if status.terminal:
-                return status
-            if deadline is not None and time.monotonic() > deadline:
-                self.cancel(handle)
-                raise JobFailed(
-                    f"job {handle.job_id} ran past the {timeout_seconds:.0f} s deadline and was cancelled",
-                    state="TIMEOUT", log_tail=self.log_tail(handle),
-                )  # fmt: skip
-            time.sleep(interval)
-            interval = min(interval * 1.5, self.poll_interval_max)
-
     # ---- accounting ------------------------------------------------------------------------
 
     def accounting(self, handle: JobHandle, *, wait_seconds: float = 30.0) -> dict[str, float]:
@@ -863,28 +881,6 @@ class SlurmCluster(ComputeBackend):
                 break
             time.sleep(1.0)
         return self._usage(rows)
-
-    def array_accounting(self, handle: JobHandle, size: int, *, wait_seconds: float = 60.0) -> dict[int, dict[str, float]]:
-        """``accounting`` for each task of an array (every attempt of each), in one sacct per try."""
-        deadline = time.monotonic() + wait_seconds
-        while True:
-            _, out, _ = self.run([
-                "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id,
-                "--format=JobIDRaw,JobID,State,ElapsedRaw,AllocTRES,NCPUS",
-            ])  # fmt: skip
-            per_task: dict[int, list[list[str]]] = {}
-            for line in out.splitlines():
-                row = line.split("|")
-                if len(row) >= 6 and "_" in row[1] and row[1].split("_", 1)[1].isdigit():
-                    per_task.setdefault(int(row[1].split("_", 1)[1]), []).append(row)
-            settled = len(per_task) >= size and all(
-                r[2].split()[0] in self._TERMINAL_SLURM or r[2].startswith("REQUEUED")
-                for rows in per_task.values() for r in rows
-            )  # fmt: skip
-            if settled or time.monotonic() > deadline:
-                break
-            time.sleep(1.0)
-        return {i: self._usage(per_task.get(i, [])) for i in range(size)}
 
     @staticmethod
     def _usage(rows: list[list[str]]) -> dict[str, float]:

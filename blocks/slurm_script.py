@@ -16,7 +16,9 @@ Launch modes:
 * ``torchrun_nproc_per_node=N``: ``command`` is ``[python, script, *args]`` and runs under
   ``python -m torch.distributed.run``; on one node with ``--standalone``, on several with one
   ``srun`` task per node and a c10d rendezvous on the address of the first node of
-  ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``).
+  ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``, then that node's ``NodeAddr``). The port is
+  ``rdzv_port + SLURM_JOB_ID % rdzv_port_span``: two multi-node jobs that share their first node
+  (several slurmd on one host, or nodes not allocated exclusively) do not meet on one port.
 
 A program that exits with ``requeue_exit_code`` (the contract's ``EXIT_PREEMPTED``: it saved a
 checkpoint on the warning signal) is requeued with ``scontrol requeue`` while
@@ -83,8 +85,8 @@ SBATCH_OPTIONS: tuple[str, ...] = (
     "dependency", "signal", "requeue", "additional",
 )  # fmt: skip
 SCRIPT_OPTIONS: tuple[str, ...] = (
-    "env", "secret_env_file", "array_env_dir", "torchrun_nproc_per_node", "rdzv_port", "requeue_exit_code",
-    "max_requeues",
+    "env", "secret_env_file", "array_env_dir", "torchrun_nproc_per_node", "rdzv_port", "rdzv_port_span",
+    "requeue_exit_code", "max_requeues",
 )  # fmt: skip
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -201,7 +203,8 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
     open_mode, array, array_parallelism, dependency, signal, requeue, additional (allow-listed
     directives). Script options: env (exported variables), secret_env_file (sourced, never
     inlined), array_env_dir (array task i exports the NUL-separated NAME=value words of
-    ``<dir>/<i>.env``), torchrun_nproc_per_node, rdzv_port, requeue_exit_code, max_requeues.
+    ``<dir>/<i>.env``), torchrun_nproc_per_node, rdzv_port and rdzv_port_span (the rendezvous port
+    is rdzv_port + job id % rdzv_port_span), requeue_exit_code, max_requeues.
     """
     unknown = sorted(set(options) - set(SBATCH_OPTIONS) - set(SCRIPT_OPTIONS))
     if unknown:
@@ -241,6 +244,7 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
     else:
         _int("torchrun_nproc_per_node", nproc, 1, 64)
         port = _int("rdzv_port", options.get("rdzv_port", 29500), 1024, 65535)
+        span = _int("rdzv_port_span", options.get("rdzv_port_span", 1000), 1, 65536 - port)
         if len(command) < 2:
             raise ConfigurationError("with torchrun, command is [python, script, *args]")
         python, program = command[0], list(command[1:])
@@ -253,7 +257,8 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
                 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                 'head_addr=$(scontrol show node "$head_node" -o | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
                 "export MASTER_ADDR=${head_addr:-$head_node}",
-                f"export MASTER_PORT={port}",
+                "# One port per job: jobs sharing their first node must not meet in one rendezvous.",
+                f"export MASTER_PORT=$(({port} + SLURM_JOB_ID % {span}))",
             ]
             launch = (
                 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '

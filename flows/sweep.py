@@ -28,7 +28,7 @@ from flows.ship import ship
 from tasks.build import build_image
 from tasks.deploy import serving_preflight
 from tasks.provision import provision_nodes, release_nodes
-from tasks.sweep import child_metrics, mark_children, start_child_runs, train_sweep
+from tasks.sweep import child_metrics, mark_children, train_sweep
 from tasks.track import finish_run, log_run, start_run
 from workload import contract
 
@@ -84,7 +84,6 @@ def sweep(
         )  # fmt: skip
         children: list[str] = []
         try:
-            children = start_child_runs(blocks.tracking, parent, configurations)
             key = f"{run_key}-sweep"
             job = TrainingJob(
                 key=key, workdir=blocks.compute.job_workdir(key), resources=training.resources,
@@ -92,9 +91,8 @@ def sweep(
                      contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri},
                 image=image if image.reference else None,
             )  # fmt: skip
-            tasks = [{contract.HPARAMS: json.dumps(hp.model_dump()), contract.MLFLOW_RUN_ID: child}
-                     for hp, child in zip(configurations, children, strict=True)]  # fmt: skip
-            array = train_sweep(blocks.compute, job, tasks, parallelism=parallelism)
+            children, array = train_sweep(blocks.compute, job, configurations, blocks.tracking, parent,
+                                          parallelism=parallelism)  # fmt: skip
 
             failed = [children[t.index] for t in array.tasks if t.status.state != "COMPLETED"]
             if failed:
@@ -129,8 +127,7 @@ def sweep(
                 value=value, serving=serving, image=image, force_deploy=force_deploy, runs=[parent],
             )  # fmt: skip
         except BaseException:
-            if children:
-                mark_children(blocks.tracking, children, "FAILED")
+            mark_children(blocks.tracking, children or list(child_metrics(blocks.tracking, parent)), "FAILED")
             finish_run(blocks.tracking, parent, "FAILED")
             raise
         finish_run(blocks.tracking, parent)

@@ -1,20 +1,23 @@
-"""A sweep's steps: its MLflow child runs, its job array, and the children's metrics."""
+"""A sweep's steps: its job array with one MLflow child run per task, and the children's metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import posixpath
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from prefect import get_run_logger, task
 from prefect.exceptions import TerminationSignal
 
 from blocks.compute import ComputeBackend
 from blocks.errors import ConfigurationError
-from blocks.specs import HyperParameters, SweepJobResult, SweepTaskResult, TrainingJob
+from blocks.specs import HyperParameters, JobHandle, SweepJobResult, SweepTaskResult, TrainingJob
 from blocks.tracking import MlflowTracking
-from tasks.retry import retry_options
+from tasks.retry import is_transient, retry_options
+from workload import contract
 
 SWEEP_INDEX_TAG = "gpuferry.sweep_index"
 PARENT_TAG = "mlflow.parentRunId"
@@ -33,28 +36,6 @@ def _children(tracking: MlflowTracking, experiment_id: str, parent_run_id: str) 
             return runs
 
 
-@task(name="start-child-runs", **retry_options())
-def start_child_runs(tracking: MlflowTracking, parent_run_id: str, configurations: list[HyperParameters]) -> list[str]:
-    """One MLflow run per configuration, a child of the sweep's run; a retry finds the ones it made."""
-    client = tracking.client
-    parent = client.get_run(parent_run_id)
-    experiment_id = parent.info.experiment_id
-    existing = {run.data.tags.get(SWEEP_INDEX_TAG): run.info.run_id
-                for run in _children(tracking, experiment_id, parent_run_id)}  # fmt: skip
-    ids = []
-    for index, hp in enumerate(configurations):
-        run_id = existing.get(str(index))
-        if run_id is None:
-            run_id = client.create_run(
-                experiment_id, run_name=f"{parent.info.run_name}-{index}",
-                tags={PARENT_TAG: parent_run_id, SWEEP_INDEX_TAG: str(index),
-                      "gpuferry.hparams": json.dumps(hp.model_dump(), sort_keys=True)},
-            ).info.run_id  # fmt: skip
-        ids.append(run_id)
-    get_run_logger().info("%d child runs of %s (%d made now)", len(ids), parent_run_id, len(ids) - len(existing))
-    return ids
-
-
 @task(name="child-metrics", **retry_options())
 def child_metrics(tracking: MlflowTracking, parent_run_id: str) -> dict[str, dict[str, float]]:
     """The latest metrics of every child run, in one search."""
@@ -70,44 +51,113 @@ def mark_children(tracking: MlflowTracking, run_ids: Sequence[str], status: str)
             tracking.end_run(run_id, status)
 
 
-# Submitting is idempotent (the job key): a retry adopts the array instead of starting another.
+def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict[int, str],
+                          make: dict[Future[str], int], configurations: Sequence[HyperParameters]) -> None:  # fmt: skip
+    """Release each task of the held array once its child run exists: whatever is ready when the
+    previous release returns goes in the next one, so releases keep pace with run creation."""
+
+    def settings(index: int) -> dict[str, str]:
+        return {contract.HPARAMS: json.dumps(configurations[index].model_dump()), contract.MLFLOW_RUN_ID: runs[index]}
+
+    ready = sorted(runs)
+    waiting = set(make)
+    while ready or waiting:
+        if not ready:
+            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+            for future in done:
+                runs[make[future]] = future.result()  # a failed run creation fails the task
+                ready.append(make[future])
+        compute.release_sweep_tasks(handle, {i: settings(i) for i in ready})  # type: ignore[attr-defined]
+        ready = []
+        done = {f for f in waiting if f.done()}
+        waiting -= done
+        for future in done:
+            runs[make[future]] = future.result()
+            ready.append(make[future])
+
+
+# Submitting is idempotent (the job key) and so are the child runs (their index tag): a retry adopts
+# the array and the runs instead of making others.
 @task(name="train-sweep", **retry_options(retries=3))
 def train_sweep(
-    compute: ComputeBackend, job: TrainingJob, tasks: Sequence[Mapping[str, str]], parallelism: int | None = None,
-    timeout_seconds: float | None = None,
-) -> SweepJobResult:  # fmt: skip
-    """Run ``job`` once per entry of ``tasks`` as ONE job array, wait for all of it (one poll per cycle)."""
+    compute: ComputeBackend, job: TrainingJob, configurations: Sequence[HyperParameters], tracking: MlflowTracking,
+    parent_run_id: str, parallelism: int | None = None, timeout_seconds: float | None = None, run_workers: int = 8,
+) -> tuple[list[str], SweepJobResult]:  # fmt: skip
+    """Run ``job`` once per configuration as ONE job array, each in an MLflow run that is a child of
+    ``parent_run_id``; wait for all of it (one poll per cycle). Returns the child run ids (by
+    configuration) and the array's outcome.
+
+    The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time) and
+    each task is released as soon as its run exists, so the first tasks run while later runs are
+    still being made: the runs cost no wall time of their own unless they are slower than Slurm.
+    (The flow's preflight has validated the job; a job the cluster refuses fails the submit at once,
+    and the few runs made meanwhile are marked FAILED by the flow.)
+    """
     logger = get_run_logger()
-    submit_sweep = getattr(compute, "submit_sweep", None)
-    if submit_sweep is None:
+    if getattr(compute, "submit_held_sweep", None) is None:
         raise ConfigurationError(
             f"the {compute.backend_name} backend cannot run a sweep (it has no job arrays): use a Slurm stack, "
             "or run one configuration at a time with the retrain flow"
         )
-    handle = submit_sweep(job, list(tasks), parallelism=parallelism)
-    logger.info("sweep of %d configurations: job array %s (workdir %s)", len(tasks), handle.job_id, handle.workdir)
-    try:
-        status = compute.watch(handle, timeout_seconds=timeout_seconds)
-    except (TerminationSignal, KeyboardInterrupt, asyncio.CancelledError):
-        logger.warning("the flow run was stopped: cancelling job array %s", handle.job_id)
-        compute.cancel(handle)
-        raise
-    states = compute.array_tasks(handle, len(tasks))  # type: ignore[attr-defined]
-    usage = compute.array_accounting(handle, len(tasks))  # type: ignore[attr-defined]
+    client = tracking.client
+    parent = client.get_run(parent_run_id)
+    experiment_id = parent.info.experiment_id
+    runs: dict[int, str] = {}
+    for run in _children(tracking, experiment_id, parent_run_id):
+        index = run.data.tags.get(SWEEP_INDEX_TAG, "")
+        if index.isdigit() and int(index) < len(configurations):
+            runs[int(index)] = run.info.run_id
+    found = len(runs)
+
+    def make_run(index: int) -> str:
+        tags = {PARENT_TAG: parent_run_id, SWEEP_INDEX_TAG: str(index),
+                "gpuferry.hparams": json.dumps(configurations[index].model_dump(), sort_keys=True)}  # fmt: skip
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return client.create_run(experiment_id, run_name=f"{parent.info.run_name}-{index}", tags=tags).info.run_id
+            except Exception as exc:
+                # A local SQLite store lets one writer in at a time and rolls a refused one back.
+                if "database is locked" not in str(exc) or attempt == 5:
+                    raise
+                time.sleep(0.2 * attempt)
+
+    handle = None
+    with ThreadPoolExecutor(max_workers=run_workers, thread_name_prefix="child-runs") as pool:
+        make = {pool.submit(make_run, i): i for i in range(len(configurations)) if i not in runs}
+        try:
+            handle = compute.submit_held_sweep(job, len(configurations), parallelism=parallelism)  # type: ignore[attr-defined]
+            logger.info("sweep of %d configurations: job array %s (workdir %s), released as its child runs come",
+                        len(configurations), handle.job_id, handle.workdir)  # fmt: skip
+            _release_as_runs_come(compute, handle, runs, make, configurations)
+            logger.info("%d child runs of %s (%d made now)", len(runs), parent_run_id, len(runs) - found)
+            status = compute.watch(handle, timeout_seconds=timeout_seconds)
+        except BaseException as exc:
+            for future in make:
+                future.cancel()
+            stopped = isinstance(exc, (TerminationSignal, KeyboardInterrupt, asyncio.CancelledError))
+            if handle is not None and (stopped or not is_transient(exc)):
+                # A retry would adopt the array and go on; without one it must not wait held forever.
+                logger.warning("%s: cancelling job array %s", "the flow run was stopped" if stopped else exc,
+                               handle.job_id)  # fmt: skip
+                compute.cancel(handle)
+            raise
+    outcome = compute.array_outcome(handle, len(configurations))  # type: ignore[attr-defined]
     results = [
         SweepTaskResult(
-            index=i, status=states[i], checkpoint_dir=posixpath.join(compute.task_dir(job.workdir, i), "checkpoints"),  # type: ignore[attr-defined]
-            requeues=int(usage[i]["requeues"]), wall_seconds=usage[i]["wall_seconds"],
-            gpu_hours=usage[i]["gpu_hours"], cpu_hours=usage[i]["cpu_hours"],
+            index=i, status=state, checkpoint_dir=posixpath.join(compute.task_dir(job.workdir, i), "checkpoints"),  # type: ignore[attr-defined]
+            requeues=int(usage["requeues"]), wall_seconds=usage["wall_seconds"],
+            gpu_hours=usage["gpu_hours"], cpu_hours=usage["cpu_hours"],
         )  # fmt: skip
-        for i in range(len(tasks))
+        for i, (state, usage) in sorted(outcome.items())
     ]
     failed = [r for r in results if r.status.state != "COMPLETED"]
     for r in failed[:10]:
         logger.warning("configuration %d: %s %s", r.index, r.status.state, r.status.reason)
     logger.info("job array %s %s: %d of %d configurations completed", handle.job_id, status.state,
                 len(results) - len(failed), len(results))  # fmt: skip
-    return SweepJobResult(
+    return [runs[i] for i in range(len(configurations))], SweepJobResult(
         handle=handle, tasks=results, gpu_hours=sum(r.gpu_hours for r in results),
         cpu_hours=sum(r.cpu_hours for r in results),
     )  # fmt: skip

@@ -139,7 +139,7 @@ def test_submit_twice_makes_one_job(cluster: SlurmCluster, env: dict[str, str]) 
     assert second == first
     # ... and once the controller has forgotten the job: found in the accounting database instead.
     forgetful = sleeper.model_copy()
-    object.__setattr__(forgetful, "_squeue", lambda: [])
+    object.__setattr__(forgetful, "_live_jobs", lambda name: [])
     wait_for(lambda: jobs_named(env, k) and forgetful.find_job(k), 60, "the job in sacct")
     assert forgetful.submit(job) == first
     assert jobs_named(env, k) == [first.job_id]
@@ -224,3 +224,25 @@ def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]
     assert status.state == "COMPLETED"
     assert "tiny job on" in local.read_log(handle)[0]
     assert local._client is None  # no SSH connection was made
+
+
+def test_two_node_torchrun_all_reduce(cluster: SlurmCluster, env: dict[str, str]) -> None:
+    """The generated torchrun line for real: 2 nodes, rendezvous on the first one, gloo all_reduce."""
+    k = key("ddp")
+    workdir = cluster.job_workdir(k)
+    ddp = cluster.model_copy(update={"entrypoint": "tests/jobs/allreduce.py"})
+    job = TrainingJob(key=k, workdir=workdir, env={"ALLREDUCE_OUT": workdir, "OMP_NUM_THREADS": "1"},
+                      resources=Resources(nodes=2, processes_per_node=1, mem_gb=1.5, time_limit_minutes=5))  # fmt: skip
+    handle = ddp.submit(job)
+    output: list[str] = []
+    status = ddp.watch(handle, on_output=output.append, timeout_seconds=300)
+    assert status.state == "COMPLETED", f"{status}\n{ddp.log_tail(handle)}"
+    ranks = [json.loads((Path(workdir) / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for rank, seen in enumerate(ranks):
+        assert seen["rank"] == rank and seen["world_size"] == 2
+        assert seen["sum"] == 3.0  # (0 + 1) + (1 + 1): both ranks contributed
+        assert seen["ranks_seen"] == [0, 1]
+    assert sorted(r["node"] for r in ranks) == ["n1", "n2"]  # one torchrun agent per node
+    nodes = slurm(env, "sacct", "-X", "-n", "-P", "-j", handle.job_id, "--format=NodeList").split()
+    assert nodes == ["n[1-2]"]
+    assert "all_reduce sum 3.0" in "".join(output)

@@ -41,6 +41,7 @@ CASES = {
     "torchrun_multinode": dict(
         command=["python3", "/code/workload/train.py", "--flag", "a b"], workdir="/shared/jobs/ddp",
         job_name="ddp", nodes=2, ntasks_per_node=1, gpus_per_node=4, torchrun_nproc_per_node=4, rdzv_port=29555,
+        rdzv_port_span=100,
         output="/shared/jobs/ddp/job.log", requeue=False,
     ),
 }
@@ -132,6 +133,18 @@ def test_option_combinations() -> None:
         sbatch_script(["true"], workdir="/w", env={"A-B": "1"})
     with pytest.raises(ConfigurationError, match="command="):
         sbatch_script([], workdir="/w")
+    torchrun = dict(workdir="/w", nodes=2, torchrun_nproc_per_node=1)
+    with pytest.raises(ConfigurationError, match="rdzv_port_span=2000.*from 1 to 1536"):
+        sbatch_script(["python3", "t.py"], rdzv_port=64000, rdzv_port_span=2000, **torchrun)
+
+
+def test_rendezvous_port_follows_the_job_id() -> None:
+    """Two multi-node jobs whose first node is the same host get different ports."""
+    text = sbatch_script(["python3", "t.py"], workdir="/w", nodes=2, torchrun_nproc_per_node=1, rdzv_port=29500)
+    line = next(x for x in text.splitlines() if x.startswith("export MASTER_PORT="))
+    ports = [subprocess.run(["bash", "-c", f'{line}; echo "$MASTER_PORT"'], capture_output=True, text=True, check=True,
+                            env={"SLURM_JOB_ID": job_id}).stdout.strip() for job_id in ("41", "42", "1041")]  # fmt: skip
+    assert ports == ["29541", "29542", "29541"]
 
 
 def test_values_cannot_escape_their_quotes(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -55,3 +57,84 @@ def test_embedded_stack_refuses_a_sweep_before_anything_runs() -> None:
     from pathlib import Path
 
     assert not any(Path(jobs).parent.glob("*-sweep"))  # nothing was submitted
+
+
+class HeldArray:
+    """A job array backend that records what the sweep task asks of it (no cluster)."""
+
+    backend_name = "held-array"
+
+    def __init__(self) -> None:
+        self.released: dict[int, dict[str, str]] = {}
+        self.releases: list[list[int]] = []
+        self.submits = 0
+
+    def submit_held_sweep(self, job, size, *, parallelism=None):  # type: ignore[no-untyped-def]
+        from blocks.specs import JobHandle
+
+        self.submits += 1
+        self.size = size
+        return JobHandle(backend="held-array", job_id="42", key=job.key, workdir=job.workdir, log_path="/dev/null")
+
+    def release_sweep_tasks(self, handle, tasks):  # type: ignore[no-untyped-def]
+        assert not set(tasks) & set(self.released), "a task was released twice"
+        self.released.update(tasks)
+        self.releases.append(sorted(tasks))
+
+    def watch(self, handle, timeout_seconds=None):  # type: ignore[no-untyped-def]
+        from blocks.specs import JobStatus
+
+        assert sorted(self.released) == list(range(self.size)), "watched before every task was released"
+        return JobStatus(job_id="42", state="COMPLETED")
+
+    def array_outcome(self, handle, size):  # type: ignore[no-untyped-def]
+        from blocks.specs import JobStatus
+
+        usage = {"gpu_hours": 0.0, "cpu_hours": 0.001, "wall_seconds": 1.0, "requeues": 0}
+        return {i: (JobStatus(job_id=f"42_{i}", state="COMPLETED"), usage) for i in range(size)}
+
+    def cancel(self, handle):  # type: ignore[no-untyped-def]
+        raise AssertionError("nothing to cancel")
+
+    @staticmethod
+    def task_dir(workdir: str, index: int) -> str:
+        return f"{workdir}/task-{index}"
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_each_task_is_released_with_its_own_child_run(tmp_path: Path) -> None:
+    import json
+
+    from blocks.specs import TrainingJob
+    from blocks.tracking import MlflowTracking
+    from tasks.sweep import train_sweep
+    from workload import contract
+
+    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                              artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
+    experiment = tracking.experiment_id("sweep-unit")
+    parent = tracking.client.create_run(experiment, run_name="sweep-unit").info.run_id
+    configurations = SweepGrid(values={"seed": list(range(12))}).expand(HyperParameters())
+    job = TrainingJob(key="sweep-unit", workdir=str(tmp_path / "job"))
+    from prefect import flow
+
+    @flow
+    def sweep_step(backend: HeldArray) -> tuple:  # type: ignore[type-arg]
+        return train_sweep(backend, job, configurations, tracking, parent, run_workers=3)
+
+    backend = HeldArray()
+    children, result = sweep_step(backend)
+
+    assert backend.submits == 1 and len(result.tasks) == 12 and len(result.completed) == 12
+    assert len(set(children)) == 12
+    for index, settings in backend.released.items():
+        assert settings[contract.MLFLOW_RUN_ID] == children[index]
+        assert json.loads(settings[contract.HPARAMS])["seed"] == index
+        run = tracking.client.get_run(children[index])
+        assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["gpuferry.sweep_index"] == str(index)
+
+    # A retried task finds the runs it made (by their index tag) and makes no others.
+    again = HeldArray()
+    children_again, _ = sweep_step(again)
+    assert children_again == children
+    assert again.releases == [list(range(12))]  # every run already there: one release
