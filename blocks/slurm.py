@@ -191,6 +191,10 @@ class SlurmCluster(ComputeBackend):
         "cdi", description="podman: cdi passes each allocated GPU as --device nvidia.com/gpu=<id> (nodes with "
         "`nvidia-ctk cdi generate`); env only passes CUDA_VISIBLE_DEVICES through.",
     )
+    podman_options: list[str] = Field(
+        default_factory=list, description="More `podman run` options for the job's container, each --NAME or "
+        "--NAME=VALUE (e.g. --security-opt=label=disable on SELinux nodes).",
+    )
     registry_credentials: DockerRegistryCredentials | None = Field(
         None, description="Login for pulling the image on the nodes (sent as a 0600 file with the job)."
     )
@@ -579,7 +583,7 @@ class SlurmCluster(ComputeBackend):
         return Container(
             image=check_pinned_image(job.image.reference, "job.image.reference"), runtime=runtime,  # type: ignore[arg-type]
             mounts=tuple(self.container_mounts), auth_file=auth, runtime_env=dict(self.container_runtime_env),
-            gpu_mode=self.podman_gpu_mode,
+            gpu_mode=self.podman_gpu_mode, podman_options=tuple(self.podman_options),
         )  # fmt: skip
 
     def _container_files(self, job: TrainingJob) -> dict[str, bytes]:

@@ -206,6 +206,7 @@ _PINNED_IMAGE = re.compile(
     r"^(?P<repo>(?:[A-Za-z0-9][A-Za-z0-9.-]*(?::\d{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
     r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)@sha256:[0-9a-f]{64}$"
 )
+_PODMAN_OPTION = re.compile(r"^--[a-z][a-z0-9-]{0,63}(=[A-Za-z0-9_.:,/=@+-]{1,256})?$")
 PINNED_IMAGE_HELP = "REPOSITORY@sha256:<64 hex digits>, e.g. registry.example:5000/team/workload@sha256:... (an image pinned by digest)"
 
 
@@ -220,6 +221,7 @@ class Container:
     * ``runtime_env``: variables for the runtime itself (``CONTAINERS_CONF``, ``ENROOT_ALLOW_HTTP``...),
       exported before it runs; not passed into the container by podman;
     * ``env_names``: more variables the container gets besides ``env`` (e.g. the names of secrets);
+    * ``podman_options``: more ``podman run`` options, ``--name[=value]`` (e.g. ``--security-opt=label=disable``);
     * ``gpu_mode`` (podman): ``cdi`` adds ``--device nvidia.com/gpu=<id>`` for each GPU Slurm allocated
       (``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``) and numbers them 0..n-1 in ``CUDA_VISIBLE_DEVICES``;
       ``env`` only passes ``CUDA_VISIBLE_DEVICES`` through (the devices reach the container otherwise).
@@ -236,6 +238,7 @@ class Container:
     runtime_env: Mapping[str, str] = field(default_factory=dict)
     env_names: tuple[str, ...] = ()
     gpu_mode: Literal["cdi", "env"] = "cdi"
+    podman_options: tuple[str, ...] = ()
 
 
 def check_pinned_image(reference: Any, option: str = "image") -> str:
@@ -267,6 +270,8 @@ def _container(options: Mapping[str, Any], workdir: str) -> Container | None:
     check_pinned_image(c.image, "container.image")
     if c.gpu_mode not in ("cdi", "env"):
         _fail("container.gpu_mode", c.gpu_mode, "'cdi' or 'env'")
+    for option in c.podman_options:
+        _check("container.podman_options", option, _PODMAN_OPTION, "--NAME or --NAME=VALUE, e.g. --pid=host")
     for mount in c.mounts:
         _check("container.mounts", mount, _PATH, "absolute paths of letters, digits and _./%+@=- (no spaces)")
     if c.auth_file is not None:
@@ -306,6 +311,7 @@ def _container_lines(c: Container, *, workdir: str, env_names: Sequence[str], gp
         args += [f"--workdir={workdir}", "--env=SLURM_*"]
         if c.gpu_mode == "env":
             args.append("--env=CUDA_VISIBLE_DEVICES")
+        args += c.podman_options
         lines += [
             "in_image() {",
             f"  local args=({' '.join(shlex.quote(a) for a in args)}) name",

@@ -60,7 +60,7 @@ def job(reference: str = IMAGE, **resources: object) -> TrainingJob:
 GOLDEN_CASES = {
     "image_podman": (dict(container_runtime="podman"), dict(gpus_per_node=2, mem_gb=4)),
     "image_podman_torchrun": (
-        dict(container_runtime="podman", container_mounts=["/datasets/digits"],
+        dict(container_runtime="podman", container_mounts=["/datasets/digits"], podman_options=["--pid=host"],
              container_runtime_env={"CONTAINERS_CONF": "/etc/gpuferry/containers.conf"}),
         dict(nodes=2, processes_per_node=2, gpus_per_node=2),
     ),  # fmt: skip
@@ -130,6 +130,8 @@ def test_image_not_pinned_by_digest_is_refused_before_any_connection(reference: 
 def test_bad_container_values_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="container.mounts"):
         cluster(container_runtime="podman", container_mounts=["relative/data"])._script_for_job(job())
+    with pytest.raises(ConfigurationError, match="container.podman_options"):
+        cluster(container_runtime="podman", podman_options=["--pid=host; id"])._script_for_job(job())
     with pytest.raises(ConfigurationError, match="container variable name"):
         cluster(container_runtime="podman", container_runtime_env={"BAD NAME": "x"})._script_for_job(job())
     spaced = DockerRegistryCredentials(username="u", password="has space", registry_url="r.example")
@@ -257,7 +259,7 @@ def _credentials(stacks: dict[str, str], password: str | None = None) -> DockerR
 
 
 @pytest.fixture(scope="module")
-def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageRef, str]]:
+def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageRef, str, object]]:
     """The workload image plus a marker only it has, built on the stack's base, pushed, and NOT kept locally."""
     import docker
     from prefect_docker.host import DockerHost
@@ -279,7 +281,7 @@ def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
     assert ref.reference and "@sha256:" in ref.reference
     engine = docker.DockerClient(base_url=stacks["DOCKER_HOST"], timeout=300)
     engine.images.remove(f"{builder.image_name()}:{ref.content_tag}")  # the job must pull it, with the login
-    yield ref, marker
+    yield ref, marker, builder
     for local in engine.images.list(name=builder.image_name()):
         engine.images.remove(local.id, force=True)
     engine.close()
@@ -312,7 +314,7 @@ def _job(c: SlurmCluster, ref: ImageRef, name: str, **resources: object) -> Trai
 
 
 @pytest.mark.integration
-def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmCluster, image: tuple[ImageRef, str],
+def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
                                                                    stacks: dict[str, str]) -> None:  # fmt: skip
     wrong = "wrong-" + uuid.uuid4().hex[:8]
     c = slurm.model_copy(update={"registry_credentials": _credentials(stacks, wrong)})
@@ -327,7 +329,7 @@ def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmC
 
 
 @pytest.mark.integration
-def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str],
+def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
                                           stacks: dict[str, str]) -> None:  # fmt: skip
     ref, marker = image
     assert slurm.job_container_runtime() == "podman"  # this srun has no --container-image
@@ -356,7 +358,7 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
 
 @pytest.mark.integration
 def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: SlurmCluster,
-                                                                       image: tuple[ImageRef, str]) -> None:  # fmt: skip
+                                                                       image: tuple[ImageRef, str, object]) -> None:  # fmt: skip
     job_ = _job(slurm, image[0], "train")
     handle = slurm.submit(job_)
     assert slurm.submit(job_).job_id == handle.job_id  # idempotent as without an image
@@ -374,3 +376,106 @@ def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: S
     assert result.cpu_hours > 0
     if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":
         shutil.rmtree(job_.workdir, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm: SlurmCluster,
+                                                                          image: tuple[ImageRef, str, object],
+                                                                          stacks: dict[str, str]) -> None:  # fmt: skip
+    import re
+    import time
+
+    job_ = _job(slurm, image[0], "signal")
+    job_ = job_.model_copy(update={"env": {**job_.env, "HPARAMS": json.dumps({"epochs": 60, "batch_size": 16}),
+                                           "CHECKPOINT_EVERY": "25", "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    handle = slurm.submit(job_)
+    deadline = time.monotonic() + 300
+    while (slurm.read_progress(handle) or {}).get("step", 0) < 40:
+        assert time.monotonic() < deadline, slurm.read_log(handle)[0][-3000:]
+        time.sleep(1)
+    # What Slurm does ahead of the time limit (--signal=B:USR1@90): USR1 to the batch shell only.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", handle.job_id], check=True, timeout=60,
+                   env={"PATH": "/usr/bin:/bin", "SLURM_CONF": stacks["SLURM_CONF"]})  # fmt: skip
+    status = slurm.watch(handle, timeout_seconds=900)
+    log, _ = slurm.read_log(handle)
+    assert status.state == "COMPLETED", log[-3000:]
+    saved = [int(m) for m in re.findall(r"preempted: saved checkpoint at step (\d+)/", log)]
+    resumed = [int(m) for m in re.findall(r"resumed from step-\d+: step (\d+),", log)]
+    assert len(saved) == 1 and resumed == saved, log[-3000:]  # podman proxied USR1; the requeued job resumed
+    assert "requeueing job" in log
+    assert (Path(job_.workdir) / "checkpoints" / "final" / "model.pt").exists()
+
+
+@pytest.mark.integration
+def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[ImageRef, str, object]) -> None:
+    # Both "nodes" of the local cluster are this one host: torchrun tells its agents apart by hostname and
+    # PID, and each container's launcher would be PID 1 on host "vm" (one participant, twice). Real nodes
+    # differ by hostname; here the containers share the host's PID namespace instead.
+    c = slurm.model_copy(update={"podman_options": ["--pid=host"]})
+    job_ = _job(c, image[0], "ddp", nodes=2, processes_per_node=1)
+    handle = c.submit(job_)
+    status = c.watch(handle, timeout_seconds=900)
+    log, _ = c.read_log(handle)
+    assert status.state == "COMPLETED", log[-3000:]
+    assert "world size 2" in log, log[-3000:]
+    assert (Path(job_.workdir) / "checkpoints" / "final" / "model.pt").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("prefect_server")
+def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+                                                      stacks: dict[str, str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The whole pipeline with a Stack: DockerImageBuilder → SlurmCluster (podman) → S3 → MLflow server."""
+    from mlflow import MlflowClient
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from blocks.provision import ClusterManaged
+    from blocks.s3 import S3CheckpointStore
+    from blocks.serving import LocalServing
+    from blocks.specs import HyperParameters, TrainingSpec
+    from blocks.stack import Stack
+    from blocks.tracking import MlflowTracking
+    from flows.retrain import retrain
+
+    mlflow_env, s3_env = stack_env("mlflow"), stack_env("s3")
+    ref, _, builder = image
+    bucket = f"gpuferry-image-test-{uuid.uuid4().hex[:8]}"
+    credentials = AwsCredentials(
+        aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"],
+        region_name=s3_env["AWS_DEFAULT_REGION"],
+        aws_client_parameters=AwsClientParameters(endpoint_url=s3_env["S3_ENDPOINT_URL"]),
+    )  # fmt: skip
+    credentials.get_s3_client().create_bucket(Bucket=bucket)
+    # The local inference server reads the s3:// checkpoint with boto3's own variables.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, s3_env[name])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["S3_ENDPOINT_URL"])
+    stack = Stack(
+        provider=ClusterManaged(cluster_name="gpuferry-test"), images=builder, compute=slurm,
+        storage=S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials)),
+        tracking=MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None),
+        serving=LocalServing(),
+    )  # fmt: skip
+    name = f"slurm-image-{uuid.uuid4().hex[:8]}"
+    stack.save(name, overwrite=True)
+    tag = uuid.uuid4().hex[:8]
+    outcome = retrain(
+        training=TrainingSpec(experiment=f"gpuferry-image-{tag}", model_name=f"digits-image-{tag}",
+                              hyperparameters=HyperParameters(epochs=3), resources=Resources(mem_gb=2)),
+        stack=name,
+    )  # fmt: skip
+    try:
+        assert outcome.image.reference == ref.reference and not outcome.image.built  # the same content: a tag hit
+        run = MlflowClient(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"]).get_run(outcome.run_id)
+        assert run.data.tags["image"] == ref.reference
+        assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)  # logged from the container
+        assert run.data.metrics["cpu_hours"] > 0
+        key = f"{run.data.tags['prefect.flow_run_id']}-train"
+        script = Path(slurm.job_workdir(key), "job.sbatch").read_text()
+        assert "exec podman run" in script and ref.reference in script
+        assert outcome.checkpoint.uri.startswith(f"s3://{bucket}/")
+        assert outcome.deployed and outcome.endpoint is not None
+    finally:
+        LocalServing().undeploy("digits")
