@@ -229,8 +229,10 @@ def test_podman_launch_passes_env_by_name_and_numbers_the_gpus(tmp_path: Path) -
 
 PROBE = '''\
 import json, os, sys
+os.makedirs(os.path.dirname(os.environ["CHECKPOINT_DIR"]), exist_ok=True)
 out = os.path.join(os.path.dirname(os.environ["CHECKPOINT_DIR"]), "probe.json")
-names = ("HPARAMS", "CHECKPOINT_DIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "PYTHONUNBUFFERED", "CONTAINERS_CONF")
+names = ("HPARAMS", "CHECKPOINT_DIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "PYTHONUNBUFFERED",
+         "CONTAINERS_CONF")
 with open(out + ".tmp", "w") as f:
     json.dump({
         "marker": open("/app/workload/IMAGE_MARKER").read(),
@@ -331,7 +333,7 @@ def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmC
 @pytest.mark.integration
 def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
                                           stacks: dict[str, str]) -> None:  # fmt: skip
-    ref, marker = image
+    ref, marker, _ = image
     assert slurm.job_container_runtime() == "podman"  # this srun has no --container-image
     probe = slurm.model_copy(update={"container_entrypoint": "/app/workload/probe.py"})
     job_ = _job(probe, ref, "probe", gpus_per_node=2)
@@ -354,6 +356,24 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
     auth = Path(job_.workdir, REGISTRY_AUTH_NAME)
     assert stat.S_IMODE(auth.stat().st_mode) == 0o600
     assert stacks["REGISTRY_PASSWORD"] not in Path(job_.workdir, "job.sbatch").read_text()
+
+
+@pytest.mark.integration
+def test_sweep_array_tasks_get_their_own_settings_in_the_container(slurm: SlurmCluster,
+                                                                   image: tuple[ImageRef, str, object]) -> None:  # fmt: skip
+    probe = slurm.model_copy(update={"container_entrypoint": "/app/workload/probe.py"})
+    job_ = _job(probe, image[0], "sweep")
+    rates = (0.1, 0.2, 0.3)
+    handle = probe.submit_sweep(job_, [{"HPARAMS": json.dumps({"lr": lr})} for lr in rates])
+    status = probe.watch(handle, timeout_seconds=600)
+    assert status.state == "COMPLETED", probe.log_tail(handle)
+    for index, lr in enumerate(rates):
+        task_dir = probe.task_dir(job_.workdir, index)
+        seen = json.loads(Path(task_dir, "probe.json").read_text())
+        assert json.loads(seen["env"]["HPARAMS"]) == {"lr": lr}  # the task's own value, not the job's
+        assert seen["env"]["CHECKPOINT_DIR"] == f"{task_dir}/checkpoints"
+        assert seen["env"]["SLURM_ARRAY_TASK_ID"] == str(index)
+        assert seen["containerenv"]
 
 
 @pytest.mark.integration
