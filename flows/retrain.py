@@ -129,9 +129,13 @@ def load_stack(name: str | None) -> Stack:
 
 def preflight(blocks: Stack, training: TrainingSpec, serving: ServingSpec) -> None:
     """Every check that needs no outside call, before anything is acquired or submitted."""
-    blocks.compute.validate_job(
-        TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources)
-    )
+    # A job runs inside the image when the stack builds one: check that path, with a stand-in for the
+    # digest the build step pins (the container runtime, not the cluster's code_dir, is then needed).
+    image = ImageRef(builder="preflight", content_tag="preflight", reference=f"preflight/image@sha256:{'0' * 64}")
+    blocks.compute.validate_job(TrainingJob(
+        key="preflight", workdir="/nonexistent", resources=training.resources,
+        image=image if blocks.images.produces_image else None,
+    ))  # fmt: skip
     blocks.serving.validate(serving)
 
 
