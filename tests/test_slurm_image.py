@@ -427,6 +427,39 @@ def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm
 
 
 @pytest.mark.integration
+def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+                                           stacks: dict[str, str]) -> None:  # fmt: skip
+    import time
+
+    job_ = _job(slurm, image[0], "cancel")
+    job_ = job_.model_copy(update={"env": {**job_.env, "HPARAMS": json.dumps({"epochs": 200, "batch_size": 16}),
+                                           "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    handle = slurm.submit(job_)
+    deadline = time.monotonic() + 300
+    while (slurm.read_progress(handle) or {}).get("step", 0) < 10:
+        assert time.monotonic() < deadline, slurm.read_log(handle)[0][-3000:]
+        time.sleep(1)
+    podman_env = {"PATH": "/usr/bin:/bin", **{k: stacks[k] for k in slurm.container_runtime_env}}
+
+    def containers_in(workdir: str) -> list[str]:
+        out = subprocess.run(["podman", "ps", "--format", "{{.ID}} {{.Mounts}}"], env=podman_env,
+                             capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+        return [line for line in out.splitlines() if workdir in line]
+
+    assert len(containers_in(job_.workdir)) == 1
+    slurm.cancel(handle)
+    status = slurm.watch(handle, timeout_seconds=300)
+    assert status.state == "CANCELLED", status
+    # Slurm's TERM reached the program through podman: it saved a checkpoint, and its container is gone.
+    deadline = time.monotonic() + 120
+    while containers_in(job_.workdir):
+        assert time.monotonic() < deadline, containers_in(job_.workdir)
+        time.sleep(1)
+    log, _ = slurm.read_log(handle)
+    assert "preempted: saved checkpoint at step" in log, log[-3000:]
+
+
+@pytest.mark.integration
 def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[ImageRef, str, object]) -> None:
     # Both "nodes" of the local cluster are this one host: torchrun tells its agents apart by hostname and
     # PID, and each container's launcher would be PID 1 on host "vm" (one participant, twice). Real nodes
