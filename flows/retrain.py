@@ -129,14 +129,18 @@ def load_stack(name: str | None) -> Stack:
 
 def preflight(blocks: Stack, training: TrainingSpec, serving: ServingSpec) -> None:
     """Every check that needs no outside call, before anything is acquired or submitted."""
-    # A job runs inside the image when the stack builds one: check that path, with a stand-in for the
-    # digest the build step pins (the container runtime, not the cluster's code_dir, is then needed).
-    image = ImageRef(builder="preflight", content_tag="preflight", reference=f"preflight/image@sha256:{'0' * 64}")
-    blocks.compute.validate_job(TrainingJob(
-        key="preflight", workdir="/nonexistent", resources=training.resources,
-        image=image if blocks.images.produces_image else None,
-    ))  # fmt: skip
+    blocks.compute.validate_job(
+        TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources, image=preflight_image(blocks))
+    )
     blocks.serving.validate(serving)
+
+
+def preflight_image(blocks: Stack) -> ImageRef | None:
+    """A stand-in for the image the build step will pin, when the stack builds one: the job then runs
+    inside it, so that path is checked (a container runtime, not the cluster's code_dir, is needed)."""
+    if not blocks.images.produces_image:
+        return None
+    return ImageRef(builder="preflight", content_tag="preflight", reference=f"preflight/image@sha256:{'0' * 64}")
 
 
 def run_params(training: TrainingSpec) -> dict[str, object]:
