@@ -17,6 +17,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import Field
@@ -83,6 +84,9 @@ class ImageBuilder(Block, ABC):
     dockerfile: str = Field("Dockerfile", description="Dockerfile, relative to the context.")
     build_args: dict[str, str] = Field(default_factory=dict, description="Docker build arguments.")
 
+    # Whether build() returns an image the training job then runs in (checked before anything runs).
+    produces_image: ClassVar[bool] = True
+
     @abstractmethod
     def build(self) -> ImageRef:
         """Build (or find already built) and push the image; return it pinned by digest."""
@@ -96,6 +100,7 @@ class CurrentEnvironment(ImageBuilder):
 
     _block_type_name = "gpuferry Current Environment"
     _description = "Builds no image; training and serving run from the current Python environment."
+    produces_image: ClassVar[bool] = False
 
     def build(self) -> ImageRef:
         return ImageRef(

@@ -17,10 +17,15 @@ machine (the flow runs on the login node). Every command is an argv list joined 
 
 Secrets never go into the batch script: ``submit_command(secret_env=...)`` writes them to a 0600
 file next to it over SFTP, which the script sources.
+
+A ``TrainingJob`` with an image (pinned by digest) runs inside it: with pyxis where ``srun`` has
+``--container-image``, else podman, else apptainer (``container_runtime``; "auto" asks the login node
+once). The registry credentials go in a 0600 file next to the script, never into it.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import posixpath
@@ -33,15 +38,17 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import paramiko
+from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks.compute import ComputeBackend
 from blocks._ssh import fingerprint, load_private_key
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
-from blocks.slurm_script import ADDITIONAL_DIRECTIVES, check_name, sbatch_script
+from blocks.docker_image import _registry_parts
+from blocks.slurm_script import ADDITIONAL_DIRECTIVES, CONTAINER_RUNTIMES, Container, check_name, check_pinned_image, sbatch_script
 from blocks.specs import TERMINAL_STATES, JobHandle, JobResult, JobStatus, TrainingJob
 from workload import contract
 
@@ -50,6 +57,8 @@ SCRIPT_NAME = "job.sbatch"
 SECRETS_NAME = ".secret.env"
 TASKS_DIR = "tasks"
 MAX_ARRAY_TASKS = 1_000_000  # Slurm's own bound; a cluster's MaxArraySize is lower (sbatch then says so)
+REGISTRY_AUTH_NAME = ".registry-auth.json"  # podman / apptainer --authfile
+ENROOT_CREDENTIALS_NAME = ".enroot/.credentials"  # pyxis: enroot reads ENROOT_CONFIG_PATH/.credentials
 
 # Slurm job states -> ours. PREEMPTED / NODE_FAIL depend on whether the job will be requeued.
 _PENDING = {"PENDING", "CONFIGURING", "SUSPENDED", "RESV_DEL_HOLD", "RESIZING", "POWER_UP_NODE", "STOPPED"}
@@ -170,6 +179,33 @@ class SlurmCluster(ComputeBackend):
         description=f"Extra sbatch directives for every job, from: {', '.join(sorted(ADDITIONAL_DIRECTIVES))}.",
     )
     adopt_lookback_days: int = Field(30, ge=1, description="How far back sacct is searched for a job to adopt.")
+    container_runtime: Literal["auto", "pyxis", "podman", "apptainer"] = Field(
+        "auto", description="How a job with an image runs inside it: pyxis (srun --container-image), podman or "
+        "apptainer; auto: pyxis when the login node's srun has --container-image, else podman, else apptainer.",
+    )
+    container_python: str = Field("python", description="Python interpreter inside the image.")
+    container_entrypoint: str = Field(
+        "/app/workload/train.py", description="Training script inside the image (workload/Dockerfile puts it there)."
+    )
+    container_mounts: list[str] = Field(
+        default_factory=list, description="More host paths mounted at the same path in the container (datasets, a "
+        "file-based MLflow store); the job's directory always is.",
+    )
+    container_runtime_env: dict[str, str] = Field(
+        default_factory=dict, description="Environment of the container runtime itself on the nodes, e.g. "
+        "CONTAINERS_CONF / CONTAINERS_REGISTRIES_CONF (podman) or ENROOT_ALLOW_HTTP (pyxis). Not secrets.",
+    )
+    podman_gpu_mode: Literal["cdi", "env"] = Field(
+        "cdi", description="podman: cdi passes each allocated GPU as --device nvidia.com/gpu=<id> (nodes with "
+        "`nvidia-ctk cdi generate`); env only passes CUDA_VISIBLE_DEVICES through.",
+    )
+    podman_options: list[str] = Field(
+        default_factory=list, description="More `podman run` options for the job's container, each --NAME or "
+        "--NAME=VALUE (e.g. --security-opt=label=disable on SELinux nodes).",
+    )
+    registry_credentials: DockerRegistryCredentials | None = Field(
+        None, description="Login for pulling the image on the nodes (sent as a 0600 file with the job)."
+    )
     poll_interval_start: float = Field(0.5, gt=0, description="First wait between two polls, in seconds.")
 
     _lock: Any = PrivateAttr(default_factory=threading.RLock)
@@ -177,6 +213,7 @@ class SlurmCluster(ComputeBackend):
     _sftp_client: paramiko.SFTPClient | None = PrivateAttr(None)
     _client_for: tuple[Any, ...] | None = PrivateAttr(None)
     _last_jobs: tuple[float, list[dict[str, Any]]] = PrivateAttr((0.0, []))
+    _detected_runtime: tuple[tuple[Any, ...], str] | None = PrivateAttr(None)
 
     _TERMINAL_SLURM: ClassVar[frozenset[str]] = frozenset(
         {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "NODE_FAIL",
@@ -371,6 +408,9 @@ class SlurmCluster(ComputeBackend):
             argv.insert(2, "--skip-old-files")
         self.run(argv, stdin=archive.getvalue())
 
+    def _mkdir(self, path: str) -> None:
+        self.run(["mkdir", "-p", "--", path])
+
     def _write(self, path: str, data: bytes, mode: int) -> None:
         if self.local:
             p = Path(path)
@@ -463,18 +503,17 @@ class SlurmCluster(ComputeBackend):
         res = job.resources
         check_name(job.key, "job key")
         self._workdir_ok(job.workdir)
-        if not self.code_dir:
+        image = job.image.reference if job.image is not None else None
+        if not self.code_dir and not image:
             raise ConfigurationError("code_dir is not set: the directory on the cluster that holds the training code")
         if res.gpus_per_node and res.processes_per_node > res.gpus_per_node:
             raise ConfigurationError(
                 f"resources.processes_per_node={res.processes_per_node} exceeds gpus_per_node={res.gpus_per_node}: "
                 "use one process per GPU"
             )
-        if job.image is not None and job.image.reference:
-            raise ConfigurationError(
-                f"job.image={job.image.reference!r}: running Slurm jobs inside a container image is not supported "
-                "yet; use the cluster's Python environment (python, code_dir) and leave the image out"
-            )
+        if image:
+            check_pinned_image(image, "job.image.reference")
+            self.job_container_runtime()
         self._script_for_job(job)  # every option validated, nothing sent
         self._check_partition(res.partition or self.partition)
 
@@ -524,11 +563,75 @@ class SlurmCluster(ComputeBackend):
                 output=posixpath.join(workdir, "task-%a.log"),
                 array_env_dir=posixpath.join(workdir, TASKS_DIR),
             )  # fmt: skip
+        container = self._container_for_job(job)
+        if container is not None:
+            options["container"] = container
+            return sbatch_script([self.container_python, self.container_entrypoint], workdir=workdir, **options)
         return sbatch_script([self.python, script], workdir=workdir, **options)
+
+    # ---- running inside the job's image ----------------------------------------------------------
+
+    def job_container_runtime(self) -> str:
+        """The runtime jobs with an image use: ``container_runtime``, or for "auto" what the login node has
+        (asked once per cluster): pyxis when ``srun --help`` lists ``--container-image``, else podman, else
+        apptainer."""
+        if self.container_runtime != "auto":
+            return self.container_runtime
+        where = (self.local, self.host, self.port, self.user, self.slurm_conf)
+        with self._lock:
+            if self._detected_runtime is not None and self._detected_runtime[0] == where:
+                return self._detected_runtime[1]
+            _, out, err = self.run(["srun", "--help"], check=False)
+            if "--container-image" in out + err:
+                found = "pyxis"
+            else:
+                _, out, _ = self.run(["sh", "-c", "command -v podman; command -v apptainer; true"], check=False)
+                names = {posixpath.basename(line.strip()) for line in out.splitlines()}
+                found = next((r for r in ("podman", "apptainer") if r in names), "")
+            if not found:
+                raise ConfigurationError(
+                    "the job has an image but the cluster has no container runtime: `srun --help` lists no "
+                    "--container-image (pyxis) and neither podman nor apptainer is on the login node's PATH. "
+                    f"Install one on the nodes, or set container_runtime to one of {', '.join(CONTAINER_RUNTIMES)}"
+                )
+            self._detected_runtime = (where, found)
+            return found
+
+    def _container_for_job(self, job: TrainingJob) -> Container | None:
+        if job.image is None or not job.image.reference:
+            return None
+        runtime = self.job_container_runtime()
+        auth = None
+        if self.registry_credentials is not None:
+            auth = posixpath.join(job.workdir, ENROOT_CREDENTIALS_NAME if runtime == "pyxis" else REGISTRY_AUTH_NAME)
+        return Container(
+            image=check_pinned_image(job.image.reference, "job.image.reference"), runtime=runtime,  # type: ignore[arg-type]
+            mounts=tuple(self.container_mounts), auth_file=auth, runtime_env=dict(self.container_runtime_env),
+            gpu_mode=self.podman_gpu_mode, podman_options=tuple(self.podman_options),
+        )  # fmt: skip
+
+    def _container_files(self, job: TrainingJob) -> dict[str, bytes]:
+        """The registry login for the job's pull, in the runtime's format: sent with mode 0600, never in the script."""
+        creds = self.registry_credentials
+        if self._container_for_job(job) is None or creds is None:
+            return {}
+        _, registry = _registry_parts(creds.registry_url)
+        user, password = creds.username, creds.password.get_secret_value()
+        if self.job_container_runtime() == "pyxis":
+            if any(c.isspace() for c in user + password):
+                raise ConfigurationError(
+                    "registry_credentials: enroot's .credentials (netrc) cannot hold a username or password with "
+                    "whitespace; use a registry token without spaces"
+                )
+            line = f"machine {registry.split(':')[0]} login {user} password {password}\n"
+            return {ENROOT_CREDENTIALS_NAME: line.encode()}
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        return {REGISTRY_AUTH_NAME: json.dumps({"auths": {registry: {"auth": token}}}).encode()}
 
     def submit(self, job: TrainingJob) -> JobHandle:
         self.validate_job(job)
-        return self._submit(job.key, job.workdir, self._script_for_job(job), array=False)
+        return self._submit(job.key, job.workdir, self._script_for_job(job), array=False,
+                            secret_files=self._container_files(job))  # fmt: skip
 
     # ---- sweeps: one job array, one environment per task ------------------------------------------
 
@@ -564,7 +667,8 @@ class SlurmCluster(ComputeBackend):
             raise ConfigurationError(f"a sweep has 1 to {MAX_ARRAY_TASKS} tasks, not {size!r}")
         self.validate_job(job)
         script = self._script_for_job(job, array_size=size, parallelism=parallelism)
-        return self._submit(job.key, job.workdir, script, array=True, hold=True)
+        return self._submit(job.key, job.workdir, script, array=True, hold=True,
+                            secret_files=self._container_files(job))  # fmt: skip
 
     def release_sweep_tasks(self, handle: JobHandle, tasks: Mapping[int, Mapping[str, str]]) -> None:
         """Give these tasks of a held array (index -> its environment) their settings and let them run.
@@ -691,7 +795,8 @@ class SlurmCluster(ComputeBackend):
         return self._submit(key, workdir, script, array=array, secret_env=secret_env)
 
     def _submit(self, key: str, workdir: str, script: str, *, array: bool, hold: bool = False,
-                secret_env: Mapping[str, SecretStr] | None = None) -> JobHandle:  # fmt: skip
+                secret_env: Mapping[str, SecretStr] | None = None,
+                secret_files: Mapping[str, bytes] | None = None) -> JobHandle:  # fmt: skip
         log = posixpath.join(workdir, "task-%a.log" if array else "job.log")
         existing = self.find_job(key)
         if existing is not None:
@@ -704,6 +809,10 @@ class SlurmCluster(ComputeBackend):
                     raise ConfigurationError(f"secret_env name {name!r} is not a variable name")
             body = "".join(f"{n}={shlex.quote(v.get_secret_value())}\n" for n, v in sorted(secret_env.items()))
             self._write(posixpath.join(workdir, SECRETS_NAME), body.encode(), 0o600)
+        for name, data in (secret_files or {}).items():  # e.g. the registry login of the job's image
+            if "/" in name:
+                self._mkdir(posixpath.join(workdir, posixpath.dirname(name)))
+            self._write(posixpath.join(workdir, name), data, 0o600)
         try:
             _, out, _ = self.run(["sbatch", "--parsable", *(["--hold"] if hold else []), path], retry=False)
         except TransientError as exc:

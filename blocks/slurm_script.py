@@ -9,6 +9,10 @@ the body, where every value is ``shlex.quote``-d. Nothing here talks to a cluste
 Secrets are never written into the script: the script only *sources* ``secret_env_file`` (a file
 the caller sends separately with 0600 permissions) when that option is given.
 
+``container=Container(...)`` runs the program inside an image pinned by digest (see ``Container``):
+with pyxis (``srun --container-image``), podman or apptainer. The job's directory is mounted at the
+same path, so checkpoints and progress land on the shared filesystem as without a container.
+
 Launch modes:
 
 * a plain command (the default): runs in the batch shell, which forwards ``USR1``/``TERM`` to it so
@@ -33,7 +37,8 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from blocks.errors import ConfigurationError
 
@@ -86,7 +91,7 @@ SBATCH_OPTIONS: tuple[str, ...] = (
 )  # fmt: skip
 SCRIPT_OPTIONS: tuple[str, ...] = (
     "env", "secret_env_file", "array_env_dir", "torchrun_nproc_per_node", "rdzv_port", "rdzv_port_span",
-    "requeue_exit_code", "max_requeues",
+    "requeue_exit_code", "max_requeues", "container",
 )  # fmt: skip
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -195,6 +200,177 @@ def _directives(options: Mapping[str, Any]) -> list[str]:  # noqa: C901 - one br
     return out
 
 
+# ---- running inside a container image ------------------------------------------------------
+
+CONTAINER_RUNTIMES: tuple[str, ...] = ("pyxis", "podman", "apptainer")
+# repository@sha256:<64 hex>, the repository optionally led by a registry host[:port].
+_PINNED_IMAGE = re.compile(
+    r"^(?P<repo>(?:[A-Za-z0-9][A-Za-z0-9.-]*(?::\d{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)@sha256:[0-9a-f]{64}$"
+)
+_PODMAN_OPTION = re.compile(r"^--[a-z][a-z0-9-]{0,63}(=[A-Za-z0-9_.:,/=@+-]{1,256})?$")
+PINNED_IMAGE_HELP = "REPOSITORY@sha256:<64 hex digits>, e.g. registry.example:5000/team/workload@sha256:... (an image pinned by digest)"
+
+
+@dataclass(frozen=True)
+class Container:
+    """Run the job's program inside ``image`` (pinned by digest) with ``runtime``.
+
+    * ``mounts``: host paths mounted at the same path inside (the job's workdir always is);
+    * ``auth_file``: registry credentials the caller sent with mode 0600 — podman/apptainer: a
+      ``containers-auth.json`` (``--authfile``); pyxis: enroot's netrc-style ``.credentials`` (its
+      directory becomes ``ENROOT_CONFIG_PATH``). Never written into the script;
+    * ``runtime_env``: variables for the runtime itself (``CONTAINERS_CONF``, ``ENROOT_ALLOW_HTTP``...),
+      exported before it runs; not passed into the container by podman;
+    * ``env_names``: more variables the container gets besides ``env`` (e.g. the names of secrets);
+    * ``podman_options``: more ``podman run`` options, ``--name[=value]`` (e.g. ``--security-opt=label=disable``);
+    * ``gpu_mode`` (podman): ``cdi`` adds ``--device nvidia.com/gpu=<id>`` for each GPU Slurm allocated
+      (``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``) and numbers them 0..n-1 in ``CUDA_VISIBLE_DEVICES``;
+      ``env`` only passes ``CUDA_VISIBLE_DEVICES`` through (the devices reach the container otherwise).
+
+    pyxis and apptainer hand the job's environment to the container themselves; podman gets each
+    variable by name (``--env NAME``: the value comes from the batch shell's environment, so no value,
+    secret or not, is ever on a command line).
+    """
+
+    image: str
+    runtime: Literal["pyxis", "podman", "apptainer"]
+    mounts: tuple[str, ...] = ()
+    auth_file: str | None = None
+    runtime_env: Mapping[str, str] = field(default_factory=dict)
+    env_names: tuple[str, ...] = ()
+    gpu_mode: Literal["cdi", "env"] = "cdi"
+    podman_options: tuple[str, ...] = ()
+
+
+def check_pinned_image(reference: Any, option: str = "image") -> str:
+    """An image reference pinned by digest, or a ConfigurationError saying how to pin it."""
+    if not isinstance(reference, str) or not _PINNED_IMAGE.match(reference):
+        raise ConfigurationError(
+            f"{option}={reference!r} is not pinned by digest: use {PINNED_IMAGE_HELP}; a tag can move, a digest "
+            "cannot (DockerImageBuilder returns the pinned reference)"
+        )
+    return reference
+
+
+def _pyxis_image(reference: str) -> str:
+    """enroot's form of a reference: the registry host is separated by '#' (``host:port#repo@digest``)."""
+    first, _, rest = reference.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return f"{first}#{rest}"
+    return reference
+
+
+def _container(options: Mapping[str, Any], workdir: str) -> Container | None:
+    c = options.get("container")
+    if c is None:
+        return None
+    if not isinstance(c, Container):
+        _fail("container", c, "a blocks.slurm_script.Container")
+    if c.runtime not in CONTAINER_RUNTIMES:
+        _fail("container.runtime", c.runtime, f"one of {', '.join(CONTAINER_RUNTIMES)}")
+    check_pinned_image(c.image, "container.image")
+    if c.gpu_mode not in ("cdi", "env"):
+        _fail("container.gpu_mode", c.gpu_mode, "'cdi' or 'env'")
+    for option in c.podman_options:
+        _check("container.podman_options", option, _PODMAN_OPTION, "--NAME or --NAME=VALUE, e.g. --pid=host")
+    for mount in c.mounts:
+        _check("container.mounts", mount, _PATH, "absolute paths of letters, digits and _./%+@=- (no spaces)")
+    if c.auth_file is not None:
+        _check("container.auth_file", c.auth_file, _PATH, "an absolute path (no spaces)")
+        if c.runtime == "pyxis" and not c.auth_file.endswith("/.credentials"):
+            _fail("container.auth_file", c.auth_file, "a file named .credentials (enroot reads ENROOT_CONFIG_PATH/.credentials)")
+    for name in [*c.runtime_env, *c.env_names]:
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            _fail("container variable name", name, "a variable name: letters, digits and _, not starting with a digit")
+    return c
+
+
+def _container_lines(c: Container, *, workdir: str, env_names: Sequence[str], gpus: bool,
+                     array_env: bool) -> list[str]:  # fmt: skip
+    """The script lines that prepare the runtime; podman and apptainer get an ``in_image`` function."""
+    mounts = [workdir, *(m for m in c.mounts if m != workdir)]
+    lines = [f"# Run the program inside the image ({c.runtime}), pinned by digest; the job's directory and the"
+             " mounts at the same paths."]  # fmt: skip
+    for name in sorted(c.runtime_env):
+        lines.append(f"export {name}={shlex.quote(str(c.runtime_env[name]))}")
+    if c.runtime == "pyxis":
+        if c.auth_file:
+            lines.append(f"export ENROOT_CONFIG_PATH={shlex.quote(c.auth_file.rsplit('/', 1)[0])}   # registry credentials, mode 0600")
+        return lines
+    if c.runtime == "podman":
+        names = sorted({*env_names, *c.env_names})
+        lines += [
+            "# The container gets these variables by name (podman --env NAME): their values never reach a command line.",
+            f"export GPUFERRY_CONTAINER_ENV={shlex.quote(' '.join(names))}",
+        ]
+        if array_env:
+            lines.append('for word in "${task_env[@]}"; do GPUFERRY_CONTAINER_ENV+=" ${word%%=*}"; done')
+        args = ["--rm", "--network=host", "--pull=missing"]
+        if c.auth_file:
+            args.append(f"--authfile={c.auth_file}")
+        args += [f"--volume={m}:{m}" for m in mounts]
+        args += [f"--workdir={workdir}", "--env=SLURM_*"]
+        if c.gpu_mode == "env":
+            args.append("--env=CUDA_VISIBLE_DEVICES")
+        args += c.podman_options
+        lines += [
+            "in_image() {",
+            f"  local args=({' '.join(shlex.quote(a) for a in args)}) name",
+            '  for name in $GPUFERRY_CONTAINER_ENV; do args+=("--env=$name"); done',
+        ]
+        if c.gpu_mode == "cdi":
+            lines += [
+                "  # The GPUs Slurm allocated on this node (global ids), numbered 0..n-1 inside the container.",
+                '  local gpu visible="" n=0 gpus=${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}}',
+                '  for gpu in ${gpus//,/ }; do args+=("--device=nvidia.com/gpu=$gpu"); visible+="${visible:+,}$n"; n=$((n + 1)); done',
+                '  [ -z "$visible" ] || args+=("--env=CUDA_VISIBLE_DEVICES=$visible")',
+            ]
+        lines += [f'  exec podman run "${{args[@]}}" {shlex.quote(c.image)} "$@"', "}"]
+        return lines
+    args = ["exec"]
+    if c.auth_file:
+        args.append(f"--authfile={c.auth_file}")
+    args += [f"--bind={m}:{m}" for m in mounts]
+    args.append(f"--pwd={workdir}")
+    if gpus:
+        args.append("--nv")
+    lines += [
+        "in_image() {",
+        f'  exec apptainer {" ".join(shlex.quote(a) for a in args)} {shlex.quote("docker://" + c.image)} "$@"',
+        "}",
+    ]
+    return lines
+
+
+def _pyxis_options(c: Container, workdir: str) -> str:
+    mounts = [workdir, *(m for m in c.mounts if m != workdir)]
+    return shlex.join([
+        f"--container-image={_pyxis_image(c.image)}",
+        "--container-mounts=" + ",".join(f"{m}:{m}" for m in mounts),
+        f"--container-workdir={workdir}",
+    ])  # fmt: skip
+
+
+def _in_container(c: Container | None, launch: str, workdir: str) -> str:
+    """``launch`` (a command run by the batch shell itself) run inside the container."""
+    if c is None:
+        return launch
+    if c.runtime == "pyxis":
+        return f"srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 {_pyxis_options(c, workdir)} {launch}"
+    return f"in_image {launch}"
+
+
+def _in_container_srun(c: Container | None, workdir: str) -> tuple[str, str]:
+    """(extra srun options, the prefix of the command srun runs) for a launch through srun."""
+    if c is None:
+        return "", ""
+    if c.runtime == "pyxis":
+        return f" {_pyxis_options(c, workdir)}", ""
+    # srun runs a fresh bash on each node: it gets the function's text (names and paths only).
+    return "", "bash -c \"$(declare -f in_image)\"'; in_image \"$@\"' in_image "
+
+
 def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> str:
     """The batch script that runs ``command`` (an argv list) in ``workdir`` with ``options``.
 
@@ -214,6 +390,7 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
     if not command or not all(isinstance(a, str) and a and "\x00" not in a for a in command):
         raise ConfigurationError(f"command={list(command)!r} must be a non-empty list of non-empty strings")
     _check("workdir", workdir, _PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)")
+    container = _container(options, workdir)
     lines = ["#!/bin/bash", *_directives(options), ""]
     lines += ["set -uo pipefail", f"cd {shlex.quote(workdir)} || exit 1"]
 
@@ -237,10 +414,15 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
             '[ "${#task_env[@]}" -eq 0 ] || export "${task_env[@]}"',
         ]
 
+    if container is not None:
+        gpus = bool(options.get("gpus_per_node")) or "gpu" in str(options.get("gres") or "")
+        lines += _container_lines(container, workdir=workdir, env_names=sorted(env), gpus=gpus,
+                                  array_env=options.get("array_env_dir") is not None)  # fmt: skip
+
     nproc = options.get("torchrun_nproc_per_node")
     nodes = options.get("nodes", 1)
     if nproc is None:
-        launch = shlex.join(command)
+        launch = _in_container(container, shlex.join(command), workdir)
     else:
         _int("torchrun_nproc_per_node", nproc, 1, 64)
         port = _int("rdzv_port", options.get("rdzv_port", 29500), 1024, 65535)
@@ -250,7 +432,7 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
         python, program = command[0], list(command[1:])
         torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
         if nodes == 1:
-            launch = shlex.join([*torchrun, "--standalone", *program])
+            launch = _in_container(container, shlex.join([*torchrun, "--standalone", *program]), workdir)
         else:
             lines += [
                 "# Rendezvous on the first node of the allocation (its address as Slurm knows it).",
@@ -260,9 +442,10 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
                 "# One port per job: jobs sharing their first node must not meet in one rendezvous.",
                 f"export MASTER_PORT=$(({port} + SLURM_JOB_ID % {span}))",
             ]
+            srun_options, in_image = _in_container_srun(container, workdir)
             launch = (
                 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
-                f"--kill-on-bad-exit=1 {shlex.join(torchrun)} "
+                f"--kill-on-bad-exit=1{srun_options} {in_image}{shlex.join(torchrun)} "
                 '--nnodes="$SLURM_JOB_NUM_NODES" --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" '
                 f'--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" {shlex.join(program)}'
             )

@@ -112,9 +112,17 @@ def preflight(blocks: Stack, training: TrainingSpec, serving: ServingSpec) -> No
     """Every check that needs no outside call, before anything is acquired or submitted (the serving
     backend's checks against its cluster follow: ``serving_preflight``)."""
     blocks.compute.validate_job(
-        TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources)
+        TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources, image=preflight_image(blocks))
     )
     blocks.serving.validate(serving)
+
+
+def preflight_image(blocks: Stack) -> ImageRef | None:
+    """A stand-in for the image the build step will pin, when the stack builds one: the job then runs
+    inside it, so that path is checked (a container runtime, not the cluster's code_dir, is needed)."""
+    if not blocks.images.produces_image:
+        return None
+    return ImageRef(builder="preflight", content_tag="preflight", reference=f"preflight/image@sha256:{'0' * 64}")
 
 
 def run_params(training: TrainingSpec) -> dict[str, object]:

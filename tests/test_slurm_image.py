@@ -1,0 +1,534 @@
+"""Slurm jobs inside the workload's image: pyxis, podman, apptainer.
+
+Unit part (no cluster): golden scripts for each runtime, bad input, runtime detection, and the
+generated podman launch run by bash against a recording stand-in for podman.
+
+Integration part (`make slurm-up` + `make registry-up`): the workload image is built with
+DockerImageBuilder on the stack's Debian base, pushed, and removed locally; SlurmCluster runs jobs
+in it with podman on the real local Slurm, the pull authenticated by the 0600 auth file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prefect_docker.credentials import DockerRegistryCredentials
+from pydantic import SecretStr, ValidationError
+
+from blocks.errors import ConfigurationError, JobFailed
+from blocks.slurm import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME, SlurmCluster
+from blocks.slurm_script import Container, sbatch_script
+from blocks.specs import ImageRef, Resources, TrainingJob
+from tests.stacks import stack_env
+from tests.test_slurm_script import check_golden
+
+REPO = Path(__file__).resolve().parent.parent
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+IMAGE = f"registry.example:5000/team/workload@{DIGEST}"
+PASSWORD = "pull-secret-" + "x" * 8
+
+
+def cluster(**fields: object) -> SlurmCluster:
+    values: dict[str, object] = dict(
+        host="login.example", user="alice", workdir_root="/shared/jobs", code_dir="/code",
+        python="/opt/venv/bin/python", account="research",
+        registry_credentials=DockerRegistryCredentials(
+            username="puller", password=PASSWORD, registry_url="https://registry.example:5000"
+        ),
+    )  # fmt: skip
+    values.update(fields)
+    return SlurmCluster(**values)
+
+
+def job(reference: str = IMAGE, **resources: object) -> TrainingJob:
+    return TrainingJob(
+        key="run-7-train", workdir="/shared/jobs/run-7-train", env={"HPARAMS": '{"epochs": 2}'},
+        resources=Resources(**resources),
+        image=ImageRef(builder="docker", content_tag="abc", reference=reference),
+    )  # fmt: skip
+
+
+GOLDEN_CASES = {
+    "image_podman": (dict(container_runtime="podman"), dict(gpus_per_node=2, mem_gb=4)),
+    "image_podman_torchrun": (
+        dict(container_runtime="podman", container_mounts=["/datasets/digits"], podman_options=["--pid=host"],
+             container_runtime_env={"CONTAINERS_CONF": "/etc/gpuferry/containers.conf"}),
+        dict(nodes=2, processes_per_node=2, gpus_per_node=2),
+    ),  # fmt: skip
+    "image_pyxis_torchrun": (
+        dict(container_runtime="pyxis", container_runtime_env={"ENROOT_ALLOW_HTTP": "y"}),
+        dict(nodes=2, processes_per_node=2, gpus_per_node=2),
+    ),
+    "image_pyxis": (dict(container_runtime="pyxis", registry_credentials=None), dict()),
+    "image_apptainer": (dict(container_runtime="apptainer"), dict(gpus_per_node=1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_image_scripts(name: str) -> None:
+    fields, resources = GOLDEN_CASES[name]
+    text = cluster(**fields)._script_for_job(job(**resources))
+    check_golden(name, text)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    assert PASSWORD not in text and "puller" not in text
+
+
+def test_golden_image_sweep_array() -> None:
+    # An array task's own settings reach the container by name too.
+    text = cluster(container_runtime="podman")._script_for_job(job(), array_size=4, parallelism=2)
+    check_golden("image_podman_array", text)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    assert 'GPUFERRY_CONTAINER_ENV+=" ${word%%=*}"' in text
+
+
+def test_registry_login_goes_to_a_file_in_the_runtime_format() -> None:
+    podman = cluster(container_runtime="podman")._container_files(job())
+    auth = json.loads(podman[REGISTRY_AUTH_NAME])
+    assert list(auth["auths"]) == ["registry.example:5000"]
+    import base64
+
+    assert base64.b64decode(auth["auths"]["registry.example:5000"]["auth"]).decode() == f"puller:{PASSWORD}"
+    pyxis = cluster(container_runtime="pyxis")._container_files(job())
+    assert pyxis[ENROOT_CREDENTIALS_NAME].decode() == f"machine registry.example login puller password {PASSWORD}\n"
+    script = cluster(container_runtime="pyxis")._script_for_job(job())
+    assert "export ENROOT_CONFIG_PATH=/shared/jobs/run-7-train/.enroot" in script
+    # enroot wants host#repository
+    assert f"--container-image=registry.example:5000#team/workload@{DIGEST}" in script
+    assert cluster(container_runtime="podman", registry_credentials=None)._container_files(job()) == {}
+    assert cluster(container_runtime="podman")._container_files(job(reference="")) == {}
+
+
+def test_unknown_runtime_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValidationError, match="container_runtime"):
+        cluster(container_runtime="docker")
+    with pytest.raises(ConfigurationError, match="container.runtime='docker'.*pyxis, podman, apptainer"):
+        sbatch_script(["python", "t.py"], workdir="/w", container=Container(image=IMAGE, runtime="docker"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("reference", [
+    "registry.example:5000/team/workload:latest",
+    "registry.example:5000/team/workload",
+    "team/workload@sha256:abc",
+    f"team/workload@{DIGEST}; rm -rf /",
+    f"Team/Workload@{DIGEST}",
+])  # fmt: skip
+def test_image_not_pinned_by_digest_is_refused_before_any_connection(reference: str) -> None:
+    unreachable = cluster(container_runtime="auto", host="login.invalid", port=1)  # connecting would fail otherwise
+    with pytest.raises(ConfigurationError, match=r"job\.image\.reference=.*is not pinned by digest.*@sha256:"):
+        unreachable.validate_job(job(reference=reference))
+
+
+def test_bad_container_values_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="container.mounts"):
+        cluster(container_runtime="podman", container_mounts=["relative/data"])._script_for_job(job())
+    with pytest.raises(ConfigurationError, match="container.podman_options"):
+        cluster(container_runtime="podman", podman_options=["--pid=host; id"])._script_for_job(job())
+    with pytest.raises(ConfigurationError, match="container variable name"):
+        cluster(container_runtime="podman", container_runtime_env={"BAD NAME": "x"})._script_for_job(job())
+    spaced = DockerRegistryCredentials(username="u", password="has space", registry_url="r.example")
+    with pytest.raises(ConfigurationError, match="whitespace"):
+        cluster(container_runtime="pyxis", registry_credentials=spaced)._container_files(job())
+
+
+def test_job_without_image_still_needs_code_dir_but_one_with_an_image_does_not() -> None:
+    c = cluster(container_runtime="podman", code_dir=None)
+    with pytest.raises(ConfigurationError, match="code_dir is not set"):
+        c.validate_job(job(reference=""))
+    text = c._script_for_job(job())
+    assert "in_image python /app/workload/train.py &" in text and "/code" not in text
+
+
+# ---- runtime detection on the login node (local=True, stand-in commands on PATH) ------------------------
+
+
+def _stand_ins(tmp_path: Path, srun_help: str, tools: tuple[str, ...]) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "srun-calls"
+    (bin_dir / "srun").write_text(f"#!/bin/sh\necho x >> {calls}\necho {json.dumps(srun_help)}\n")
+    for tool in tools:
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
+    for path in bin_dir.iterdir():
+        path.chmod(0o755)
+    (bin_dir / "sh").symlink_to("/bin/sh")  # PATH holds only these: the machine's own podman stays out
+    return bin_dir
+
+
+@pytest.mark.parametrize(("srun_help", "tools", "expected"), [
+    ("  --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH", ("podman",), "pyxis"),
+    ("  --container=PATH  Path to OCI container bundle", ("podman", "apptainer"), "podman"),
+    ("  --container=PATH", ("apptainer",), "apptainer"),
+])  # fmt: skip
+def test_auto_detects_the_runtime_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, srun_help: str,
+                                       tools: tuple[str, ...], expected: str) -> None:  # fmt: skip
+    monkeypatch.setenv("PATH", str(_stand_ins(tmp_path, srun_help, tools)))
+    c = cluster(local=True, container_runtime="auto")
+    assert c.job_container_runtime() == expected
+    assert c.job_container_runtime() == expected
+    assert (tmp_path / "srun-calls").read_text().count("x") == 1  # asked once per cluster
+    assert f"({expected})" in c._script_for_job(job())
+
+
+def test_auto_without_any_runtime_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(_stand_ins(tmp_path, "  --container=PATH", ())))
+    with pytest.raises(ConfigurationError, match="no container runtime.*set container_runtime to one of pyxis"):
+        cluster(local=True, container_runtime="auto").validate_job(job())
+
+
+# ---- the podman launch as bash runs it, against a recording stand-in --------------------------------------
+
+
+def test_podman_launch_passes_env_by_name_and_numbers_the_gpus(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "podman.json"
+    (bin_dir / "podman").write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n"
+    )
+    (bin_dir / "podman").chmod(0o755)
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    secret_file = workdir / ".secret.env"
+    secret_file.write_text("API_TOKEN='tok en $x'\n")
+    container = Container(image=IMAGE, runtime="podman", auth_file=str(workdir / REGISTRY_AUTH_NAME),
+                          env_names=("API_TOKEN",))  # fmt: skip
+    text = sbatch_script(["python", "/app/workload/train.py", "--flag", "a b"], workdir=str(workdir),
+                         env={"HPARAMS": '{"lr": 0.1}'}, secret_env_file=str(secret_file), container=container)  # fmt: skip
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,3",
+           "CUDA_VISIBLE_DEVICES": "2,3"}  # fmt: skip
+    subprocess.run(["bash", str(script)], env=env, check=True, timeout=60)
+
+    seen = json.loads(record.read_text())
+    argv = seen["argv"]
+    assert argv[:4] == ["run", "--rm", "--network=host", "--pull=missing"]
+    assert argv[-5:] == [IMAGE, "python", "/app/workload/train.py", "--flag", "a b"]
+    assert f"--authfile={workdir / REGISTRY_AUTH_NAME}" in argv
+    assert f"--volume={workdir}:{workdir}" in argv and f"--workdir={workdir}" in argv
+    assert {"--env=HPARAMS", "--env=API_TOKEN", "--env=SLURM_*"} <= set(argv)
+    # Allocated GPUs 2 and 3 as CDI devices, seen as 0 and 1 inside.
+    assert ["--device=nvidia.com/gpu=2", "--device=nvidia.com/gpu=3"] == [a for a in argv if a.startswith("--device")]
+    assert "--env=CUDA_VISIBLE_DEVICES=0,1" in argv
+    # Values come from podman's environment, never from its command line.
+    assert seen["env"]["API_TOKEN"] == "tok en $x" and seen["env"]["HPARAMS"] == '{"lr": 0.1}'
+    assert not any("tok en" in a for a in argv) and "tok en" not in text
+
+
+# ---- integration: the real local Slurm and registry --------------------------------------------------------
+
+PROBE = '''\
+import json, os, sys
+os.makedirs(os.path.dirname(os.environ["CHECKPOINT_DIR"]), exist_ok=True)
+out = os.path.join(os.path.dirname(os.environ["CHECKPOINT_DIR"]), "probe.json")
+names = ("HPARAMS", "CHECKPOINT_DIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "PYTHONUNBUFFERED",
+         "CONTAINERS_CONF")
+with open(out + ".tmp", "w") as f:
+    json.dump({
+        "marker": open("/app/workload/IMAGE_MARKER").read(),
+        "containerenv": os.path.exists("/run/.containerenv"),
+        "python": sys.executable,
+        "cwd": os.getcwd(),
+        "env": {n: os.environ.get(n) for n in names},
+    }, f)
+os.replace(out + ".tmp", out)
+print("probe ran in the image", flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def stacks() -> dict[str, str]:
+    env = {**stack_env("slurm"), **stack_env("registry")}
+    env["REGISTRY_PASSWORD"] = Path(env["REGISTRY_PASSWORD_FILE"]).read_text().strip()
+    return env
+
+
+def _credentials(stacks: dict[str, str], password: str | None = None) -> DockerRegistryCredentials:
+    return DockerRegistryCredentials(
+        username=stacks["REGISTRY_USER"], password=password or stacks["REGISTRY_PASSWORD"],
+        registry_url=f"http://{stacks['REGISTRY_URL']}",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageRef, str, object]]:
+    """The workload image plus a marker only it has, built on the stack's base, pushed, and NOT kept locally."""
+    import docker
+    from prefect_docker.host import DockerHost
+
+    from blocks.docker_image import DockerImageBuilder
+    from blocks.images import WORKLOAD_DIR
+
+    context = tmp_path_factory.mktemp("image") / "workload"
+    shutil.copytree(WORKLOAD_DIR, context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    marker = f"gpuferry-image-{uuid.uuid4().hex}"
+    (context / "IMAGE_MARKER").write_text(marker)
+    (context / "probe.py").write_text(PROBE)
+    builder = DockerImageBuilder(
+        docker_host=DockerHost(base_url=stacks["DOCKER_HOST"]), credentials=_credentials(stacks),
+        repository=f"gpuferry-test/slurm-{uuid.uuid4().hex[:8]}", context=str(context),
+        build_args={"BASE_IMAGE": stacks["BASE_IMAGE"]},
+    )  # fmt: skip
+    ref = builder.build()
+    assert ref.reference and "@sha256:" in ref.reference
+    engine = docker.DockerClient(base_url=stacks["DOCKER_HOST"], timeout=300)
+    engine.images.remove(f"{builder.image_name()}:{ref.content_tag}")  # the job must pull it, with the login
+    yield ref, marker, builder
+    for local in engine.images.list(name=builder.image_name()):
+        engine.images.remove(local.id, force=True)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def slurm(stacks: dict[str, str]) -> Iterator[SlurmCluster]:
+    c = SlurmCluster(
+        host=stacks["SLURM_SSH_HOST"], port=int(stacks["SLURM_SSH_PORT"]), user=stacks["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(stacks["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(stacks["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=stacks["SLURM_CONF"],
+        workdir_root=str(Path(stacks["SLURM_SHARED_DIR"]) / f"image-tests-{uuid.uuid4().hex[:8]}"),
+        partition=stacks["SLURM_PARTITION"], poll_interval_start=0.5, poll_interval_max=3.0,
+        container_runtime="auto", podman_gpu_mode="env",  # the stack's GPUs are stand-in character devices
+        container_runtime_env={k: stacks[k] for k in
+                               ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")},
+        registry_credentials=_credentials(stacks),
+    )  # fmt: skip
+    yield c
+    c.close()
+
+
+def _job(c: SlurmCluster, ref: ImageRef, name: str, **resources: object) -> TrainingJob:
+    key = f"t{uuid.uuid4().hex[:10]}-{name}"
+    return TrainingJob(
+        key=key, workdir=c.job_workdir(key), image=ref,
+        env={"HPARAMS": json.dumps({"epochs": 2, "hidden": 16}), "CHECKPOINT_EVERY": "5"},
+        resources=Resources(time_limit_minutes=20, mem_gb=2, **resources),
+    )  # fmt: skip
+
+
+@pytest.mark.integration
+def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+                                                                   stacks: dict[str, str]) -> None:  # fmt: skip
+    wrong = "wrong-" + uuid.uuid4().hex[:8]
+    c = slurm.model_copy(update={"registry_credentials": _credentials(stacks, wrong)})
+    job_ = _job(c, image[0], "badlogin")
+    handle = c.submit(job_)
+    status = c.watch(handle, timeout_seconds=600)
+    with pytest.raises(JobFailed) as caught:
+        c.result(handle, status)
+    assert "unauthorized" in caught.value.log_tail.lower() or "authentication required" in caught.value.log_tail
+    assert wrong not in caught.value.log_tail
+    assert wrong not in Path(job_.workdir, "job.sbatch").read_text()
+
+
+@pytest.mark.integration
+def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+                                          stacks: dict[str, str]) -> None:  # fmt: skip
+    ref, marker, _ = image
+    assert slurm.job_container_runtime() == "podman"  # this srun has no --container-image
+    probe = slurm.model_copy(update={"container_entrypoint": "/app/workload/probe.py"})
+    job_ = _job(probe, ref, "probe", gpus_per_node=2)
+    handle = probe.submit(job_)
+    status = probe.watch(handle, timeout_seconds=600)
+    log, _ = probe.read_log(handle)
+    assert status.state == "COMPLETED", log[-3000:]
+    seen = json.loads(Path(job_.workdir, "probe.json").read_text())
+    assert seen["marker"] == marker  # a file only this image has
+    assert seen["containerenv"] and seen["python"] == "/opt/venv/bin/python"  # podman's marker; the image's venv
+    assert seen["cwd"] == job_.workdir
+    assert seen["env"]["HPARAMS"] == job_.env["HPARAMS"]
+    assert seen["env"]["CHECKPOINT_DIR"] == f"{job_.workdir}/checkpoints"
+    assert seen["env"]["SLURM_JOB_ID"] == handle.job_id
+    assert len(seen["env"]["CUDA_VISIBLE_DEVICES"].split(",")) == 2
+    assert seen["env"]["CONTAINERS_CONF"] is None  # the runtime's settings stay outside
+    assert "probe ran in the image" in log
+    assert ref.reference.split("@")[1] in log or "Copying blob" in log or "Trying to pull" in log, log[-3000:]
+    # The login was a 0600 file next to the script, not in it.
+    auth = Path(job_.workdir, REGISTRY_AUTH_NAME)
+    assert stat.S_IMODE(auth.stat().st_mode) == 0o600
+    assert stacks["REGISTRY_PASSWORD"] not in Path(job_.workdir, "job.sbatch").read_text()
+
+
+@pytest.mark.integration
+def test_sweep_array_tasks_get_their_own_settings_in_the_container(slurm: SlurmCluster,
+                                                                   image: tuple[ImageRef, str, object]) -> None:  # fmt: skip
+    probe = slurm.model_copy(update={"container_entrypoint": "/app/workload/probe.py"})
+    job_ = _job(probe, image[0], "sweep")
+    rates = (0.1, 0.2, 0.3)
+    handle = probe.submit_sweep(job_, [{"HPARAMS": json.dumps({"lr": lr})} for lr in rates])
+    status = probe.watch(handle, timeout_seconds=600)
+    assert status.state == "COMPLETED", probe.log_tail(handle)
+    for index, lr in enumerate(rates):
+        task_dir = probe.task_dir(job_.workdir, index)
+        seen = json.loads(Path(task_dir, "probe.json").read_text())
+        assert json.loads(seen["env"]["HPARAMS"]) == {"lr": lr}  # the task's own value, not the job's
+        assert seen["env"]["CHECKPOINT_DIR"] == f"{task_dir}/checkpoints"
+        assert seen["env"]["SLURM_ARRAY_TASK_ID"] == str(index)
+        assert seen["containerenv"]
+
+
+@pytest.mark.integration
+def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: SlurmCluster,
+                                                                       image: tuple[ImageRef, str, object]) -> None:  # fmt: skip
+    job_ = _job(slurm, image[0], "train")
+    handle = slurm.submit(job_)
+    assert slurm.submit(job_).job_id == handle.job_id  # idempotent as without an image
+    progress: list[dict] = []
+    status = slurm.watch(handle, on_progress=progress.append, timeout_seconds=900)
+    log, _ = slurm.read_log(handle)
+    assert status.state == "COMPLETED", log[-3000:]
+    result = slurm.result(handle, status)
+    final = Path(result.checkpoint_dir) / "final"
+    assert (final / "model.pt").stat().st_size > 0
+    metrics = json.loads((final / "metrics.json").read_text())
+    assert 0 <= metrics["val_accuracy"] <= 1
+    assert sorted(p.name for p in Path(result.checkpoint_dir).glob("step-*"))  # periodic checkpoints too
+    assert progress and progress[-1]["step"] == progress[-1]["total_steps"]
+    assert result.cpu_hours > 0
+    if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":
+        shutil.rmtree(job_.workdir, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm: SlurmCluster,
+                                                                          image: tuple[ImageRef, str, object],
+                                                                          stacks: dict[str, str]) -> None:  # fmt: skip
+    import re
+    import time
+
+    job_ = _job(slurm, image[0], "signal")
+    job_ = job_.model_copy(update={"env": {**job_.env, "HPARAMS": json.dumps({"epochs": 60, "batch_size": 16}),
+                                           "CHECKPOINT_EVERY": "25", "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    handle = slurm.submit(job_)
+    deadline = time.monotonic() + 300
+    while (slurm.read_progress(handle) or {}).get("step", 0) < 40:
+        assert time.monotonic() < deadline, slurm.read_log(handle)[0][-3000:]
+        time.sleep(1)
+    # What Slurm does ahead of the time limit (--signal=B:USR1@90): USR1 to the batch shell only.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", handle.job_id], check=True, timeout=60,
+                   env={"PATH": "/usr/bin:/bin", "SLURM_CONF": stacks["SLURM_CONF"]})  # fmt: skip
+    status = slurm.watch(handle, timeout_seconds=900)
+    log, _ = slurm.read_log(handle)
+    assert status.state == "COMPLETED", log[-3000:]
+    saved = [int(m) for m in re.findall(r"preempted: saved checkpoint at step (\d+)/", log)]
+    resumed = [int(m) for m in re.findall(r"resumed from step-\d+: step (\d+),", log)]
+    assert len(saved) == 1 and resumed == saved, log[-3000:]  # podman proxied USR1; the requeued job resumed
+    assert "requeueing job" in log
+    assert (Path(job_.workdir) / "checkpoints" / "final" / "model.pt").exists()
+
+
+@pytest.mark.integration
+def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+                                           stacks: dict[str, str]) -> None:  # fmt: skip
+    import time
+
+    job_ = _job(slurm, image[0], "cancel")
+    job_ = job_.model_copy(update={"env": {**job_.env, "HPARAMS": json.dumps({"epochs": 200, "batch_size": 16}),
+                                           "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    handle = slurm.submit(job_)
+    deadline = time.monotonic() + 300
+    while (slurm.read_progress(handle) or {}).get("step", 0) < 10:
+        assert time.monotonic() < deadline, slurm.read_log(handle)[0][-3000:]
+        time.sleep(1)
+    podman_env = {"PATH": "/usr/bin:/bin", **{k: stacks[k] for k in slurm.container_runtime_env}}
+
+    def containers_in(workdir: str) -> list[str]:
+        out = subprocess.run(["podman", "ps", "--format", "{{.ID}} {{.Mounts}}"], env=podman_env,
+                             capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+        return [line for line in out.splitlines() if workdir in line]
+
+    assert len(containers_in(job_.workdir)) == 1
+    slurm.cancel(handle)
+    status = slurm.watch(handle, timeout_seconds=300)
+    assert status.state == "CANCELLED", status
+    # Slurm's TERM reached the program through podman: it saved a checkpoint, and its container is gone.
+    deadline = time.monotonic() + 120
+    while containers_in(job_.workdir):
+        assert time.monotonic() < deadline, containers_in(job_.workdir)
+        time.sleep(1)
+    log, _ = slurm.read_log(handle)
+    assert "preempted: saved checkpoint at step" in log, log[-3000:]
+
+
+@pytest.mark.integration
+def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[ImageRef, str, object]) -> None:
+    # Both "nodes" of the local cluster are this one host: torchrun tells its agents apart by hostname and
+    # PID, and each container's launcher would be PID 1 on host "vm" (one participant, twice). Real nodes
+    # differ by hostname; here the containers share the host's PID namespace instead.
+    c = slurm.model_copy(update={"podman_options": ["--pid=host"]})
+    job_ = _job(c, image[0], "ddp", nodes=2, processes_per_node=1)
+    handle = c.submit(job_)
+    status = c.watch(handle, timeout_seconds=900)
+    log, _ = c.read_log(handle)
+    assert status.state == "COMPLETED", log[-3000:]
+    assert "world size 2" in log, log[-3000:]
+    assert (Path(job_.workdir) / "checkpoints" / "final" / "model.pt").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("prefect_server")
+def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+                                                      stacks: dict[str, str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The whole pipeline with a Stack: DockerImageBuilder → SlurmCluster (podman) → S3 → MLflow server."""
+    from mlflow import MlflowClient
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from blocks.provision import ClusterManaged
+    from blocks.s3 import S3CheckpointStore
+    from blocks.serving import LocalServing
+    from blocks.specs import HyperParameters, TrainingSpec
+    from blocks.stack import Stack
+    from blocks.tracking import MlflowTracking
+    from flows.retrain import retrain
+
+    mlflow_env, s3_env = stack_env("mlflow"), stack_env("s3")
+    ref, _, builder = image
+    bucket = f"gpuferry-image-test-{uuid.uuid4().hex[:8]}"
+    credentials = AwsCredentials(
+        aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"],
+        region_name=s3_env["AWS_DEFAULT_REGION"],
+        aws_client_parameters=AwsClientParameters(endpoint_url=s3_env["S3_ENDPOINT_URL"]),
+    )  # fmt: skip
+    credentials.get_s3_client().create_bucket(Bucket=bucket)
+    # The local inference server reads the s3:// checkpoint with boto3's own variables.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, s3_env[name])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["S3_ENDPOINT_URL"])
+    stack = Stack(
+        provider=ClusterManaged(cluster_name="gpuferry-test"), images=builder, compute=slurm,
+        storage=S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials)),
+        tracking=MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None),
+        serving=LocalServing(),
+    )  # fmt: skip
+    name = f"slurm-image-{uuid.uuid4().hex[:8]}"
+    stack.save(name, overwrite=True)
+    tag = uuid.uuid4().hex[:8]
+    outcome = retrain(
+        training=TrainingSpec(experiment=f"gpuferry-image-{tag}", model_name=f"digits-image-{tag}",
+                              hyperparameters=HyperParameters(epochs=3), resources=Resources(mem_gb=2)),
+        stack=name,
+    )  # fmt: skip
+    try:
+        assert outcome.image.reference == ref.reference and not outcome.image.built  # the same content: a tag hit
+        run = MlflowClient(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"]).get_run(outcome.run_id)
+        assert run.data.tags["image"] == ref.reference
+        assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)  # logged from the container
+        assert run.data.metrics["cpu_hours"] > 0
+        key = f"{run.data.tags['prefect.flow_run_id']}-train"
+        script = Path(slurm.job_workdir(key), "job.sbatch").read_text()
+        assert "exec podman run" in script and ref.reference in script
+        assert outcome.checkpoint.uri.startswith(f"s3://{bucket}/")
+        assert outcome.deployed and outcome.endpoint is not None
+    finally:
+        LocalServing().undeploy("digits")
