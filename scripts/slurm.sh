@@ -247,7 +247,8 @@ make_fake_gpus() {
 }
 
 # ---- the controller's address for joined nodes --------------------------------------------------
-ctld_addr_present() { ip -o addr show dev lo | grep -q " inet $CTLD_ADDR/32 "; }
+# Read the whole listing first: `grep -q` quitting early would fail the pipe (SIGPIPE) under pipefail.
+ctld_addr_present() { local addrs; addrs=$(ip -o addr show dev lo) && [[ $addrs == *" inet $CTLD_ADDR/32 "* ]]; }
 
 ensure_ctld_addr() {
   ctld_addr_present && return 0
