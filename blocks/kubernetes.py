@@ -26,7 +26,7 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr
 
@@ -58,6 +58,8 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
 
 class KubernetesCluster(ServingBackend):
     """Serves the model as a Deployment + Service on a Kubernetes cluster."""
+
+    needs_image: ClassVar[bool] = True
 
     _block_type_name = "gpuferry Kubernetes Cluster"
     _description = (

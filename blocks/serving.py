@@ -129,6 +129,8 @@ class ServingBackend(Block, ABC):
     """Where the inference service runs."""
 
     _block_type_name = "gpuferry Serving Backend"
+    # Whether this backend runs the release's container image (then the stack must build one).
+    needs_image: ClassVar[bool] = False
 
     @abstractmethod
     def validate(self, spec: ServingSpec) -> None:

@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from blocks.errors import ConfigurationError
 from blocks.serving import Release
 from blocks.specs import Endpoint, ServingSpec
-from flows.retrain import load_stack
+from flows.retrain import check_images_for_serving, load_stack
 from flows.ship import deploy_and_record
 from tasks.build import build_image
 from tasks.registry import resolve_version
@@ -50,6 +50,7 @@ def deploy_model(
     if not version and not alias:
         raise ConfigurationError("version and alias are both empty: give one of them")
     blocks = load_stack(stack)
+    check_images_for_serving(blocks)
     blocks.serving.validate(serving)
 
     if skip_if_moved and version and alias:

@@ -114,7 +114,18 @@ def preflight(blocks: Stack, training: TrainingSpec, serving: ServingSpec) -> No
     blocks.compute.validate_job(
         TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources, image=preflight_image(blocks))
     )
+    check_images_for_serving(blocks)
     blocks.serving.validate(serving)
+
+
+def check_images_for_serving(blocks: Stack) -> None:
+    """A serving backend that runs containers needs a stack that builds the image it runs."""
+    if blocks.serving.needs_image and not blocks.images.produces_image:
+        raise ConfigurationError(
+            f"stack.serving ({type(blocks.serving).__name__}) runs the workload's container image, but "
+            f"stack.images ({type(blocks.images).__name__}) builds none: choose an image builder that pushes "
+            "one (DockerImageBuilder) in the stack"
+        )
 
 
 def preflight_image(blocks: Stack) -> ImageRef | None:

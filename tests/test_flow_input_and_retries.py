@@ -104,3 +104,14 @@ def test_saved_stack_is_loaded_by_name(tmp_path: Path) -> None:
     assert loaded.backends() == stack.backends()
     assert loaded.storage.root() == tmp_path / "elsewhere" / "checkpoints"
     assert load_stack(None).backends() == stack.backends()
+
+
+def test_container_serving_needs_a_stack_that_builds_an_image(gpuferry_home: Path) -> None:
+    from blocks.kubernetes import KubernetesCluster
+    from blocks.stack import Stack
+    from flows.retrain import preflight
+
+    blocks = Stack.embedded()
+    blocks.serving = KubernetesCluster(namespace="serving")
+    with pytest.raises(ConfigurationError, match=r"stack.images \(CurrentEnvironment\) builds none.*DockerImageBuilder"):
+        preflight(blocks, TrainingSpec(), ServingSpec())
