@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,12 +28,13 @@ import numpy as np
 import pytest
 import torch
 
-from blocks.storage import write_manifest
+from blocks.storage import MANIFEST, write_manifest
 from workload import contract
 from workload.contract import ManifestError
 from workload.data import load_digits_split
 from workload.model import build_model
 from workload.serve import UnverifiedCheckpoint, fetch_model
+from tests.stacks import stack_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE = 120.0  # seconds; only ever a bound on a wait for a condition
@@ -550,3 +552,69 @@ def test_a_model_that_cannot_be_loaded_exits_nonzero(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1, proc.stderr
     assert "could not load the model" in proc.stderr and "no model file" in proc.stderr
+
+
+@pytest.mark.integration
+def test_serves_a_verified_s3_checkpoint_and_refuses_a_corrupt_one(
+    trained: Trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from blocks.s3 import S3CheckpointStore
+
+    env = stack_env("s3")
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])  # what the server (and fetch_model here) read
+    bucket = f"gpuferry-serve-{uuid.uuid4().hex[:10]}"
+    s3 = boto3.client("s3", endpoint_url=env["S3_ENDPOINT_URL"])
+    s3.create_bucket(Bucket=bucket)
+    store = S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=AwsCredentials(
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]))))  # fmt: skip
+    try:
+        ref = store.put(trained.checkpoint, "digits/run1")
+        assert ref.sha256 == trained.checkpoint_sha256  # the same manifest as the local one
+
+        srv = start_server([sys.executable, "-m", "workload.serve"], ref.uri, tmp_path / "serve.log",
+                           WARMUP_ITERATIONS=1, DRAIN_SECONDS=0)  # fmt: skip
+        try:
+            model = httpx.get(f"{srv.url}/readyz", timeout=30).json()["model"]
+            assert model["uri"] == ref.uri and model["checkpoint_sha256"] == ref.sha256
+            rows = trained.x[:3]
+            answer = httpx.post(f"{srv.url}/predict", json={"inputs": rows.tolist()}, timeout=30)
+            assert answer.json()["predictions"] == trained.expected(rows)[0]
+        finally:
+            assert srv.terminate() == 0, srv.log()
+
+        # The model object replaced by other bytes of the same size, its metadata claiming the old sha256.
+        key = f"{ref.uri.removeprefix(f's3://{bucket}/')}/{contract.MODEL_FILENAME}"
+        good = s3.get_object(Bucket=bucket, Key=key)
+        data = bytearray(good["Body"].read())
+        expected = hashlib.sha256(data).hexdigest()
+        data[-1] ^= 0xFF
+        s3.put_object(Bucket=bucket, Key=key, Body=bytes(data), Metadata=good["Metadata"])
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        with pytest.raises(UnverifiedCheckpoint) as refused:
+            fetch_model(ref.uri, scratch)
+        assert str(refused.value).startswith(
+            f"s3://{bucket}/{key}: sha256 {hashlib.sha256(data).hexdigest()} ({len(data)} bytes) "
+            f"but MANIFEST.json says {expected} ({len(data)} bytes)"
+        )
+        with pytest.raises(UnverifiedCheckpoint, match="sha256"):  # the model file's own URI: the same check
+            fetch_model(f"{ref.uri}/{contract.MODEL_FILENAME}", scratch)
+        # No manifest (an upload that did not finish): refused, and the server exits without becoming ready.
+        s3.delete_object(Bucket=bucket, Key=f"{ref.uri.removeprefix(f's3://{bucket}/')}/{MANIFEST}")
+        with pytest.raises(UnverifiedCheckpoint, match="has no MANIFEST.json: refusing to serve"):
+            fetch_model(ref.uri, scratch)
+        proc = subprocess.run(
+            [sys.executable, "-m", "workload.serve"], cwd=REPO, capture_output=True, text=True, timeout=DEADLINE,
+            env={**os.environ, contract.MODEL_URI: ref.uri, contract.PORT: str(_free_port())},
+        )  # fmt: skip
+        assert proc.returncode == 1 and "has no MANIFEST.json" in proc.stderr, proc.stderr
+    finally:
+        store.delete(f"s3://{bucket}/checkpoints")
+        s3.delete_bucket(Bucket=bucket)
