@@ -20,12 +20,12 @@ from botocore.config import Config
 from prefect_aws import AwsCredentials, S3Bucket
 from prefect_aws.client_parameters import AwsClientParameters
 
-import blocks.storage
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.s3 import S3CheckpointStore
 from blocks.storage import MANIFEST, build_manifest, manifest_bytes
 from tasks.retry import is_transient
 from tests.stacks import stack_env
+from tests.test_storage import hashed  # noqa: F401  (fixture: the local files read to hash them)
 
 pytestmark = pytest.mark.integration
 
@@ -129,19 +129,6 @@ class Wire:
         bodies = ("PutObject", "UploadPart")
         return sum(size for op, key, _, size in self.requests if op in bodies and not key.endswith(f"/{MANIFEST}"))
 
-
-@pytest.fixture
-def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The local files read to hash them, by name."""
-    calls: list[str] = []
-    real = blocks.storage.sha256_file
-
-    def counting(path: Path) -> str:
-        calls.append(Path(path).name)
-        return real(path)
-
-    monkeypatch.setattr(blocks.storage, "sha256_file", counting)
-    return calls
 
 
 def _unique(prefix: str) -> str:
