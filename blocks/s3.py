@@ -14,7 +14,8 @@ which content a pending upload was started for), and the next attempt at the sam
 upload's parts, keeps those whose ETag is the MD5 of the local bytes, sends the rest and completes it.
 Other unfinished uploads under the checkpoint are aborted once it is complete. Each request carries
 botocore's body checksum (CRC32; S3 and MinIO reject a body that does not match it, moto does not
-check) and every object is read back (HEAD: size and sha256) after its upload. A changed
+check; multipart uploads declare it, as boto3's own do, so the store keeps it per part and for the
+whole object) and every object is read back (HEAD: size and sha256) after its upload. A changed
 checkpoint's old manifest is deleted before its first changed file is sent: readers never see a
 manifest that does not match the files.
 
@@ -158,8 +159,7 @@ class S3CheckpointStore(CheckpointStore):
             old_manifest = _read_object(client, bucket, manifest_key)
         invalidate = _Once(lambda: client.delete_object(Bucket=bucket, Key=manifest_key) if old_manifest else None)
 
-        # Parts (and small files) of every file go through one pool: max_concurrency requests in flight.
-        requests = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="gpuferry-s3-request")
+        requests = _RequestPool(self.max_concurrency)
 
         def store_one(path: Path) -> tuple[dict, int]:
             entry = manifest_entry(source, path, cache)
@@ -201,7 +201,7 @@ class S3CheckpointStore(CheckpointStore):
         return checkpoint_ref(f"s3://{bucket}/{root}", raw, manifest, sum(moved for _, moved in results))
 
     def _put_multipart(
-        self, client: Any, requests: ThreadPoolExecutor, journal: UploadJournal, path: Path, key: str, entry: dict
+        self, client: Any, requests: _RequestPool, journal: UploadJournal, path: Path, key: str, entry: dict
     ) -> int:
         """Upload ``path`` in parts, resuming this content's unfinished upload if there is one; returns bytes sent."""
         bucket, size = self.bucket.bucket_name, entry["size"]
@@ -217,7 +217,7 @@ class S3CheckpointStore(CheckpointStore):
                     raise
         if upload_id is None:
             upload_id = client.create_multipart_upload(
-                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}
+                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}, ChecksumAlgorithm="CRC32"
             )["UploadId"]
             journal.record(key, upload_id, entry["sha256"], part_size)
 
@@ -226,15 +226,15 @@ class S3CheckpointStore(CheckpointStore):
             def send(number: int) -> tuple[dict, int]:
                 offset = (number - 1) * part_size
                 body = os.pread(f.fileno(), min(part_size, size - offset), offset)
-                etag = stored.get(number)
-                if etag is not None and etag.strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest():
-                    return {"PartNumber": number, "ETag": etag}, 0  # already stored by an earlier attempt
-                etag = client.upload_part(
-                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
-                )["ETag"]
-                return {"PartNumber": number, "ETag": etag}, len(body)
+                done = stored.get(number)
+                if done and done["ETag"].strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest():
+                    return _completed_part(number, done), 0  # already stored by an earlier attempt
+                sent = client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body, ChecksumAlgorithm="CRC32"
+                )
+                return _completed_part(number, sent), len(body)
 
-            parts = _results([requests.submit(send, n) for n in range(1, -(-size // part_size) + 1)])
+            parts = _results(requests.submit_all(send, range(1, -(-size // part_size) + 1)))
         client.complete_multipart_upload(
             Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [part for part, _ in parts]}
         )
@@ -354,10 +354,15 @@ def _put_small(client: Any, bucket: str, key: str, path: Path, entry: dict) -> i
     return entry["size"]
 
 
-def _listed_parts(client: Any, bucket: str, key: str, upload_id: str) -> dict[int, str]:
-    """Part number → ETag of the parts an unfinished multipart upload already holds."""
+def _listed_parts(client: Any, bucket: str, key: str, upload_id: str) -> dict[int, dict]:
+    """Part number → the part (ETag, checksum) of the parts an unfinished multipart upload already holds."""
     pages = client.get_paginator("list_parts").paginate(Bucket=bucket, Key=key, UploadId=upload_id)
-    return {part["PartNumber"]: part["ETag"] for page in pages for part in page.get("Parts", [])}
+    return {part["PartNumber"]: part for page in pages for part in page.get("Parts", [])}
+
+
+def _completed_part(number: int, part: dict) -> dict:
+    """A part as CompleteMultipartUpload takes it: its ETag and, where the store keeps one, its CRC32."""
+    return {"PartNumber": number, **{k: part[k] for k in ("ETag", "ChecksumCRC32") if part.get(k)}}
 
 
 class UploadJournal:
@@ -436,6 +441,20 @@ class _Once:
             if not self._done:
                 self._fn()
                 self._done = True
+
+
+class _RequestPool(ThreadPoolExecutor):
+    """The requests (parts and small files) of every file of one upload, ``workers`` in flight at once. A file's
+    parts are queued together, so files finish one after another, each completed while the next one's parts are
+    sent, rather than all at the end."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix="gpuferry-s3-request")
+        self._queueing = threading.Lock()
+
+    def submit_all(self, fn: Callable[[Any], Any], items: Any) -> list[Future]:
+        with self._queueing:
+            return [self.submit(fn, item) for item in items]
 
 
 def _results(futures: list[Future]) -> list:
