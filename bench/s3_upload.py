@@ -14,7 +14,10 @@ Then ours again on the unchanged checkpoint: the bytes it moves (and, with the h
 read again). The objects of one side are
 deleted before the next (moto keeps ~0.5 GiB of memory per GiB stored).
 
-    .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048]
+    .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048] [--endpoint URL]
+
+``--endpoint`` measures another S3-compatible server instead (credentials from ``AWS_ACCESS_KEY_ID``
+and ``AWS_SECRET_ACCESS_KEY``).
 
 Prints ``RESULT P3_vs_boto3 <ours/boto3 throughput>``, ``RESULT P3_vs_s3bucket <ours/S3Bucket
 throughput>`` and ``RESULT P3_reupload_bytes <bytes>``. Goals: ≥ 1.0, ≥ 3.0 and 0.
@@ -92,9 +95,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--total-mib", type=int, default=2048)
+    parser.add_argument("--endpoint", help="another S3-compatible server (default: the s3 stack, started here)")
     args = parser.parse_args()
 
-    env = s3_stack()
+    if args.endpoint:
+        env = {"S3_ENDPOINT_URL": args.endpoint, "AWS_DEFAULT_REGION": os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+               **{k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}  # fmt: skip
+    else:
+        env = s3_stack()
     credentials = AwsCredentials(
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_DEFAULT_REGION"],
