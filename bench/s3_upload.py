@@ -6,8 +6,8 @@ three sides, each storing the same checkpoint into an empty prefix:
 - ours: ``S3CheckpointStore.put`` with its defaults (hash every file, skip what is already stored,
   multipart + concurrent across files through one pool of requests, HEAD-verify every object,
   manifest last), starting with an empty hash cache;
-- boto3 tuned: one boto3 TransferManager with the same part size, threshold and concurrency as ours, every shard submitted
-  at once (no hashing, no verification, no manifest);
+- boto3 tuned: one boto3 TransferManager with the same part size, threshold and concurrency as ours,
+  every shard submitted at once (no hashing, no verification, no manifest);
 - S3Bucket defaults: prefect-aws ``S3Bucket.upload_from_path`` for each shard, default TransferConfig.
 
 Then ours again on the unchanged checkpoint: the bytes it moves (and, with the hash cache, no file
@@ -99,8 +99,9 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.endpoint:
-        env = {"S3_ENDPOINT_URL": args.endpoint, "AWS_DEFAULT_REGION": os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
-               **{k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}  # fmt: skip
+        env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+        env["S3_ENDPOINT_URL"] = args.endpoint
+        env["AWS_DEFAULT_REGION"] = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
     else:
         env = s3_stack()
     credentials = AwsCredentials(
