@@ -99,6 +99,7 @@ class Bench:
         import torch
         from mlflow import MlflowClient
 
+        from blocks.storage import write_manifest
         from workload import contract
         from workload.model import build_model
 
@@ -112,6 +113,7 @@ class Bench:
         torch.manual_seed(0)
         model = build_model({"hidden": 16})
         torch.save({"state_dict": model.state_dict(), "config": {"hidden": 16}}, path / contract.MODEL_FILENAME)
+        write_manifest(path)  # the server serves only a checkpoint with a manifest
         for _ in range(count):
             client.create_model_version(self.model, source=source, run_id=run.info.run_id)
         client.set_terminated(run.info.run_id)

@@ -4,16 +4,20 @@ One run, one server (the s3 stack: moto's S3 server, started with the idempotent
 three sides, each storing the same checkpoint into an empty prefix:
 
 - ours: ``S3CheckpointStore.put`` with its defaults (hash every file, skip what is already stored,
-  multipart + concurrent across files through one transfer manager, HEAD-verify every object,
-  manifest last);
-- boto3 tuned: one boto3 TransferManager with the same TransferConfig as ours, every shard submitted
-  at once (no hashing, no verification, no manifest);
+  multipart + concurrent across files through one pool of requests, HEAD-verify every object,
+  manifest last), starting with an empty hash cache;
+- boto3 tuned: one boto3 TransferManager with the same part size, threshold and concurrency as ours,
+  every shard submitted at once (no hashing, no verification, no manifest);
 - S3Bucket defaults: prefect-aws ``S3Bucket.upload_from_path`` for each shard, default TransferConfig.
 
-Then ours again on the unchanged checkpoint: the bytes it moves. The objects of one side are
+Then ours again on the unchanged checkpoint: the bytes it moves (and, with the hash cache, no file
+read again). The objects of one side are
 deleted before the next (moto keeps ~0.5 GiB of memory per GiB stored).
 
-    .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048]
+    .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048] [--endpoint URL]
+
+``--endpoint`` measures another S3-compatible server instead (credentials from ``AWS_ACCESS_KEY_ID``
+and ``AWS_SECRET_ACCESS_KEY``).
 
 Prints ``RESULT P3_vs_boto3 <ours/boto3 throughput>``, ``RESULT P3_vs_s3bucket <ours/S3Bucket
 throughput>`` and ``RESULT P3_reupload_bytes <bytes>``. Goals: ≥ 1.0, ≥ 3.0 and 0.
@@ -91,9 +95,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--total-mib", type=int, default=2048)
+    parser.add_argument("--endpoint", help="another S3-compatible server (default: the s3 stack, started here)")
     args = parser.parse_args()
 
-    env = s3_stack()
+    if args.endpoint:
+        env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+        env["S3_ENDPOINT_URL"] = args.endpoint
+        env["AWS_DEFAULT_REGION"] = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
+    else:
+        env = s3_stack()
     credentials = AwsCredentials(
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_DEFAULT_REGION"],
@@ -108,6 +118,7 @@ def main() -> None:
     work = Path(os.environ.get("GPUFERRY_CACHE", Path.home() / ".cache" / "gpuferry")) / "bench"
     work.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="p3-", dir=work))
+    os.environ["GPUFERRY_HOME"] = str(tmp / "home")  # an empty hash cache and upload journal
     try:
         src = tmp / "ckpt"
         size = make_checkpoint(src, args.shards, args.total_mib)
@@ -119,8 +130,13 @@ def main() -> None:
                 bucket.upload_from_path(path, f"s3bucket/{path.name}")
 
         def boto3_tuned() -> None:
-            # The same TransferConfig and connection pool as ours.
-            with create_transfer_manager(ours.client(), ours._upload_config()) as manager:
+            # The same part size, threshold, concurrency and connection pool as ours.
+            config = TransferConfig(
+                multipart_threshold=ours.multipart_threshold_mib * MiB,
+                multipart_chunksize=ours.multipart_chunksize_mib * MiB,
+                max_concurrency=ours.max_concurrency,
+            )
+            with create_transfer_manager(ours.client(), config) as manager:
                 futures = [manager.upload(str(p), bucket_name, f"boto3/{p.name}") for p in files]
                 for future in futures:
                     future.result()

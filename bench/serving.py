@@ -39,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from blocks.storage import write_manifest  # noqa: E402
 from workload import contract  # noqa: E402
 from workload.data import load_digits_split  # noqa: E402
 from workload.model import build_model  # noqa: E402
@@ -248,6 +249,7 @@ def main() -> None:
         checkpoint = workdir / contract.FINAL_DIRNAME
         checkpoint.mkdir()
         torch.save({"state_dict": model.state_dict(), "config": config}, checkpoint / contract.MODEL_FILENAME)
+        write_manifest(checkpoint)  # the server serves only a checkpoint with a manifest
         mlflow_uri, mlflow_env = log_to_mlflow(model, x, workdir)
 
         points: list[Point] = []

@@ -4,13 +4,18 @@ The layout is the one of ``LocalCheckpointStore``: ``s3://<bucket>/<bucket_folde
 holds the checkpoint's files and ``MANIFEST.json`` (path, size, sha256 of each file), written last;
 readers trust only a checkpoint that has one.
 
-Upload: each file is hashed, then sent only if the stored object does not already carry the same
-sha256 (object metadata ``sha256``) and size, so storing an unchanged checkpoint moves 0 bytes and an
-interrupted upload resumes without resending the files it finished (the parts an interrupted
-multipart upload left behind are aborted once the checkpoint is complete). Large files go multipart;
-the files share one transfer manager, so parts of several files are in flight at once. Each request
-carries botocore's body checksum (CRC32; S3 and MinIO reject a body that does not match it, moto does
-not check) and every object is read back (HEAD: size and sha256) after its upload. A changed
+Upload: each file is hashed (through the local hash cache, so an unchanged file is not read again),
+then sent only if the stored object does not already carry the same sha256 (object metadata
+``sha256``) and size, so storing an unchanged checkpoint moves 0 bytes and an interrupted upload
+resumes without resending the files it finished. Large files go multipart, parts of several files in
+flight at once. An interrupted multipart upload is resumed inside the file: this machine records each
+multipart upload it starts (store, key, upload id, the file's sha256 and part size; S3 does not say
+which content a pending upload was started for), and the next attempt at the same content lists the
+upload's parts, keeps those whose ETag is the MD5 of the local bytes, sends the rest and completes it.
+Other unfinished uploads under the checkpoint are aborted once it is complete. Each request carries
+botocore's body checksum (CRC32; S3 and MinIO reject a body that does not match it, moto does not
+check; multipart uploads declare it, as boto3's own do, so the store keeps it per part and for the
+whole object) and every object is read back (HEAD: size and sha256) after its upload. A changed
 checkpoint's old manifest is deleted before its first changed file is sent: readers never see a
 manifest that does not match the files.
 
@@ -24,10 +29,11 @@ non-AWS store. Errors are the S3 client's own; ``tasks/retry.py`` decides which 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -37,10 +43,12 @@ from prefect_aws import S3Bucket
 from pydantic import Field
 
 from blocks.errors import ChecksumMismatch, ConfigurationError, TransientError
+from blocks.home import gpuferry_home
 from blocks.specs import CheckpointRef
 from blocks.storage import (
     MANIFEST,
     CheckpointStore,
+    HashCache,
     checkpoint_files,
     checkpoint_ref,
     manifest_bytes,
@@ -51,6 +59,7 @@ from blocks.storage import (
 )
 
 _MiB = 1 << 20
+_MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 SHA256_METADATA = "sha256"  # stored as the object's x-amz-meta-sha256 header
 _CONFIG_ERRORS = {
     "NoSuchBucket": "the bucket does not exist: create it, or fix bucket.bucket_name",
@@ -127,16 +136,6 @@ class S3CheckpointStore(CheckpointStore):
     def uri_of(self, name: str) -> str:
         return f"s3://{self.bucket.bucket_name}/{self._checkpoint_key(name)}"
 
-    def _upload_config(self) -> Any:
-        from boto3.s3.transfer import TransferConfig
-
-        return TransferConfig(
-            multipart_threshold=self.multipart_threshold_mib * _MiB,
-            multipart_chunksize=self.multipart_chunksize_mib * _MiB,
-            max_concurrency=self.max_concurrency,
-            use_threads=True,
-        )
-
     def _download_config(self) -> Any:
         from boto3.s3.transfer import TransferConfig
 
@@ -154,34 +153,37 @@ class S3CheckpointStore(CheckpointStore):
         bucket, root = self.bucket.bucket_name, self._checkpoint_key(name)
         files = checkpoint_files(source)
         client = self.client()
+        cache, journal = HashCache(), UploadJournal(client.meta.endpoint_url, bucket)
         manifest_key = f"{root}/{MANIFEST}"
         with _explained(bucket, manifest_key):
             old_manifest = _read_object(client, bucket, manifest_key)
         invalidate = _Once(lambda: client.delete_object(Bucket=bucket, Key=manifest_key) if old_manifest else None)
 
-        from boto3.s3.transfer import create_transfer_manager
+        requests = _RequestPool(self.max_concurrency)
 
-        with create_transfer_manager(client, self._upload_config()) as transfers:
+        def store_one(path: Path) -> tuple[dict, int]:
+            entry = manifest_entry(source, path, cache)
+            key = f"{root}/{entry['path']}"
+            with _explained(bucket, key):
+                if _matches(_head(client, bucket, key), entry["size"], entry["sha256"]):
+                    return entry, 0
+                invalidate()  # the stored checkpoint is about to change: readers must not trust it
+                if entry["size"] >= self.multipart_threshold_mib * _MiB:
+                    sent = self._put_multipart(client, requests, journal, path, key, entry)
+                else:
+                    sent = requests.submit(_put_small, client, bucket, key, path, entry).result()
+                stored = _head(client, bucket, key)
+            if not _matches(stored, entry["size"], entry["sha256"]):
+                raise ChecksumMismatch(
+                    f"s3://{bucket}/{key}: after the upload the store reports {_describe(stored)}, "
+                    f"expected {entry['size']} bytes with sha256 {entry['sha256']}"
+                )
+            return entry, sent
 
-            def store_one(path: Path) -> tuple[dict, int]:
-                entry = manifest_entry(source, path)
-                key = f"{root}/{entry['path']}"
-                with _explained(bucket, key):
-                    if _matches(_head(client, bucket, key), entry["size"], entry["sha256"]):
-                        return entry, 0
-                    invalidate()  # the stored checkpoint is about to change: readers must not trust it
-                    transfers.upload(
-                        str(path), bucket, key, extra_args={"Metadata": {SHA256_METADATA: entry["sha256"]}}
-                    ).result()
-                    stored = _head(client, bucket, key)
-                if not _matches(stored, entry["size"], entry["sha256"]):
-                    raise ChecksumMismatch(
-                        f"s3://{bucket}/{key}: after the upload the store reports {_describe(stored)}, "
-                        f"expected {entry['size']} bytes with sha256 {entry['sha256']}"
-                    )
-                return entry, entry["size"]
-
+        try:
             results = _parallel(store_one, files, self.max_parallel_files)
+        finally:
+            requests.shutdown(wait=True, cancel_futures=True)
 
         manifest = manifest_from_entries([entry for entry, _ in results])
         raw = manifest_bytes(manifest)
@@ -197,6 +199,47 @@ class S3CheckpointStore(CheckpointStore):
         with _explained(bucket, root):
             _abort_leftover_uploads(client, bucket, root)
         return checkpoint_ref(f"s3://{bucket}/{root}", raw, manifest, sum(moved for _, moved in results))
+
+    def _put_multipart(
+        self, client: Any, requests: _RequestPool, journal: UploadJournal, path: Path, key: str, entry: dict
+    ) -> int:
+        """Upload ``path`` in parts, resuming this content's unfinished upload if there is one; returns bytes sent."""
+        bucket, size = self.bucket.bucket_name, entry["size"]
+        part_size = max(self.multipart_chunksize_mib * _MiB, -(-size // _MAX_PARTS))
+        upload_id, stored = None, {}
+        pending = journal.get(key)
+        if pending and (pending["sha256"], pending["part_size"]) == (entry["sha256"], part_size):
+            try:
+                stored = _listed_parts(client, bucket, key, pending["upload_id"])
+                upload_id = pending["upload_id"]
+            except Exception as exc:
+                if _error_code(exc) != "NoSuchUpload":  # aborted or expired meanwhile: start again
+                    raise
+        if upload_id is None:
+            upload_id = client.create_multipart_upload(
+                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}, ChecksumAlgorithm="CRC32"
+            )["UploadId"]
+            journal.record(key, upload_id, entry["sha256"], part_size)
+
+        with open(path, "rb") as f:
+
+            def send(number: int) -> tuple[dict, int]:
+                offset = (number - 1) * part_size
+                body = os.pread(f.fileno(), min(part_size, size - offset), offset)
+                done = stored.get(number)
+                if done and done["ETag"].strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest():
+                    return _completed_part(number, done), 0  # already stored by an earlier attempt
+                sent = client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body, ChecksumAlgorithm="CRC32"
+                )
+                return _completed_part(number, sent), len(body)
+
+            parts = _results(requests.submit_all(send, range(1, -(-size // part_size) + 1)))
+        client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [part for part, _ in parts]}
+        )
+        journal.forget(key)
+        return sum(sent for _, sent in parts)
 
     def get(self, uri: str, dest: str | Path) -> Path:
         bucket, root = parse_s3_uri(uri)
@@ -305,6 +348,60 @@ def _head(client: Any, bucket: str, key: str) -> dict | None:
         raise
 
 
+def _put_small(client: Any, bucket: str, key: str, path: Path, entry: dict) -> int:
+    with open(path, "rb") as body:
+        client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]})
+    return entry["size"]
+
+
+def _listed_parts(client: Any, bucket: str, key: str, upload_id: str) -> dict[int, dict]:
+    """Part number → the part (ETag, checksum) of the parts an unfinished multipart upload already holds."""
+    pages = client.get_paginator("list_parts").paginate(Bucket=bucket, Key=key, UploadId=upload_id)
+    return {part["PartNumber"]: part for page in pages for part in page.get("Parts", [])}
+
+
+def _completed_part(number: int, part: dict) -> dict:
+    """A part as CompleteMultipartUpload takes it: its ETag and, where the store keeps one, its CRC32."""
+    return {"PartNumber": number, **{k: part[k] for k in ("ETag", "ChecksumCRC32") if part.get(k)}}
+
+
+class UploadJournal:
+    """The multipart uploads this machine started into one bucket and has not completed, and for which content.
+
+    ListMultipartUploads shows neither an upload's metadata nor a checksum of the whole, so without this record
+    an upload begun for other content (whose ``sha256`` metadata the completed object would carry) could not be
+    told apart. One small JSON file per (endpoint, bucket, key) under ``$GPUFERRY_HOME/cache/s3-uploads``.
+    """
+
+    def __init__(self, endpoint: str, bucket: str, root: Path | None = None) -> None:
+        self.endpoint, self.bucket = endpoint, bucket
+        self.root = root if root is not None else gpuferry_home() / "cache" / "s3-uploads"
+
+    def _path(self, key: str) -> Path:
+        where = "\n".join((self.endpoint, self.bucket, key))
+        return self.root / f"{hashlib.sha256(where.encode()).hexdigest()}.json"
+
+    def get(self, key: str) -> dict | None:
+        try:
+            record = json.loads(self._path(key).read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and {"upload_id", "sha256", "part_size"} <= record.keys() else None
+
+    def record(self, key: str, upload_id: str, sha256: str, part_size: int) -> None:
+        path = self._path(key)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "upload_id": upload_id, "sha256": sha256, "part_size": part_size}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # without the record a later attempt sends the whole file again: slower, still correct
+
+    def forget(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
 def _abort_leftover_uploads(client: Any, bucket: str, root: str) -> int:
     """Abort the unfinished multipart uploads under a checkpoint whose every file is now stored.
 
@@ -346,14 +443,35 @@ class _Once:
                 self._done = True
 
 
+class _RequestPool(ThreadPoolExecutor):
+    """The requests (parts and small files) of every file of one upload, ``workers`` in flight at once. A file's
+    parts are queued together, so files finish one after another, each completed while the next one's parts are
+    sent, rather than all at the end."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix="gpuferry-s3-request")
+        self._queueing = threading.Lock()
+
+    def submit_all(self, fn: Callable[[Any], Any], items: Any) -> list[Future]:
+        with self._queueing:
+            return [self.submit(fn, item) for item in items]
+
+
+def _results(futures: list[Future]) -> list:
+    """The futures' results in order; on the first error the ones not started are cancelled, the running ones
+    awaited, and the error raised."""
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        raise
+
+
 def _parallel(fn: Callable[[Any], Any], items: list, workers: int) -> list:
     """``fn`` over ``items`` in threads, results in order; the first error is raised after all stop."""
     if workers <= 1 or len(items) <= 1:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="gpuferry-s3") as pool:
-        futures = [pool.submit(fn, item) for item in items]
-        errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        return [f.result() for f in futures]
+        return _results([pool.submit(fn, item) for item in items])

@@ -25,6 +25,7 @@ from prefect_docker.host import DockerHost
 from blocks.docker_image import MANIFEST_TYPES, DockerImageBuilder, ImageBuildFailed, _classify_push_error
 from blocks.errors import ConfigurationError, TransientError
 from blocks.images import WORKLOAD_DIR
+from blocks.storage import write_manifest
 from tasks.retry import is_transient
 from tests.stacks import stack_env
 from workload.model import N_FEATURES, build_model
@@ -253,6 +254,7 @@ def test_workload_image_runs_and_answers(stack: dict[str, str], engine: docker.D
     config = {"hidden": 16, "dropout": 0.0}
     torch.manual_seed(0)
     torch.save({"state_dict": build_model(config).state_dict(), "config": config}, model_dir / "model.pt")
+    write_manifest(model_dir)  # the server serves only a checkpoint with a manifest
     model_dir.chmod(0o755)
     (model_dir / "model.pt").chmod(0o644)
 

@@ -328,6 +328,7 @@ def workload_image(workload_builder: DockerImageBuilder) -> str:
 def _model_dir(tmp_path: Path, hidden: int) -> Path:
     import torch
 
+    from blocks.storage import write_manifest
     from workload.model import build_model
 
     path = tmp_path / f"model-{hidden}"
@@ -335,6 +336,7 @@ def _model_dir(tmp_path: Path, hidden: int) -> Path:
     config = {"hidden": hidden, "dropout": 0.0}
     torch.manual_seed(0)
     torch.save({"state_dict": build_model(config).state_dict(), "config": config}, path / "model.pt")
+    write_manifest(path)  # the server serves only a checkpoint with a manifest
     path.chmod(0o755)
     return path
 

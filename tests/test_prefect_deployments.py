@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from blocks._proc import free_port
+from blocks.storage import write_manifest
 from deployments import mlflow_events
 from deployments.poll_registry import RegistryPoller
 from deployments.webhook import sign
@@ -157,6 +158,7 @@ def register_versions(w: World, count: int) -> None:
         torch.manual_seed(i)
         model = build_model({"hidden": 16})
         torch.save({"state_dict": model.state_dict(), "config": {"hidden": 16}}, path / contract.MODEL_FILENAME)
+        write_manifest(path)  # the server serves only a checkpoint with a manifest
         client.create_model_version(w.model, source=source, run_id=run.info.run_id)
         client.set_terminated(run.info.run_id)
 

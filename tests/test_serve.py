@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,10 +28,13 @@ import numpy as np
 import pytest
 import torch
 
+from blocks.storage import MANIFEST, write_manifest
 from workload import contract
+from workload.contract import ManifestError
 from workload.data import load_digits_split
 from workload.model import build_model
-from workload.serve import fetch_model_file
+from workload.serve import UnverifiedCheckpoint, fetch_model
+from tests.stacks import stack_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE = 120.0  # seconds; only ever a bound on a wait for a condition
@@ -54,7 +58,8 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = DEADLINE
 @dataclass(frozen=True)
 class Trained:
     model: torch.nn.Module
-    checkpoint: Path  # the final/ directory holding model.pt
+    checkpoint: Path  # the final/ directory holding model.pt, metrics.json and MANIFEST.json
+    checkpoint_sha256: str  # of its MANIFEST.json
     x: np.ndarray  # held-out rows to classify
 
     def expected(self, rows: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -84,7 +89,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     checkpoint = tmp_path_factory.mktemp("checkpoint") / contract.FINAL_DIRNAME
     checkpoint.mkdir()
     torch.save({"state_dict": model.state_dict(), "config": config}, checkpoint / contract.MODEL_FILENAME)
-    return Trained(model, checkpoint, split["test"][0])
+    (checkpoint / contract.METRICS_FILENAME).write_text('{"val_accuracy": 0.9}')
+    return Trained(model, checkpoint, write_manifest(checkpoint), split["test"][0])
 
 
 # --------------------------------------------------------------------------------------------- the server
@@ -141,12 +147,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(argv: list[str], checkpoint: Path, log_path: Path, **settings: object) -> Server:
+def start_server(argv: list[str], checkpoint: Path | str, log_path: Path, **settings: object) -> Server:
     """Start the server and follow it until ready, recording what it answered before that."""
     port = _free_port()
     env = {
         **os.environ,
-        contract.MODEL_URI: checkpoint.as_uri(),
+        contract.MODEL_URI: checkpoint if isinstance(checkpoint, str) else checkpoint.as_uri(),
         contract.PORT: str(port),
         **{k: str(v) for k, v in settings.items()},
     }
@@ -262,6 +268,7 @@ def test_not_ready_until_warmed_up(server: Server, trained: Trained) -> None:
     assert info["ready"] is True
     assert info["model"]["uri"] == trained.checkpoint.as_uri()
     assert info["model"]["sha256"] == sha256
+    assert info["model"]["checkpoint_sha256"] == trained.checkpoint_sha256
     assert info["model"]["config"] == {"hidden": 32}
     assert httpx.get(f"{server.url}/", timeout=30).json()["model"]["sha256"] == sha256
 
@@ -457,15 +464,85 @@ async def _load_through_sigterm(srv: Server, trained: Trained, workers: int = 8)
     return outcome
 
 
-def test_model_uri_forms(trained: Trained) -> None:
+def test_model_uri_forms(trained: Trained, tmp_path: Path) -> None:
     model_file = trained.checkpoint / contract.MODEL_FILENAME
-    scratch = trained.checkpoint.parent
     for uri in (trained.checkpoint.as_uri(), model_file.as_uri(), str(trained.checkpoint), str(model_file)):
-        assert fetch_model_file(uri, scratch) == model_file
+        verified = fetch_model(uri, tmp_path)
+        assert verified.data == model_file.read_bytes()
+        assert verified.sha256 == hashlib.sha256(model_file.read_bytes()).hexdigest()
+        assert verified.checkpoint_sha256 == trained.checkpoint_sha256
     with pytest.raises(FileNotFoundError):
-        fetch_model_file((trained.checkpoint.parent / "missing").as_uri(), scratch)
+        fetch_model((trained.checkpoint.parent / "missing").as_uri(), tmp_path)
     with pytest.raises(ValueError, match="unsupported scheme"):
-        fetch_model_file("gs://bucket/model", scratch)
+        fetch_model("gs://bucket/model", tmp_path)
+
+
+def _copy(checkpoint: Path, dest: Path) -> Path:
+    dest.mkdir()
+    for path in checkpoint.iterdir():
+        (dest / path.name).write_bytes(path.read_bytes())
+    return dest
+
+
+def _tamper(path: Path) -> tuple[str, str]:
+    """Flip one byte (same size); returns the sha256 before and after."""
+    data = bytearray(path.read_bytes())
+    before = hashlib.sha256(data).hexdigest()
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(data)
+    return before, hashlib.sha256(data).hexdigest()
+
+
+def test_checkpoint_is_verified_against_its_manifest(trained: Trained, tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    # A changed model file: named, with the manifest's hash and the file's own.
+    bad_model = _copy(trained.checkpoint, tmp_path / "bad-model")
+    expected, actual = _tamper(bad_model / contract.MODEL_FILENAME)
+    size = (bad_model / contract.MODEL_FILENAME).stat().st_size
+    with pytest.raises(UnverifiedCheckpoint) as refused:
+        fetch_model(bad_model.as_uri(), scratch)
+    assert str(refused.value).startswith(
+        f"{bad_model}/model.pt: sha256 {actual} ({size} bytes) but MANIFEST.json says {expected} ({size} bytes)"
+    )
+    with pytest.raises(UnverifiedCheckpoint, match=f"sha256 {actual}"):  # naming model.pt itself: same check
+        fetch_model((bad_model / contract.MODEL_FILENAME).as_uri(), scratch)
+
+    # Every listed file is checked, not only the model: a changed, a truncated and a missing metrics.json.
+    bad_metrics = _copy(trained.checkpoint, tmp_path / "bad-metrics")
+    expected, actual = _tamper(bad_metrics / contract.METRICS_FILENAME)
+    with pytest.raises(UnverifiedCheckpoint, match=f"metrics.json: sha256 {actual} .* says {expected}"):
+        fetch_model(bad_metrics.as_uri(), scratch)
+    (bad_metrics / contract.METRICS_FILENAME).write_text("{}")
+    with pytest.raises(UnverifiedCheckpoint, match=r"metrics.json: sha256 \w+ \(2 bytes\) but .* \(21 bytes\)"):
+        fetch_model(bad_metrics.as_uri(), scratch)
+    (bad_metrics / contract.METRICS_FILENAME).unlink()
+    with pytest.raises(UnverifiedCheckpoint, match="metrics.json: listed in MANIFEST.json but missing"):
+        fetch_model(bad_metrics.as_uri(), scratch)
+
+    # No manifest, a manifest that does not list the model, one that is not a manifest: refused.
+    unverified = _copy(trained.checkpoint, tmp_path / "no-manifest")
+    (unverified / contract.MANIFEST_FILENAME).unlink()
+    with pytest.raises(UnverifiedCheckpoint, match="has no MANIFEST.json: refusing to serve"):
+        fetch_model(unverified.as_uri(), scratch)
+    (unverified / contract.MANIFEST_FILENAME).write_bytes(contract.manifest_bytes({"format": 1, "files": []}))
+    with pytest.raises(UnverifiedCheckpoint, match="MANIFEST.json does not list model.pt"):
+        fetch_model(unverified.as_uri(), scratch)
+    (unverified / contract.MANIFEST_FILENAME).write_text('{"files": "all of them"}')
+    with pytest.raises(ManifestError, match="is not a gpuferry manifest"):
+        fetch_model(unverified.as_uri(), scratch)
+
+
+def test_a_corrupt_checkpoint_is_never_served(trained: Trained, tmp_path: Path) -> None:
+    bad = _copy(trained.checkpoint, tmp_path / "bad")
+    expected, actual = _tamper(bad / contract.MODEL_FILENAME)
+    env = {**os.environ, contract.MODEL_URI: bad.as_uri(), contract.PORT: str(_free_port())}
+    proc = subprocess.run(
+        [sys.executable, "-m", "workload.serve"], cwd=REPO, env=env, capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "could not load the model" in proc.stderr and "model ready" not in proc.stderr
+    assert f"{bad}/model.pt: sha256 {actual}" in proc.stderr and f"MANIFEST.json says {expected}" in proc.stderr
 
 
 def test_a_model_that_cannot_be_loaded_exits_nonzero(tmp_path: Path) -> None:
@@ -475,3 +552,69 @@ def test_a_model_that_cannot_be_loaded_exits_nonzero(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1, proc.stderr
     assert "could not load the model" in proc.stderr and "no model file" in proc.stderr
+
+
+@pytest.mark.integration
+def test_serves_a_verified_s3_checkpoint_and_refuses_a_corrupt_one(
+    trained: Trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from blocks.s3 import S3CheckpointStore
+
+    env = stack_env("s3")
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])  # what the server (and fetch_model here) read
+    bucket = f"gpuferry-serve-{uuid.uuid4().hex[:10]}"
+    s3 = boto3.client("s3", endpoint_url=env["S3_ENDPOINT_URL"])
+    s3.create_bucket(Bucket=bucket)
+    store = S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=AwsCredentials(
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]))))  # fmt: skip
+    try:
+        ref = store.put(trained.checkpoint, "digits/run1")
+        assert ref.sha256 == trained.checkpoint_sha256  # the same manifest as the local one
+
+        srv = start_server([sys.executable, "-m", "workload.serve"], ref.uri, tmp_path / "serve.log",
+                           WARMUP_ITERATIONS=1, DRAIN_SECONDS=0)  # fmt: skip
+        try:
+            model = httpx.get(f"{srv.url}/readyz", timeout=30).json()["model"]
+            assert model["uri"] == ref.uri and model["checkpoint_sha256"] == ref.sha256
+            rows = trained.x[:3]
+            answer = httpx.post(f"{srv.url}/predict", json={"inputs": rows.tolist()}, timeout=30)
+            assert answer.json()["predictions"] == trained.expected(rows)[0]
+        finally:
+            assert srv.terminate() == 0, srv.log()
+
+        # The model object replaced by other bytes of the same size, its metadata claiming the old sha256.
+        key = f"{ref.uri.removeprefix(f's3://{bucket}/')}/{contract.MODEL_FILENAME}"
+        good = s3.get_object(Bucket=bucket, Key=key)
+        data = bytearray(good["Body"].read())
+        expected = hashlib.sha256(data).hexdigest()
+        data[-1] ^= 0xFF
+        s3.put_object(Bucket=bucket, Key=key, Body=bytes(data), Metadata=good["Metadata"])
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        with pytest.raises(UnverifiedCheckpoint) as refused:
+            fetch_model(ref.uri, scratch)
+        assert str(refused.value).startswith(
+            f"s3://{bucket}/{key}: sha256 {hashlib.sha256(data).hexdigest()} ({len(data)} bytes) "
+            f"but MANIFEST.json says {expected} ({len(data)} bytes)"
+        )
+        with pytest.raises(UnverifiedCheckpoint, match="sha256"):  # the model file's own URI: the same check
+            fetch_model(f"{ref.uri}/{contract.MODEL_FILENAME}", scratch)
+        # No manifest (an upload that did not finish): refused, and the server exits without becoming ready.
+        s3.delete_object(Bucket=bucket, Key=f"{ref.uri.removeprefix(f's3://{bucket}/')}/{MANIFEST}")
+        with pytest.raises(UnverifiedCheckpoint, match="has no MANIFEST.json: refusing to serve"):
+            fetch_model(ref.uri, scratch)
+        proc = subprocess.run(
+            [sys.executable, "-m", "workload.serve"], cwd=REPO, capture_output=True, text=True, timeout=DEADLINE,
+            env={**os.environ, contract.MODEL_URI: ref.uri, contract.PORT: str(_free_port())},
+        )  # fmt: skip
+        assert proc.returncode == 1 and "has no MANIFEST.json" in proc.stderr, proc.stderr
+    finally:
+        store.delete(f"s3://{bucket}/checkpoints")
+        s3.delete_bucket(Bucket=bucket)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
 from prefect.filesystems import LocalFileSystem
 
+import blocks.storage
 from blocks.errors import ChecksumMismatch, ConfigurationError
-from blocks.storage import MANIFEST, LocalCheckpointStore, verify_checkpoint
+from blocks.storage import MANIFEST, HashCache, LocalCheckpointStore, build_manifest, verify_checkpoint
 
 
 @pytest.fixture
@@ -86,3 +90,77 @@ def test_bad_names_and_empty_dirs(store: LocalCheckpointStore, tmp_path: Path, c
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigurationError, match="empty"):
         store.put(tmp_path / "empty", "m/r")
+
+
+# ---- the hash cache ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """The files actually read to hash them (by name), in a cache of this test's own."""
+    monkeypatch.setenv("GPUFERRY_HOME", str(tmp_path / "home"))
+    calls: list[str] = []
+    real = blocks.storage.sha256_file
+
+    def counting(path: Path) -> str:
+        calls.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(blocks.storage, "sha256_file", counting)
+    return calls
+
+
+def _age(*paths: Path) -> None:
+    """Set the files' mtime a minute back, as for a checkpoint written a while before it is stored."""
+    past = time.time_ns() - 60 * 10**9
+    for path in paths:
+        os.utime(path, ns=(past, past))
+
+
+def test_unchanged_files_are_not_hashed_again(
+    hashed: list[str], store: LocalCheckpointStore, checkpoint: Path
+) -> None:
+    files = [checkpoint / "model.pt", checkpoint / "shards" / "0.bin", checkpoint / "metrics.json"]
+    _age(*files)
+    first = store.put(checkpoint, "model/run1")
+    assert sorted(hashed) == ["0.bin", "metrics.json", "model.pt"]  # the sources; the copies are hashed as copied
+    hashed.clear()
+    again = store.put(checkpoint, "model/run1")
+    assert hashed == [] and again.bytes_uploaded == 0 and again.sha256 == first.sha256
+
+    # Touched (same bytes, another mtime): read again, nothing sent. Replaced by a copy with the same size and
+    # mtime (a new inode): read again too. The other file: not read.
+    earlier = time.time_ns() - 120 * 10**9
+    os.utime(checkpoint / "model.pt", ns=(earlier, earlier))
+    replacement = checkpoint / "shards" / ".0.bin.new"
+    shutil.copy2(checkpoint / "shards" / "0.bin", replacement)
+    os.replace(replacement, checkpoint / "shards" / "0.bin")
+    touched = store.put(checkpoint, "model/run1")
+    assert sorted(hashed) == ["0.bin", "model.pt"]
+    assert touched.bytes_uploaded == 0 and touched.sha256 == first.sha256
+    hashed.clear()
+    # New content of the same size: read (once: the stored copy's hash is the one recorded as it was copied).
+    (checkpoint / "metrics.json").write_text('{"val_accuracy": 0.98}')
+    changed = store.put(checkpoint, "model/run1")
+    assert hashed == ["metrics.json"]
+    assert changed.bytes_uploaded == 22 and changed.sha256 != first.sha256
+    assert verify_checkpoint(changed.uri) == changed.sha256
+
+
+def test_a_file_hashed_just_after_it_was_written_is_hashed_again(hashed: list[str], tmp_path: Path) -> None:
+    cache = HashCache(tmp_path / "cache")
+    fresh = tmp_path / "fresh.bin"
+    fresh.write_bytes(b"x" * 1000)
+    digest = hashlib.sha256(b"x" * 1000).hexdigest()
+    # Written within the timestamp granularity of its hashing, it could change again without a new mtime.
+    assert cache.sha256(fresh) == digest and cache.sha256(fresh) == digest
+    assert hashed == ["fresh.bin", "fresh.bin"]
+    _age(fresh)
+    hashed.clear()
+    assert [cache.sha256(fresh) for _ in range(3)] == [digest] * 3
+    assert hashed == ["fresh.bin"]
+    # A size change with mtime and inode kept is caught by the size.
+    stat = fresh.stat()
+    fresh.write_bytes(b"y" * 1001)
+    os.utime(fresh, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert cache.sha256(fresh) == hashlib.sha256(b"y" * 1001).hexdigest()

@@ -44,9 +44,21 @@ Inference server
                         Credentials for ``s3://`` model URIs (boto3's own names).
 Endpoints: ``POST /predict`` (``{"inputs": [[64 floats], ...]}`` → ``{"predictions":
 [...], "probabilities": [[...]]}``), ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+The server serves only a checkpoint whose manifest (below) matches every file it lists.
+
+Checkpoint manifest
+-------------------
+A stored checkpoint directory holds ``MANIFEST.json``, written last by gpuferry's checkpoint
+stores: ``{"format": 1, "files": [{"path", "size", "sha256"}, ...]}``, one entry per file
+(``path`` relative, ``/``-separated, sorted; the manifest itself not listed), encoded by
+``manifest_bytes``. The checkpoint's identity is the sha256 of those bytes. Readers trust only
+a checkpoint that has a manifest, and only files whose size and sha256 match it.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 # Training job
 CHECKPOINT_DIR = "CHECKPOINT_DIR"
@@ -80,3 +92,36 @@ MAX_QUEUE = "MAX_QUEUE"
 
 # The validation metric the training job logs, and which way is better.
 VALIDATION_METRIC = "val_accuracy"
+
+
+# Checkpoint manifest (the format above; gpuferry's stores write it, the inference server checks it)
+MANIFEST_FILENAME = "MANIFEST.json"
+MANIFEST_FORMAT = 1
+
+
+class ManifestError(ValueError):
+    """A manifest that is not in the format above, or that names a path outside its checkpoint."""
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """The manifest's stored bytes: sorted keys, no spaces, so the same files give the same sha256."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    """A stored manifest, checked: known format, typed entries, every path relative and inside the checkpoint."""
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        ok = manifest.get("format") == MANIFEST_FORMAT and all(
+            isinstance(e["path"], str) and isinstance(e["size"], int) and isinstance(e["sha256"], str) for e in files
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ManifestError(f"{where}: {MANIFEST_FILENAME} is not a gpuferry manifest (format {MANIFEST_FORMAT})")
+    for entry in files:
+        parts = entry["path"].split("/")
+        if entry["path"].startswith("/") or ".." in parts or "" in parts or entry["path"] == MANIFEST_FILENAME:
+            raise ManifestError(f"{where}: {MANIFEST_FILENAME} lists an unsafe path {entry['path']!r}")
+    return manifest

@@ -5,7 +5,10 @@ Run it as ``python -m workload.serve`` or ``python workload/serve.py``. Settings
 
 ``MODEL_URI``          ``file://`` URI or plain path of a checkpoint directory holding ``model.pt``, or of the
                        ``model.pt`` itself; or ``s3://bucket/key`` of either (boto3, which honours
-                       ``AWS_ENDPOINT_URL`` and the usual credential variables). Required.
+                       ``AWS_ENDPOINT_URL`` and the usual credential variables). Required. The checkpoint
+                       directory must hold ``MANIFEST.json`` (``workload/contract.py``): every file it lists is
+                       checked (size and sha256) before the model loads, and a checkpoint without one, or with a
+                       file that does not match, is refused: the server exits 1 without becoming ready.
 ``HOST``, ``PORT``     Where to listen (127.0.0.1:8080).
 ``MAX_BATCH_SIZE``     Rows per forward pass (64). A single request larger than this runs as a batch of its own.
 ``MAX_BATCH_WAIT_MS``  The longest the oldest queued request waits for its batch to fill (2). The batch leaves
@@ -28,7 +31,8 @@ Endpoints:
                    or the queue is full; 413 for a body far larger than ``MAX_REQUEST_ROWS`` rows can need.
 ``GET /healthz``   200 as soon as the process listens.
 ``GET /readyz``    200 once the model is loaded and warmed up, 503 before that and while draining; the JSON
-                   body carries the state and the model's URI, file hash and config (``GET /`` returns the same).
+                   body carries the state and the model's URI, file hash, checkpoint (manifest) hash and config
+                   (``GET /`` returns the same).
 ``GET /metrics``   Prometheus text: requests by status code, request latency, rows per forward pass, queue depth.
 
 Concurrent requests are queued and run through the model together; each caller gets its own rows back. On
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
 import logging
 import math
@@ -186,28 +191,42 @@ def torch_threads_for(device: torch.device, requested: int | None) -> int:
 @dataclass(frozen=True)
 class ModelInfo:
     uri: str
-    sha256: str
+    sha256: str  # of model.pt
+    checkpoint_sha256: str  # of the checkpoint's MANIFEST.json: its identity, as recorded in MLflow
     config: dict[str, Any]
     device: str
 
     def as_json(self) -> dict[str, Any]:
-        return {"uri": self.uri, "sha256": self.sha256, "config": self.config, "device": self.device}
+        return {
+            "uri": self.uri,
+            "sha256": self.sha256,
+            "checkpoint_sha256": self.checkpoint_sha256,
+            "config": self.config,
+            "device": self.device,
+        }
 
 
-def fetch_model_file(uri: str, scratch: Path) -> Path:
-    """The local path of the ``model.pt`` that ``uri`` names, downloading it into ``scratch`` for ``s3://``."""
+class UnverifiedCheckpoint(Exception):
+    """The checkpoint has no manifest, or a file that does not match it: it is not served."""
+
+
+@dataclass(frozen=True)
+class VerifiedModel:
+    data: bytes  # model.pt's bytes, checked against the manifest (loaded from memory: no second read to race)
+    sha256: str
+    checkpoint_sha256: str
+
+
+def fetch_model(uri: str, scratch: Path) -> VerifiedModel:
+    """The model that ``uri`` names, with every file of its checkpoint checked against the checkpoint's manifest.
+
+    ``s3://`` checkpoints are downloaded into ``scratch`` (one streamed GET per file, hashed on the way).
+    """
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
-        import boto3  # only s3:// URIs need it
-
-        key = parsed.path.lstrip("/")
-        if not key.endswith(contract.MODEL_FILENAME):
-            key = f"{key.rstrip('/')}/{contract.MODEL_FILENAME}".lstrip("/")
-        target = scratch / contract.MODEL_FILENAME
-        # boto3 reads AWS_ENDPOINT_URL itself from 1.28 on; passing it keeps older releases on the same endpoint.
-        client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
-        client.download_file(parsed.netloc, key, str(target))
-        return target
+        key = parsed.path.strip("/")
+        root, _, name = key.rpartition("/") if key.endswith(contract.MODEL_FILENAME) else (key, "", "")
+        return _fetch_s3(parsed.netloc, root, name or contract.MODEL_FILENAME, scratch)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"{uri}: file:// URIs must name a local path (file:///path)")
@@ -216,21 +235,96 @@ def fetch_model_file(uri: str, scratch: Path) -> Path:
         path = Path(uri)
     else:
         raise ValueError(f"{uri}: unsupported scheme {parsed.scheme!r} (use file://, s3:// or a path)")
-    if path.is_dir():
-        path = path / contract.MODEL_FILENAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{uri}: no model file at {path}")
-    return path
+    root, name = (path, contract.MODEL_FILENAME) if path.is_dir() else (path.parent, path.name)
+    if not (root / name).is_file():
+        raise FileNotFoundError(f"{uri}: no model file at {root / name}")
+    try:
+        raw = (root / contract.MANIFEST_FILENAME).read_bytes()
+    except FileNotFoundError:
+        raise UnverifiedCheckpoint(_no_manifest(root)) from None
+    files = _manifest_files(raw, str(root), name)
+    for entry in files:
+        if entry["path"] != name:
+            _check_file(entry, root / entry["path"], f"{root}/{entry['path']}")
+    data = (root / name).read_bytes()
+    _check(_entry(files, name), len(data), hashlib.sha256(data).hexdigest(), f"{root}/{name}")
+    return VerifiedModel(data, _entry(files, name)["sha256"], hashlib.sha256(raw).hexdigest())
+
+
+def _fetch_s3(bucket: str, root: str, name: str, scratch: Path) -> VerifiedModel:
+    import boto3  # only s3:// URIs need it
+
+    # boto3 reads AWS_ENDPOINT_URL itself from 1.28 on; passing it keeps older releases on the same endpoint.
+    client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None)
+    prefix = f"{root}/" if root else ""
+    where = f"s3://{bucket}/{root}"
+    try:
+        raw = client.get_object(Bucket=bucket, Key=f"{prefix}{contract.MANIFEST_FILENAME}")["Body"].read()
+    except client.exceptions.NoSuchKey:
+        raise UnverifiedCheckpoint(_no_manifest(where)) from None
+    files = _manifest_files(raw, where, name)
+    for entry in files:
+        where = f"s3://{bucket}/{prefix}{entry['path']}"
+        target = scratch / entry["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        digest, size = hashlib.sha256(), 0
+        try:  # one plain GET per file, hashed as it streams (ranged GETs are slow on some S3-compatible servers)
+            body = client.get_object(Bucket=bucket, Key=f"{prefix}{entry['path']}")["Body"]
+        except client.exceptions.NoSuchKey:
+            raise UnverifiedCheckpoint(f"{where}: listed in {contract.MANIFEST_FILENAME} but missing") from None
+        with open(target, "wb") as out:
+            for chunk in body.iter_chunks(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        _check(entry, size, digest.hexdigest(), where)
+    return VerifiedModel((scratch / name).read_bytes(), _entry(files, name)["sha256"], hashlib.sha256(raw).hexdigest())
+
+
+def _no_manifest(where: object) -> str:
+    return (
+        f"{where} has no {contract.MANIFEST_FILENAME}: refusing to serve a checkpoint that cannot be verified "
+        "(store it with a gpuferry checkpoint store, which writes the manifest last)"
+    )
+
+
+def _manifest_files(raw: bytes, where: str, model_name: str) -> list[dict[str, Any]]:
+    files = contract.parse_manifest(raw, where)["files"]
+    if not any(entry["path"] == model_name for entry in files):
+        raise UnverifiedCheckpoint(f"{where}/{contract.MANIFEST_FILENAME} does not list {model_name}")
+    return files
+
+
+def _entry(files: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(entry for entry in files if entry["path"] == name)
+
+
+def _check_file(entry: dict[str, Any], path: Path, where: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            size = f.tell()
+    except FileNotFoundError:
+        raise UnverifiedCheckpoint(f"{where}: listed in {contract.MANIFEST_FILENAME} but missing") from None
+    _check(entry, size, digest, where)
+
+
+def _check(entry: dict[str, Any], size: int, sha256: str, where: str) -> None:
+    if size != entry["size"] or sha256 != entry["sha256"]:
+        raise UnverifiedCheckpoint(
+            f"{where}: sha256 {sha256} ({size} bytes) but {contract.MANIFEST_FILENAME} says {entry['sha256']} "
+            f"({entry['size']} bytes): the checkpoint is corrupt or incomplete; refusing to serve it"
+        )
 
 
 def load_model(uri: str, device: torch.device) -> tuple[nn.Module, ModelInfo]:
-    """Fetch and load the checkpoint onto ``device``, in eval mode."""
+    """Fetch, verify and load the checkpoint onto ``device``, in eval mode."""
     with tempfile.TemporaryDirectory(prefix="serve-model-") as scratch:
-        path = fetch_model_file(uri, Path(scratch))
-        sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
-        model, config = load_model_file(str(path), map_location="cpu")
+        verified = fetch_model(uri, Path(scratch))
+    model, config = load_model_file(io.BytesIO(verified.data), map_location="cpu")
     model.to(device).requires_grad_(False)
-    return model, ModelInfo(uri=uri, sha256=sha256, config=config, device=str(device))
+    info = ModelInfo(uri, verified.sha256, verified.checkpoint_sha256, config, str(device))
+    return model, info
 
 
 class Predictor:
@@ -541,9 +635,10 @@ class InferenceApp:
         self._tasks.append(asyncio.create_task(self.batcher.run()))
         self.phase = "loaded"
         log.info(
-            "model ready in %.1f s: sha256=%s config=%s device=%s",
+            "model ready in %.1f s: sha256=%s checkpoint_sha256=%s config=%s device=%s",
             time.monotonic() - started,
             info.sha256,
+            info.checkpoint_sha256,
             json.dumps(info.config),
             info.device,
         )
