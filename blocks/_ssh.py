@@ -27,3 +27,78 @@ def load_private_key(text: str, passphrase: str | None) -> paramiko.PKey:
         except (paramiko.SSHException, ValueError) as exc:
             errors.append(f"{cls.__name__}: {exc}")
     raise ConfigurationError(f"private_key is not an OpenSSH/PEM private key ({'; '.join(errors)})")
+
+
+class RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
+    """Never trust a host key that is not in known_hosts; say how to check and add it."""
+
+    def __init__(self, check_against: str) -> None:
+        self.check_against = check_against
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise ConfigurationError(
+            f"the SSH host key of {hostname} is not in known_hosts (it offered {key.get_name()} {fingerprint(key)}); "
+            "refusing to connect. Fix: run `ssh-keyscan -p PORT HOST`, check that the fingerprint "
+            f"(`ssh-keygen -lf -` on its output) {self.check_against}, and put the line into the block's known_hosts"
+        )
+
+
+def connect_verified(
+    *, address: str, port: int, user: str, key: paramiko.PKey, known: paramiko.HostKeys, timeout: float,
+    name: str, check_against: str,
+) -> paramiko.SSHClient:  # fmt: skip
+    """An SSH client connected to ``address`` with a host key from ``known`` only, and keepalives on.
+
+    ``name`` is how errors call the host; ``check_against`` says where its real fingerprint is found.
+    A changed or unknown host key and a refused login are ``ConfigurationError``; anything else that
+    goes wrong on the way (refused connection, timeout, reset) is left to the caller as the
+    ``OSError`` / ``EOFError`` / ``paramiko.SSHException`` it is, after the client is closed.
+    """
+    client = paramiko.SSHClient()
+    host_keys = client.get_host_keys()
+    for host_name in known.keys():
+        for key_type, host_key in known.lookup(host_name).items():
+            host_keys.add(host_name, key_type, host_key)
+    client.set_missing_host_key_policy(RefuseUnknownHost(check_against))
+    try:
+        client.connect(
+            address, port=port, username=user, pkey=key, timeout=timeout, banner_timeout=timeout,
+            auth_timeout=timeout, look_for_keys=False, allow_agent=False,
+        )  # fmt: skip
+    except paramiko.BadHostKeyException as exc:
+        client.close()
+        raise ConfigurationError(
+            f"the SSH host key of {name} CHANGED: known_hosts has {exc.expected_key.get_name()} "
+            f"{fingerprint(exc.expected_key)}, the host offered {exc.key.get_name()} {fingerprint(exc.key)}; "
+            f"refusing to connect. This is a reinstalled host or someone in between: confirm the new fingerprint "
+            f"({check_against}), then replace its line in known_hosts"
+        ) from exc
+    except paramiko.AuthenticationException as exc:
+        client.close()
+        raise ConfigurationError(
+            f"{name}: SSH login as {user}@{address}:{port} was refused ({exc}): check user and private_key, "
+            "and that the public key is in the user's authorized_keys"
+        ) from exc
+    except BaseException:
+        client.close()
+        raise
+    transport = client.get_transport()
+    if transport is not None:
+        transport.set_keepalive(30)
+    return client
+
+
+def parse_known_hosts(text: str) -> paramiko.HostKeys:
+    """The keys of a known_hosts text (comments and blank lines skipped); a clear error for a bad line."""
+    keys = paramiko.HostKeys()
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(line, number)
+            except (paramiko.SSHException, ValueError) as exc:
+                raise ConfigurationError(f"known_hosts line {number} is not a known_hosts entry: {exc}") from exc
+            if entry is None:
+                raise ConfigurationError(f"known_hosts line {number} is not a known_hosts entry: {line[:80]!r}")
+            for name in entry.hostnames:
+                keys.add(name, entry.key.get_name(), entry.key)
+    return keys

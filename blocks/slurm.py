@@ -45,7 +45,7 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks.compute import ComputeBackend
-from blocks._ssh import fingerprint, load_private_key
+from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.docker_image import _registry_parts
 from blocks.slurm_script import ADDITIONAL_DIRECTIVES, CONTAINER_RUNTIMES, Container, check_name, check_pinned_image, sbatch_script
@@ -126,18 +126,6 @@ def _index_ranges(indexes: Iterable[int]) -> str:
     if run:
         parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(parts)
-
-
-class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        raise ConfigurationError(
-            f"the SSH host key of {hostname} is not in known_hosts (it offered {key.get_name()} "
-            f"{fingerprint(key)}); refusing to connect. Fix: run `ssh-keyscan -p PORT HOST`, check that the "
-            "fingerprint (`ssh-keygen -lf -` on its output) matches the one the cluster's admins publish, and "
-            "put the line into the block's known_hosts field"
-        )
-
-
 
 
 class SlurmCluster(ComputeBackend):
@@ -229,45 +217,16 @@ class SlurmCluster(ComputeBackend):
             self.private_key.get_secret_value(),
             self.private_key_passphrase.get_secret_value() if self.private_key_passphrase else None,
         )
-        client = paramiko.SSHClient()
-        host_keys = client.get_host_keys()
-        for number, line in enumerate(self.known_hosts.splitlines(), 1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                entry = paramiko.hostkeys.HostKeyEntry.from_line(line, number)
-                if entry is None:
-                    raise ConfigurationError(f"known_hosts line {number} is not a known_hosts entry: {line[:80]!r}")
-                for name in entry.hostnames:
-                    host_keys.add(name, entry.key.get_name(), entry.key)
-        client.set_missing_host_key_policy(_RefuseUnknownHost())
         try:
-            client.connect(
-                self.host, port=self.port, username=self.user, pkey=key, timeout=self.connect_timeout,
-                banner_timeout=self.connect_timeout, auth_timeout=self.connect_timeout,
-                look_for_keys=False, allow_agent=False,
+            return connect_verified(
+                address=self.host, port=self.port, user=self.user, key=key, known=parse_known_hosts(self.known_hosts),
+                timeout=self.connect_timeout, name=f"{self.host}:{self.port}",
+                check_against="matches the one the cluster's admins publish",
             )  # fmt: skip
-        except paramiko.BadHostKeyException as exc:
-            client.close()
-            raise ConfigurationError(
-                f"the SSH host key of {self.host}:{self.port} CHANGED: known_hosts has {fingerprint(exc.expected_key)}, "
-                f"the server offered {fingerprint(exc.key)}. This is either a reinstalled login node or an attack; "
-                "confirm the new fingerprint with the cluster's admins, then replace the line in known_hosts"
-            ) from exc
-        except paramiko.AuthenticationException as exc:
-            client.close()
-            raise ConfigurationError(
-                f"SSH login as {self.user}@{self.host}:{self.port} was refused ({exc}): check user and private_key, "
-                "and that the public key is in the user's authorized_keys"
-            ) from exc
         except GpuferryError:
-            client.close()
             raise
         except (OSError, EOFError, paramiko.SSHException) as exc:
-            client.close()
             raise TransientError(f"cannot reach the login node {self.host}:{self.port}: {exc}") from exc
-        transport = client.get_transport()
-        if transport is not None:
-            transport.set_keepalive(30)
-        return client
 
     def _ssh(self) -> paramiko.SSHClient:
         with self._lock:

@@ -65,7 +65,7 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from blocks._ssh import fingerprint, load_private_key
+from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.provision import (
     NVIDIA_SMI_QUERY,
@@ -311,16 +311,6 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger("gpuferry.ssh_hosts")
 
 
-
-
-class _RefuseUnknownHost(paramiko.MissingHostKeyPolicy):
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        raise ConfigurationError(
-            f"the SSH host key of {hostname} is not in known_hosts (it offered {key.get_name()} {fingerprint(key)}); "
-            "refusing to connect. Fix: run `ssh-keyscan -p PORT ADDRESS`, check that the fingerprint "
-            "(`ssh-keygen -lf -` on its output) is the host's own (compare with `ssh-keygen -lf "
-            "/etc/ssh/ssh_host_ed25519_key.pub` on its console), and add the line to the block's known_hosts"
-        )
 
 
 class SshHost(BaseModel):
@@ -872,18 +862,7 @@ class SshHosts(NodeProvider):
         return outcomes
 
     def _host_keys(self) -> paramiko.HostKeys:
-        keys = paramiko.HostKeys()
-        for number, line in enumerate(self.known_hosts.splitlines(), 1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                try:
-                    entry = paramiko.hostkeys.HostKeyEntry.from_line(line, number)
-                except (paramiko.SSHException, ValueError) as exc:
-                    raise ConfigurationError(f"known_hosts line {number} is not a known_hosts entry: {exc}") from exc
-                if entry is None:
-                    raise ConfigurationError(f"known_hosts line {number} is not a known_hosts entry: {line[:80]!r}")
-                for name in entry.hostnames:
-                    keys.add(name, entry.key.get_name(), entry.key)
-        return keys
+        return parse_known_hosts(self.known_hosts)
 
     def _connect(self, host: SshHost, key: paramiko.PKey, known: paramiko.HostKeys) -> _Session:
         """A connection to ``host``; connection failures are retried with exponential backoff."""
@@ -907,40 +886,16 @@ class SshHosts(NodeProvider):
         )
 
     def _connect_once(self, host: SshHost, key: paramiko.PKey, known: paramiko.HostKeys) -> paramiko.SSHClient:
-        client = paramiko.SSHClient()
-        host_keys = client.get_host_keys()
-        for name in known.keys():
-            for key_type, host_key in known.lookup(name).items():
-                host_keys.add(name, key_type, host_key)
-        client.set_missing_host_key_policy(_RefuseUnknownHost())
         try:
-            client.connect(
-                host.address, port=host.port, username=host.user, pkey=key, timeout=self.connect_timeout,
-                banner_timeout=self.connect_timeout, auth_timeout=self.connect_timeout,
-                look_for_keys=False, allow_agent=False,
+            return connect_verified(
+                address=host.address, port=host.port, user=host.user, key=key, known=known,
+                timeout=self.connect_timeout, name=f"{host.node_name} ({host.known_hosts_name})",
+                check_against="is the host's own: compare with `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` "
+                "on its console",
             )  # fmt: skip
-        except paramiko.BadHostKeyException as exc:
-            client.close()
-            raise ConfigurationError(
-                f"the SSH host key of {host.node_name} ({host.known_hosts_name}) CHANGED: known_hosts has "
-                f"{exc.expected_key.get_name()} {fingerprint(exc.expected_key)}, the host offered "
-                f"{exc.key.get_name()} {fingerprint(exc.key)}; refusing to connect. This is a reinstalled host or "
-                "someone in between: confirm the new fingerprint on the host's console (`ssh-keygen -lf "
-                "/etc/ssh/ssh_host_ed25519_key.pub`), then replace its line in known_hosts"
-            ) from exc
-        except paramiko.AuthenticationException as exc:
-            client.close()
-            raise ConfigurationError(
-                f"{host.node_name}: SSH login as {host.user}@{host.address}:{host.port} was refused ({exc}): check "
-                "user and private_key, and that the public key is in the user's authorized_keys"
-            ) from exc
-        except GpuferryError as exc:
-            client.close()
+        except ConfigurationError as exc:
+            if host.node_name in str(exc):
+                raise
             raise ConfigurationError(f"{host.node_name}: {exc}") from exc
         except (OSError, EOFError, paramiko.SSHException) as exc:
-            client.close()
             raise TransientError(str(exc) or type(exc).__name__) from exc
-        transport = client.get_transport()
-        if transport is not None:
-            transport.set_keepalive(30)
-        return client
