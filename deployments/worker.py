@@ -32,19 +32,23 @@ from typing import Any
 
 STANDBY_FLAG = "--standby"
 # Everything the project's flows import comes with these (flows.deploy_model imports flows.retrain,
-# which imports every block and task).
-DEFAULT_PRELOAD = ("flows.deploy_model", "flows.sweep", "flows.provision")
+# which imports every block and task); mlflow is imported by the tracking block's first call.
+DEFAULT_PRELOAD = ("flows.deploy_model", "flows.sweep", "flows.provision", "mlflow")
 
 
 # ---- the standby process ----
 
 
 def _project_files(root: Path) -> dict[str, float]:
-    """The modules loaded from under ``root`` and their mtimes."""
+    """The modules loaded from under ``root`` (not from the environment's packages) and their mtimes."""
+    environment = Path(sys.prefix).resolve()
     files: dict[str, float] = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
-        if path and Path(path).resolve().is_relative_to(root):
+        if not path:
+            continue
+        resolved = Path(path).resolve()
+        if resolved.is_relative_to(root) and not resolved.is_relative_to(environment):
             with contextlib.suppress(OSError):
                 files[path] = os.stat(path).st_mtime
     return files
