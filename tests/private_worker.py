@@ -92,8 +92,12 @@ def worker_env(api_url: str, home: Path) -> dict[str, str]:
     return env
 
 
-def start_worker(pool: str, name: str, env: dict[str, str], log: Path, kind: str = "standby") -> subprocess.Popen[bytes]:
-    """Start a worker for ``pool`` (created if missing) and wait until the server lists it."""
+def start_worker(pool: str, name: str, env: dict[str, str], log: Path, kind: str = "standby",
+                 new_session: bool = False) -> subprocess.Popen[bytes]:  # fmt: skip
+    """Start a worker for ``pool`` (created if missing) and wait until the server lists it.
+
+    ``new_session``: the worker leads a process group of its own (with the flow-run processes it starts),
+    which ``os.killpg`` can kill at once."""
     if kind == "standby":
         argv = [sys.executable, "-m", "deployments.worker", "--pool", pool, "--name", name, "--code-dir", str(REPO)]
     elif kind == "process":
@@ -101,7 +105,7 @@ def start_worker(pool: str, name: str, env: dict[str, str], log: Path, kind: str
     else:
         raise ValueError(f"kind={kind!r}: use 'standby' (deployments/worker.py) or 'process' (Prefect's)")
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
 
     def listed() -> bool:
         from prefect.client.orchestration import SyncPrefectClient
