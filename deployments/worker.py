@@ -86,6 +86,8 @@ def standby(preload: list[str]) -> None:
     env: dict[str, str] = order["env"]
     os.chdir(order["cwd"])
     if failed is not None or _stale(files):
+        why = f"its preload failed ({failed!r})" if failed is not None else "project files changed since its preload"
+        print(f"standby process {os.getpid()}: {why}: starting a fresh engine", file=sys.stderr, flush=True)
         os.execve(sys.executable, [sys.executable, "-m", "prefect.engine"], env)
 
     import runpy

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A Prefect server on this machine's PostgreSQL, the `gpuferry` process work pool and one worker for it.
+# A Prefect server on this machine's PostgreSQL, the `gpuferry` process work pool, one worker for it
+# (deployments/worker.py) and the automation that marks runs whose process died Crashed (deployments/crashed_runs.py).
 #
 #   bash scripts/prefect.sh up     # idempotent: a second `up` only checks that everything answers
 #   bash scripts/prefect.sh down   # stops the worker and the server it started; keeps the database
@@ -102,6 +103,13 @@ ensure_pool() {
     || die "could not create the work pool $POOL"
 }
 
+# A run whose process died with its worker stays Running unless something marks it: the heartbeat
+# automation of deployments/crashed_runs.py crashes it (idempotent: updated in place when it exists).
+ensure_crash_automation() {
+  PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$REPO/.venv/bin/python" -m deployments.crashed_runs >/dev/null \
+    || die "could not register the crashed-run automation (python -m deployments.crashed_runs)"
+}
+
 start_worker() {
   if running "$RUN/worker.pid" "$WORKER_PATTERN"; then
     log "worker already running (pid $(cat "$RUN/worker.pid"))"
@@ -195,6 +203,7 @@ up() {
   ensure_database
   start_server
   ensure_pool
+  ensure_crash_automation
   start_worker
   ensure_chromium
   write_env

@@ -225,6 +225,23 @@ def serving(w: World) -> dict | None:
 # ------------------------------------------------------------------------------------------------ tests
 
 
+def test_deploy_all_registers_a_deployment_for_every_flow(world: World) -> None:
+    expected = {
+        "retrain/weekly": "flows/retrain.py:retrain",
+        "sweep/sweep": "flows/sweep.py:sweep",
+        "deploy-model/on-champion": "flows/deploy_model.py:deploy_model",
+        "provision/provision": "flows/provision.py:provision",
+        "release/release": "flows/provision.py:release",
+    }
+    with world.client() as client:
+        registered = {name: client.read_deployment_by_name(name) for name in expected}
+    assert {name: dep.entrypoint for name, dep in registered.items()} == expected
+    assert {dep.work_pool_name for dep in registered.values()} == {"gpuferry"}
+    assert registered["sweep/sweep"].parameters["grid"]["values"]["lr"] == [0.001, 0.003, 0.01]
+    assert registered["provision/provision"].parameters["count"] == 1
+    assert "nodes" in registered["release/release"].parameter_openapi_schema["required"]
+
+
 def test_weekly_retrain_is_scheduled_for_the_next_monday_3am(world: World) -> None:
     with world.client() as client:
         dep = client.read_deployment_by_name("retrain/weekly")
