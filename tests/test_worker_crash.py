@@ -12,21 +12,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import SecretStr
 
 from tests import private_worker
+from tests.test_pipeline_slurm import slurm_stack
 from tests.stacks import stack_env
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parent.parent
 HEARTBEAT_S = 30  # Prefect's minimum interval
 CRASH_AFTER_S = 90  # no heartbeat for this long: crashed
 DEADLINE = 900.0  # seconds: a whole retrain on a busy 2-core machine
@@ -69,21 +67,9 @@ class World:
 
 
 def save_stack(w: World) -> None:
-    from blocks.provision import ClusterManaged
     from blocks.serving import LocalServing
-    from blocks.slurm import SlurmCluster
-    from blocks.stack import Stack
 
-    env = w.slurm
-    stack = Stack.embedded()
-    stack.provider = ClusterManaged(cluster_name="gpuferry-test")
-    stack.compute = SlurmCluster(
-        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
-        workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"crash-{w.uid}"),
-        partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
-    )  # fmt: skip
+    stack = slurm_stack(w.slurm)  # training on the Slurm stack, over SSH
     stack.serving = LocalServing(state_dir=str(w.tmp / "serving"), drain_seconds=2)
     stack.save(w.stack, overwrite=True)
 
