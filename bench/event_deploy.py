@@ -242,7 +242,7 @@ class Bench:
             self.next_version += 1
             MlflowClient(self.tracking_uri).set_registered_model_alias(self.model, self.alias, version)
             try:
-                wait_for("a delivery", lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["accepted"],
+                wait_for("a delivery", lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["emitted"],
                          timeout=10, interval=0.5)  # fmt: skip
                 break
             except SystemExit:
