@@ -78,6 +78,8 @@ def standby(preload: list[str]) -> None:
     except BaseException as exc:  # noqa: BLE001 - the cold start below reports it in the run's logs
         failed = exc
     files = _project_files(root)
+    if failed is None:
+        print(f"standby process {os.getpid()}: ready ({len(files)} project modules imported)", file=sys.stderr, flush=True)
 
     line = sys.stdin.readline()
     if not line:

@@ -125,7 +125,9 @@ def test_a_run_starts_in_the_standby_process_and_a_new_one_replaces_it(world: Wo
 @pytest.mark.integration
 def test_a_standby_whose_code_changed_runs_the_new_code_in_a_fresh_engine(world: World) -> None:
     w = world
-    private_worker.wait_until("a standby process", w.standbys, timeout=60)
+    standby = private_worker.wait_until("a standby process", w.standbys, timeout=60)
+    private_worker.wait_until("the standby's imports", lambda: f"standby process {standby[0]}: ready" in w.log.read_text(),
+                              timeout=300)  # fmt: skip
     source = REPO / "flows" / "provision.py"
     before = os.stat(source)
     os.utime(source, (before.st_atime, before.st_mtime + 1))  # as an edit after the standby imported it
