@@ -110,6 +110,7 @@ class Bench:
         import torch
         from mlflow import MlflowClient
 
+        from blocks.storage import MANIFEST, build_manifest, manifest_bytes
         from workload import contract
         from workload.model import build_model
 
@@ -123,6 +124,8 @@ class Bench:
         torch.manual_seed(0)
         model = build_model({"hidden": 16})
         torch.save({"state_dict": model.state_dict(), "config": {"hidden": 16}}, path / contract.MODEL_FILENAME)
+        # Stored as the checkpoint stores store it: the server refuses a checkpoint without its manifest.
+        (path / MANIFEST).write_bytes(manifest_bytes(build_manifest(path)))
         for _ in range(count):
             client.create_model_version(self.model, source=source, run_id=run.info.run_id)
         client.set_terminated(run.info.run_id)

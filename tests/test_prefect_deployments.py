@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from blocks._proc import free_port
+from blocks.storage import MANIFEST, build_manifest, manifest_bytes
 from deployments import mlflow_events
 from deployments.poll_registry import RegistryPoller
 from deployments.webhook import sign
@@ -97,6 +98,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         save_stack(w)
         register_versions(w, 3)
         start_receiver(w)
+        prime_webhook(w)
         try:
             yield w
         finally:
@@ -113,6 +115,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             from mlflow import MlflowClient
 
             MlflowClient(w.tracking_uri).delete_registered_model(w.model)
+            MlflowClient(w.tracking_uri).delete_registered_model(f"{w.model}-primer")
 
 
 def finish_runs(w: World) -> None:
@@ -157,6 +160,8 @@ def register_versions(w: World, count: int) -> None:
         torch.manual_seed(i)
         model = build_model({"hidden": 16})
         torch.save({"state_dict": model.state_dict(), "config": {"hidden": 16}}, path / contract.MODEL_FILENAME)
+        # Stored as the checkpoint stores store it: the server refuses a checkpoint without its manifest.
+        (path / MANIFEST).write_bytes(manifest_bytes(build_manifest(path)))
         client.create_model_version(w.model, source=source, run_id=run.info.run_id)
         client.set_terminated(run.info.run_id)
 
@@ -179,6 +184,31 @@ def start_receiver(w: World) -> None:
             return False
 
     wait_for("the webhook receiver", up, timeout=120)
+
+
+def prime_webhook(w: World) -> None:
+    """Wait until MLflow calls the new webhook for alias events.
+
+    MLflow caches each event type's webhook list for MLFLOW_WEBHOOK_CACHE_TTL seconds: an alias set
+    while the list cached before our webhook existed (another user's event, moments earlier) is never
+    delivered to it. Alias moves on a model of its own (the receiver ignores it) until one arrives.
+    """
+    from mlflow import MlflowClient
+
+    client = MlflowClient(w.tracking_uri)
+    primer = f"{w.model}-primer"
+    source = client.get_model_version(w.model, "1")
+    client.create_registered_model(primer)
+    client.create_model_version(primer, source=source.source, run_id=source.run_id)
+    before = counts(w)["accepted"]
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        client.set_registered_model_alias(primer, "primer", "1")
+        try:
+            wait_for("a delivery", lambda: counts(w)["accepted"] > before, timeout=10)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, f"MLflow called the webhook for no alias event in {DEADLINE:.0f} s"
 
 
 def counts(w: World) -> dict[str, int]:
