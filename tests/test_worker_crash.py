@@ -98,6 +98,10 @@ def world(tmp_path: Path) -> Iterator[World]:
             except ValueError:
                 pass
             private_worker.remove(w.api_url, [w.deployment], w.pool)
+            with w.client() as client:
+                from blocks.stack import Stack
+
+                client.delete_block_document(client.read_block_document_by_name(w.stack, Stack.get_block_type_slug()).id)
 
 
 def kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
