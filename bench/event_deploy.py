@@ -1,20 +1,23 @@
 """P4: alias set in MLflow → deploy-model flow run RUNNING, webhook path vs polling path, in one run.
 
-Starts the servers it needs (`make prefect-up mlflow-up`, idempotent), registers the deployments
-(`prefect deploy --name on-champion`), a throwaway model with fresh versions and a Stack block whose
-tracking is the MLflow server and whose serving is a local directory. Then, one event at a time:
+Starts the servers it needs (`make prefect-up mlflow-up`, idempotent). On the shared server it registers
+a copy of prefect.yaml's `on-champion` deployment (same flow, trigger and parameters) under a unique
+name, on a work pool of its own whose trigger matches an alias of its own, and starts a worker for it
+from this checkout — `deployments/worker.py`, as scripts/prefect.sh does (`--worker process`: Prefect's
+plain process worker, for comparison). Then a throwaway model with fresh versions and a Stack block
+whose tracking is the MLflow server and whose serving is a local directory; one event at a time:
 
 * webhook: MLflow's webhook → deployments/webhook.py (a real receiver process) → Prefect event →
-  the on-champion trigger → the stack's worker runs deploy-model;
+  the deployment's trigger → the worker runs deploy-model;
 * polling: the receiver is stopped and deployments/poll_registry.py polls the registry instead.
 
-Each event moves the `champion` alias to a new version; the benchmark waits for that version's run
+Each event moves the benchmark's alias to a new version; the benchmark waits for that version's run
 to finish before the next one (the deployment runs one deploy at a time). Latency is from just before
 the alias call to the run's start time as the server recorded it (RUNNING). The hops come from the
 server too: the event's ``occurred`` (when the receiver or poller emitted it), ``received`` (the events
 API), the run's ``created`` (the automation) and ``start_time``.
 
-    .venv/bin/python bench/event_deploy.py [--events 20] [--poll-interval 10]
+    .venv/bin/python bench/event_deploy.py [--events 20] [--poll-interval 10] [--worker standby|process]
 
 Prints ``RESULT P4_median_s``, ``RESULT P4_p95_s`` (webhook path), ``RESULT P4_poll_median_s`` and
 ``RESULT P4_poll_p95_s``, and the median of every hop. Goal: P4_median_s ≤ 3.
@@ -41,7 +44,6 @@ from urllib.parse import urlparse
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-DEPLOYMENT = "deploy-model/on-champion"
 RUN_DEADLINE_S = 300.0
 
 
@@ -63,13 +65,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Bench:
-    def __init__(self, api_url: str, tracking_uri: str, tmp: Path) -> None:
+    def __init__(self, api_url: str, tracking_uri: str, tmp: Path, worker: str) -> None:
         self.api_url = api_url
         self.tracking_uri = tracking_uri
         self.tmp = tmp
         uid = uuid.uuid4().hex[:8]
         self.model = f"gpuferry-bench-{uid}"
         self.stack = f"gpuferry-bench-{uid}"
+        self.uid = uid
+        self.alias = f"p4_{uid}"  # the real on-champion deployment's trigger does not fire for it
+        self.pool = f"gpuferry-bench-{uid}"
+        self.worker_kind = worker
+        self.deployment = ""
         self.serving_dir = tmp / "serving"
         self.env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
@@ -80,10 +87,14 @@ class Bench:
     # ---- setup ----
 
     def setup(self, versions: int) -> None:
-        deploy = subprocess.run([str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "on-champion"],
-                                cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)  # fmt: skip
-        if deploy.returncode != 0:
-            raise SystemExit(f"prefect deploy failed:\n{deploy.stdout[-2000:]}{deploy.stderr[-2000:]}")
+        from tests import private_worker
+
+        names = private_worker.render(self.tmp / "prefect.yaml", ["on-champion"], self.pool, self.uid, alias=self.alias)
+        self.deployment = names["on-champion"]
+        private_worker.deploy(self.tmp / "prefect.yaml", self.env, self.pool)
+        worker_env = private_worker.worker_env(self.api_url, self.tmp / "home")
+        self.procs.append(private_worker.start_worker(self.pool, f"bench-{self.uid}", worker_env,
+                                                      self.tmp / "worker.log", kind=self.worker_kind))  # fmt: skip
         from blocks.serving import LocalServing
         from blocks.stack import Stack
         from blocks.tracking import MlflowTracking
@@ -136,14 +147,14 @@ class Bench:
     # ---- one event ----
 
     def set_alias_and_time(self, timeout: float = RUN_DEADLINE_S) -> dict[str, float]:
-        """Move `champion` to the next version; wait for its run to finish; return the hops (seconds)."""
+        """Move the alias to the next version; wait for its run to finish; return the hops (seconds)."""
         from mlflow import MlflowClient
 
         version = str(self.next_version)
         self.next_version += 1
         client = MlflowClient(self.tracking_uri)
         set_at = datetime.now(timezone.utc)
-        client.set_registered_model_alias(self.model, "champion", version)
+        client.set_registered_model_alias(self.model, self.alias, version)
         returned_s = (datetime.now(timezone.utc) - set_at).total_seconds()
 
         run = wait_for(f"the deploy-model run for v{version}", lambda: self.run_for(version, started=True),
@@ -168,7 +179,7 @@ class Bench:
         from prefect.client.schemas.sorting import FlowRunSort
 
         with SyncPrefectClient(self.api_url) as client:
-            dep = client.read_deployment_by_name(DEPLOYMENT)
+            dep = client.read_deployment_by_name(self.deployment)
             runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
                                          limit=50, sort=FlowRunSort.EXPECTED_START_TIME_DESC)  # fmt: skip
         mine = [r for r in runs if r.parameters.get("model_name") == self.model and str(r.parameters.get("version")) == version]
@@ -204,6 +215,7 @@ class Bench:
 
     def webhook_path(self, n: int) -> list[dict[str, float]]:
         import httpx
+        from mlflow import MlflowClient
 
         from blocks._proc import free_port
 
@@ -223,10 +235,23 @@ class Bench:
                 return False
 
         wait_for("the webhook receiver", up, timeout=120, interval=0.5)
-        # MLflow caches the list of webhooks per event for MLFLOW_WEBHOOK_CACHE_TTL (60 s): a webhook
-        # created just now is called only once that cache expires. One warm-up event, not counted.
+        # MLflow caches the list of webhooks per event for MLFLOW_WEBHOOK_CACHE_TTL (scripts/mlflow.sh: 5 s):
+        # an alias set before that cache expires is not delivered to a webhook created just now (nor later).
+        # Warm-up events, not counted, until one is delivered.
         warm = time.monotonic()
-        self.set_alias_and_time(timeout=180)
+        while True:
+            version = str(self.next_version)
+            self.next_version += 1
+            MlflowClient(self.tracking_uri).set_registered_model_alias(self.model, self.alias, version)
+            try:
+                wait_for("a delivery", lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["emitted"],
+                         timeout=10, interval=0.5)  # fmt: skip
+                break
+            except SystemExit:
+                if time.monotonic() - warm > 300:
+                    raise SystemExit("MLflow delivered no webhook in 300 s (is the webhook enabled?)") from None
+        run = wait_for(f"the warm-up run for v{version}", lambda: self.run_for(version), timeout=RUN_DEADLINE_S)
+        wait_for("the warm-up run to finish", lambda: self.finished(run.id), timeout=RUN_DEADLINE_S, interval=0.5)
         print(f"  webhook: first delivery {time.monotonic() - warm:.1f} s after registering (MLflow's webhook cache)")
         results = []
         for i in range(n):
@@ -243,7 +268,7 @@ class Bench:
         state = self.tmp / "poll-state.json"
         poller = self.start("poller", [
             sys.executable, "-m", "deployments.poll_registry", "--stack", self.stack, "--interval", str(interval),
-            "--model", self.model, "--alias", "champion", "--state-file", str(state),
+            "--model", self.model, "--alias", self.alias, "--state-file", str(state),
         ])  # fmt: skip
         wait_for("the poller's first poll", lambda: poller.poll() is None and state.exists(), timeout=120, interval=0.5)
         results = []
@@ -268,6 +293,10 @@ class Bench:
             MlflowClient(self.tracking_uri).delete_registered_model(self.model)
             from prefect.client.orchestration import SyncPrefectClient
 
+            from tests import private_worker
+
+            if self.deployment:
+                private_worker.remove(self.api_url, [self.deployment], self.pool)
             with SyncPrefectClient(self.api_url) as client:
                 from blocks.stack import Stack
 
@@ -289,6 +318,8 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=20, help="alias changes per path")
     parser.add_argument("--poll-interval", type=float, default=10.0, help="the poller's interval (its default: 10)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
+    parser.add_argument("--worker", choices=["standby", "process"], default="standby",
+                        help="standby: deployments/worker.py (the stack's worker); process: Prefect's process worker")  # fmt: skip
     args = parser.parse_args()
 
     subprocess.run(["make", "-s", "prefect-up", "mlflow-up"], cwd=REPO, check=True)
@@ -300,9 +331,10 @@ def main() -> int:
     tracking_uri = stack_env("mlflow")["MLFLOW_TRACKING_URI"]
     tmp = Path(tempfile.mkdtemp(prefix="gpuferry-p4-"))
     with temporary_settings({PREFECT_API_URL: api_url}):
-        bench = Bench(api_url, tracking_uri, tmp)
+        bench = Bench(api_url, tracking_uri, tmp, args.worker)
         try:
-            bench.setup(versions=2 * args.events + 1)
+            bench.setup(versions=2 * args.events + 40)
+            print(f"worker: {args.worker}; load: {os.getloadavg()[0]:.1f}", flush=True)
             print(f"webhook path: {args.events} alias changes", flush=True)
             webhook = bench.webhook_path(args.events)
             print(f"polling path: {args.events} alias changes, poll every {args.poll_interval:g} s", flush=True)

@@ -125,7 +125,10 @@ start_server() {
       die "something else already listens on 127.0.0.1:$PORT; choose another port with GPUFERRY_MLFLOW_PORT"
     fi
     log "starting the tracking server on 127.0.0.1:$PORT (database $DB, artifacts s3://$BUCKET/)"
+    # MLflow caches the webhook list per event for MLFLOW_WEBHOOK_CACHE_TTL seconds (default 60): a webhook
+    # registered just now is not called before that. Deliveries to known webhooks are not delayed by it.
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
+      MLFLOW_WEBHOOK_CACHE_TTL="${MLFLOW_WEBHOOK_CACHE_TTL:-5}" \
       MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https \
       MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true \
       MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY="$(cat "$RUN/webhook-secret.key")" \

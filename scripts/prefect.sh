@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A Prefect server on this machine's PostgreSQL, the `gpuferry` process work pool and one worker for it.
+# A Prefect server on this machine's PostgreSQL, the `gpuferry` process work pool, one worker for it
+# (deployments/worker.py) and the automation that marks runs whose process died Crashed (deployments/crashed_runs.py).
 #
 #   bash scripts/prefect.sh up     # idempotent: a second `up` only checks that everything answers
 #   bash scripts/prefect.sh down   # stops the worker and the server it started; keeps the database
@@ -25,6 +26,9 @@ PG_USER="${GPUFERRY_PG_USER:-postgres}"
 POOL="${GPUFERRY_PREFECT_POOL:-gpuferry}"
 PREFECT="$REPO/.venv/bin/prefect"
 API_URL="http://127.0.0.1:$PORT/api"
+# The worker: deployments/worker.py (Prefect's process worker with a pre-started flow-run process); a
+# worker started by an earlier version of this script (`prefect worker start`) counts as running too.
+WORKER_PATTERN='deployments[.]worker\|prefect worker start'
 
 log() { echo "[prefect] $*"; }
 die() { echo "[prefect] ERROR: $*" >&2; exit 1; }
@@ -99,21 +103,30 @@ ensure_pool() {
     || die "could not create the work pool $POOL"
 }
 
+# A run whose process died with its worker stays Running unless something marks it: the heartbeat
+# automation of deployments/crashed_runs.py crashes it (idempotent: updated in place when it exists).
+ensure_crash_automation() {
+  PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$REPO/.venv/bin/python" -m deployments.crashed_runs >/dev/null \
+    || die "could not register the crashed-run automation (python -m deployments.crashed_runs)"
+}
+
 start_worker() {
-  if running "$RUN/worker.pid" "prefect worker start"; then
+  if running "$RUN/worker.pid" "$WORKER_PATTERN"; then
     log "worker already running (pid $(cat "$RUN/worker.pid"))"
     return
   fi
   mkdir -p "$RUN/gpuferry-home"
   log "starting a process worker for $POOL"
   # The flow runs it starts inherit this environment: GPUFERRY_CODE_DIR is what prefect.yaml's pull step
-  # changes into, GPUFERRY_HOME where the embedded backends keep their state.
+  # changes into, GPUFERRY_HOME where the embedded backends keep their state. The worker keeps one flow-run
+  # process started ahead, with the project's flows imported (deployments/worker.py).
   GPUFERRY_CODE_DIR="$REPO" GPUFERRY_HOME="$RUN/gpuferry-home" \
     PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-1}" \
     PREFECT_WORKER_PREFETCH_SECONDS="${PREFECT_WORKER_PREFETCH_SECONDS:-5}" \
     PREFECT_RUNNER_POLL_FREQUENCY="${PREFECT_RUNNER_POLL_FREQUENCY:-1}" \
     PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
-    setsid nohup "$PREFECT" worker start --pool "$POOL" --type process --name "gpuferry-$(hostname -s)" \
+    setsid nohup "$REPO/.venv/bin/python" -m deployments.worker --pool "$POOL" --name "gpuferry-$(hostname -s)" \
+    --code-dir "$REPO" \
     >>"$RUN/worker.log" 2>&1 </dev/null &
   echo $! >"$RUN/worker.pid"
   # Ready once the server lists it as a worker of the pool.
@@ -125,7 +138,7 @@ with get_client(sync_client=True) as c:
     sys.exit(0 if c.read_workers_for_work_pool(sys.argv[1]) else 1)
 EOF
   do
-    running "$RUN/worker.pid" "prefect worker start" \
+    running "$RUN/worker.pid" "$WORKER_PATTERN" \
       || die "the worker exited; last lines of $RUN/worker.log:
 $(tail -n 30 "$RUN/worker.log")"
     ((SECONDS < deadline)) || die "the worker did not register within 120 s; last lines of $RUN/worker.log:
@@ -190,6 +203,7 @@ up() {
   ensure_database
   start_server
   ensure_pool
+  ensure_crash_automation
   start_worker
   ensure_chromium
   write_env
@@ -199,7 +213,7 @@ up() {
 down() {
   rm -f "$RUN/env"
   # The worker first (it would otherwise keep polling a server that is gone), then the server.
-  stop_pidfile "$RUN/worker.pid" "prefect worker start"
+  stop_pidfile "$RUN/worker.pid" "$WORKER_PATTERN"
   stop_pidfile "$RUN/server.pid" "prefect server start"
   log "stopped (database $DB kept)"
 }

@@ -1,13 +1,23 @@
-"""The job watcher without a server: which runs it resumes, one batched poll per stack, labels read back."""
+"""The job watcher: which runs it resumes, one batched poll per stack, labels read back (no server); and a
+suspended retrain on the real Prefect server and Slurm cluster, resumed by a real watcher process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from blocks.specs import JobHandle, JobStatus
 from deployments.job_watcher import JOB_LABEL, STACK_LABEL, JobWatcher, Waiting, waiting_from
+from tests import private_worker
+from tests.test_worker_crash import DEADLINE, FINAL, World, log_tail, state_of, world  # noqa: F401 - world: the fixture
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def handle(job_id: str) -> JobHandle:
@@ -73,3 +83,36 @@ def test_labels_are_the_registry() -> None:
     assert w is not None and w.handle == h and w.stack == "team" and w.flow_run_id == run.id
     assert waiting_from(SimpleNamespace(id=uuid.uuid4(), name="r", labels={"other": "x"})) is None
     assert waiting_from(SimpleNamespace(id=uuid.uuid4(), name="r", labels={JOB_LABEL: "not json"})) is None
+
+
+# ---- against the real Prefect server and Slurm cluster ----------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_suspended_retrain_is_resumed_by_the_watcher_and_completes_with_one_job(world: World) -> None:
+    """retrain(wait="suspend"): submit, suspend (no process), the watcher resumes it when the job ends."""
+    w = world
+    watcher = subprocess.Popen([sys.executable, "-m", "deployments.job_watcher", "--interval", "5"], cwd=REPO, env=w.env,
+                               stdout=open(w.tmp / "watcher.log", "wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        w.start_worker(f"suspend-{w.uid}")
+        with w.client() as client:
+            deployment = client.read_deployment_by_name(w.deployment)
+            run = client.create_flow_run_from_deployment(deployment.id, parameters={
+                "stack": w.stack, "wait": "suspend",
+                "training": {"experiment": f"suspend-{w.uid}", "model_name": f"suspend-{w.uid}",
+                             "hyperparameters": {"epochs": 3}, "resources": {"mem_gb": 2, "gpus_per_node": 1}},
+            })  # fmt: skip
+        private_worker.wait_until("the run to end", lambda: state_of(w, run.id) in FINAL, timeout=DEADLINE, interval=2)
+        logs = log_tail(w, "suspend") + (w.tmp / "watcher.log").read_text()[-3000:]
+        assert state_of(w, run.id) == "COMPLETED", logs
+        with w.client() as client:
+            history = [s.name for s in client.read_flow_run_states(run.id)]
+        assert "Suspended" in history, history
+        assert history.index("Suspended") < len(history) - 1 and history[-1] == "Completed", history
+        jobs = w.slurm_jobs(f"{run.id}-train")
+        assert len(jobs) == 1 and jobs[0][2].startswith("COMPLETED"), jobs
+        assert f"of {run.name} ended COMPLETED: resuming it" in (w.tmp / "watcher.log").read_text(), logs
+    finally:
+        watcher.terminate()
+        watcher.wait(60)

@@ -98,6 +98,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         save_stack(w)
         register_versions(w, 3)
         start_receiver(w)
+        prime_webhook(w)
         try:
             yield w
         finally:
@@ -114,6 +115,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             from mlflow import MlflowClient
 
             MlflowClient(w.tracking_uri).delete_registered_model(w.model)
+            MlflowClient(w.tracking_uri).delete_registered_model(f"{w.model}-primer")
 
 
 def finish_runs(w: World) -> None:
@@ -183,6 +185,31 @@ def start_receiver(w: World) -> None:
     wait_for("the webhook receiver", up, timeout=120)
 
 
+def prime_webhook(w: World) -> None:
+    """Wait until MLflow calls the new webhook for alias events.
+
+    MLflow caches each event type's webhook list for MLFLOW_WEBHOOK_CACHE_TTL seconds: an alias set
+    while the list cached before our webhook existed (another user's event, moments earlier) is never
+    delivered to it. Alias moves on a model of its own (the receiver ignores it) until one arrives.
+    """
+    from mlflow import MlflowClient
+
+    client = MlflowClient(w.tracking_uri)
+    primer = f"{w.model}-primer"
+    source = client.get_model_version(w.model, "1")
+    client.create_registered_model(primer)
+    client.create_model_version(primer, source=source.source, run_id=source.run_id)
+    before = counts(w)["accepted"]
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        client.set_registered_model_alias(primer, "primer", "1")
+        try:
+            wait_for("a delivery", lambda: counts(w)["accepted"] > before, timeout=10)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, f"MLflow called the webhook for no alias event in {DEADLINE:.0f} s"
+
+
 def counts(w: World) -> dict[str, int]:
     return httpx.get(f"{w.receiver_url}/healthz", timeout=10).json()
 
@@ -225,6 +252,23 @@ def serving(w: World) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------------ tests
+
+
+def test_deploy_all_registers_a_deployment_for_every_flow(world: World) -> None:
+    expected = {
+        "retrain/weekly": "flows/retrain.py:retrain",
+        "sweep/sweep": "flows/sweep.py:sweep",
+        "deploy-model/on-champion": "flows/deploy_model.py:deploy_model",
+        "provision/provision": "flows/provision.py:provision",
+        "release/release": "flows/provision.py:release",
+    }
+    with world.client() as client:
+        registered = {name: client.read_deployment_by_name(name) for name in expected}
+    assert {name: dep.entrypoint for name, dep in registered.items()} == expected
+    assert {dep.work_pool_name for dep in registered.values()} == {"gpuferry"}
+    assert registered["sweep/sweep"].parameters["grid"]["values"]["lr"] == [0.001, 0.003, 0.01]
+    assert registered["provision/provision"].parameters["count"] == 1
+    assert "nodes" in registered["release/release"].parameter_openapi_schema["required"]
 
 
 def test_weekly_retrain_is_scheduled_for_the_next_monday_3am(world: World) -> None:
