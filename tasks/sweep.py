@@ -76,6 +76,32 @@ def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict
             ready.append(make[future])
 
 
+def _last_attempt() -> bool:
+    """True in the last attempt the task's retry policy allows (or outside a task run)."""
+    from prefect.context import TaskRunContext
+
+    context = TaskRunContext.get()
+    return context is None or context.task_run.run_count > context.task.retries
+
+
+def _cancel_array(compute: ComputeBackend, job: TrainingJob, handle: JobHandle | None, why: str) -> None:
+    """Cancel the sweep's array (found by its key when the submit failed before answering), so
+    that none of its held or queued tasks is left waiting; the error that got here is raised after."""
+    logger = get_run_logger()
+    try:
+        if handle is None:
+            job_id = compute.find_job(job.key)  # type: ignore[attr-defined]
+            if job_id is None:
+                return
+            handle = JobHandle(backend=compute.backend_name, job_id=job_id, key=job.key, workdir=job.workdir,
+                               log_path="")  # fmt: skip
+        logger.warning("%s: cancelling job array %s", why, handle.job_id)
+        compute.cancel(handle)
+    except Exception as exc:  # the sweep's own error matters more; say what is left behind
+        logger.error("could not cancel the job array of %s (cancel it with scancel --name=%s): %r", job.key,
+                     job.key, exc)  # fmt: skip
+
+
 # Submitting is idempotent (the job key) and so are the child runs (their index tag): a retry adopts
 # the array and the runs instead of making others.
 @task(name="train-sweep", **retry_options(retries=3))
@@ -90,6 +116,8 @@ def train_sweep(
     The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time) and
     each task is released as soon as its run exists, so the first tasks run while later runs are
     still being made: the runs cost no wall time of their own unless they are slower than Slurm.
+    When the task fails for good (an error no retry mends, its last attempt, the flow run stopped)
+    it cancels the array first: no held task is left in the queue.
     (The flow's preflight has validated the job; a job the cluster refuses fails the submit at once,
     and the few runs made meanwhile are marked FAILED by the flow.)
     """
@@ -137,11 +165,9 @@ def train_sweep(
             for future in make:
                 future.cancel()
             stopped = isinstance(exc, (TerminationSignal, KeyboardInterrupt, asyncio.CancelledError))
-            if handle is not None and (stopped or not is_transient(exc)):
+            if stopped or not is_transient(exc) or _last_attempt():
                 # A retry would adopt the array and go on; without one it must not wait held forever.
-                logger.warning("%s: cancelling job array %s", "the flow run was stopped" if stopped else exc,
-                               handle.job_id)  # fmt: skip
-                compute.cancel(handle)
+                _cancel_array(compute, job, handle, "the flow run was stopped" if stopped else f"{exc!r}")
             raise
     outcome = compute.array_outcome(handle, len(configurations))  # type: ignore[attr-defined]
     results = [

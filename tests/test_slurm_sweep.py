@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -24,20 +25,29 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
-    env = stack_env("slurm")
-    stack = Stack.embedded()
-    stack.compute = SlurmCluster(
+def _cluster(env: dict[str, str], **options: object) -> SlurmCluster:
+    return SlurmCluster(
         host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
         private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
         known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
         workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"sweep-{uuid.uuid4().hex[:8]}"),
         partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
-        poll_interval_start=0.5, poll_interval_max=3.0,
-        # A GPU per task from the cluster's settings: the stack's node provider is this (GPU-less)
-        # machine, which would refuse resources.gpus_per_node > 0 in its preflight.
-        additional_directives={"gpus-per-task": "1"},
+        poll_interval_start=0.5, poll_interval_max=3.0, **options,
     )  # fmt: skip
+
+
+def _slurm(env: dict[str, str], *argv: str) -> list[list[str]]:
+    out = subprocess.run(argv, env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return [line.split("|") for line in out.splitlines() if line.strip()]
+
+
+def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
+    env = stack_env("slurm")
+    stack = Stack.embedded()
+    # A GPU per task from the cluster's settings: the stack's node provider is this (GPU-less)
+    # machine, which would refuse resources.gpus_per_node > 0 in its preflight.
+    stack.compute = _cluster(env, additional_directives={"gpus-per-task": "1"})
     stack.save("slurm-sweep-test", overwrite=True)
     grid = SweepGrid(values={"lr": [0.002, 0.1], "hidden": [8, 64]})
     outcome = sweep(
@@ -69,14 +79,23 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
         assert outcome.pipeline.model_version.value == pytest.approx(max(accuracies))
         assert outcome.pipeline.deployed
         assert parent.data.tags["best_child_run_id"] == outcome.child_run_ids[outcome.best_index]
+        # The deploy's outcome is recorded on the sweep's run and on the best child (the version's source run),
+        # and on no other child.
+        endpoint = outcome.pipeline.endpoint
+        assert endpoint is not None
+        deployed = {"deploy.status": "deployed", "deploy.version": outcome.pipeline.model_version.version,
+                    "deploy.endpoint": endpoint.url, "deploy.backend": endpoint.backend}  # fmt: skip
+        for run in (parent, children[outcome.best_index]):
+            tags = {k: v for k, v in run.data.tags.items() if k.startswith("deploy.")}
+            assert {k: tags.get(k) for k in deployed} == deployed, run.info.run_id
+            assert not {"deploy.reason", "deploy.failed_version", "deploy.rolled_back_to"} & set(tags)
+        others = [c for i, c in enumerate(children) if i != outcome.best_index]
+        assert not [k for c in others for k in c.data.tags if k.startswith("deploy.")]
 
         # ONE Slurm job (an array of 4 tasks) carried the whole sweep ...
         key = f"{parent.data.tags['prefect.flow_run_id']}-sweep"
-        sacct = subprocess.run(
-            ["sacct", "-X", "-n", "-P", "-S", "now-1hour", f"--name={key}", "-o", "JobID,State,ElapsedRaw,AllocTRES"],
-            env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        rows = [line.split("|") for line in sacct.split()]
+        rows = _slurm(env, "sacct", "-X", "-n", "-P", "-S", "now-1hour", f"--name={key}", "-o",
+                      "JobID,State,ElapsedRaw,AllocTRES")  # fmt: skip
         assert len({r[0].split("_")[0] for r in rows}) == 1
         assert sorted(r[0].split("_")[1] for r in rows) == ["0", "1", "2", "3"] and {r[1] for r in rows} == {"COMPLETED"}
         # ... and its accounting (allocated GPUs × elapsed, from sacct) is in the MLflow runs.
@@ -89,3 +108,66 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
         assert json.loads(best.data.tags["gpuferry.hparams"]) == outcome.best_hyperparameters.model_dump()
     finally:
         stack.serving.undeploy("digits-sweep")
+
+
+class _TrackingDown:
+    """An MLflow client whose run creation fails as if the tracking server were unreachable."""
+
+    def __init__(self, client: MlflowClient) -> None:
+        self.client, self.attempts = client, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.client, name)
+
+    def create_run(self, *args: object, **kwargs: object) -> object:
+        self.attempts += 1
+        raise ConnectionError("tracking server unreachable")
+
+
+def test_a_sweep_that_fails_for_good_cancels_its_held_array(tmp_path: Path) -> None:
+    from prefect import flow
+
+    from blocks.specs import TrainingJob
+    from blocks.tracking import MlflowTracking
+    from tasks.sweep import train_sweep
+
+    env = stack_env("slurm")
+    cluster = _cluster(env)
+    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                              artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
+    parent = tracking.client.create_run(tracking.experiment_id("sweep-cancel"), run_name="sweep-cancel").info.run_id
+    down = _TrackingDown(tracking.client)
+    object.__setattr__(tracking, "client", down)  # the cached client: every child run fails to be made
+    key = f"sweep-cancel-{uuid.uuid4().hex[:8]}"
+    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), resources=Resources(time_limit_minutes=5))
+    configurations = SweepGrid(values={"seed": [0, 1, 2, 3]}).expand(HyperParameters())
+
+    @flow
+    def sweep_step() -> object:
+        # A transient error: the first attempt leaves the array held for the retry, which adopts it;
+        # the last attempt gives up and cancels it.
+        return train_sweep.with_options(retries=1, retry_delay_seconds=0)(
+            cluster, job, configurations, tracking, parent
+        )
+
+    try:
+        with pytest.raises(ConnectionError, match="tracking server unreachable"):
+            sweep_step()
+        assert down.attempts >= 2  # both attempts tried to make child runs
+        # ONE array (the retry adopted it), cancelled while held: none of its tasks ran.
+        live = _slurm(env, "squeue", "-h", "-t", "all", f"--name={key}", "-o", "%F|%T|%r")
+        assert len({r[0] for r in live}) == 1 and {r[1] for r in live} == {"CANCELLED"}, live
+        assert not list(Path(job.workdir).glob("task-*.log"))
+        rows: list[list[str]] = []
+        deadline = time.monotonic() + 120  # sacct lags the controller
+        while time.monotonic() < deadline:
+            # By id: a time window (-S) leaves out a job that never became eligible (Eligible=Unknown).
+            rows = _slurm(env, "sacct", "-X", "-n", "-P", "-j", live[0][0], "-o", "JobID,State,ElapsedRaw")
+            if rows and all(r[1].startswith("CANCELLED") for r in rows):
+                break
+            time.sleep(2)
+        assert rows and all(r[1].startswith("CANCELLED") for r in rows), rows
+        assert all(r[2] == "0" for r in rows), rows  # no time ran (sacct may date a pending job's cancel as its start)
+    finally:
+        subprocess.run(["scancel", f"--name={key}"], env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"},
+                       check=False)  # fmt: skip
