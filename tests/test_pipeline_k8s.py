@@ -209,8 +209,11 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     block.undeploy("digits")
 
 
-def test_no_gpu_node_stops_the_retrain_before_it_trains(k8s: dict[str, str], k8s_namespace: str) -> None:
+def test_no_gpu_node_stops_the_retrain_before_it_trains(
+    k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder
+) -> None:
     stack = Stack.embedded()
+    stack.images = workload_builder  # a stack serving on Kubernetes builds an image (not reached: the check comes first)
     stack.serving = serving_block(k8s, k8s_namespace)
     name = f"k8s-preflight-{uuid.uuid4().hex[:8]}"
     stack.save(name)
