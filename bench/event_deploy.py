@@ -44,18 +44,13 @@ from urllib.parse import urlparse
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests import private_worker  # noqa: E402
+
 RUN_DEADLINE_S = 300.0
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    return private_worker.wait_until(what, check, timeout, interval)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -87,7 +82,6 @@ class Bench:
     # ---- setup ----
 
     def setup(self, versions: int) -> None:
-        from tests import private_worker
 
         names = private_worker.render(self.tmp / "prefect.yaml", ["on-champion"], self.pool, self.uid, alias=self.alias)
         self.deployment = names["on-champion"]
@@ -293,8 +287,7 @@ class Bench:
             MlflowClient(self.tracking_uri).delete_registered_model(self.model)
             from prefect.client.orchestration import SyncPrefectClient
 
-            from tests import private_worker
-
+    
             if self.deployment:
                 private_worker.remove(self.api_url, [self.deployment], self.pool)
             with SyncPrefectClient(self.api_url) as client:

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from prefect import flow  # noqa: E402
+
+from tests.private_worker import wait_until  # noqa: E402
 
 POOL = "gpuferry-bench-waiting"
 DEPLOYMENT = "waiting-bench"
@@ -120,15 +121,6 @@ def held(worker_pid: int, watcher_pid: int | None) -> dict[str, Any]:
 # ---- the Prefect side ----------------------------------------------------------------------------
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 2.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def run_states(ids: list[Any]) -> list[tuple[str, str]]:
@@ -233,7 +225,7 @@ def measure(mode: str, n: int, tmp: Path, env: dict[str, str], worker: subproces
         # Suspended runs' processes exit right after suspending; blocking ones stay.
         return mode == "blocking" or now["flow_run_processes"] == 0
 
-    wait_for(f"{n} {mode} runs to wait", all_waiting, timeout=1200, interval=5)
+    wait_until(f"{n} {mode} runs to wait", all_waiting, timeout=1200, interval=5)
     settled_s = time.monotonic() - t0
     # Several samples over ~10 s: the largest count is the one held.
     samples = []
@@ -252,7 +244,7 @@ def measure(mode: str, n: int, tmp: Path, env: dict[str, str], worker: subproces
             raise SystemExit(f"{mode}: {len(bad)} runs failed after the release: {bad[:3]} (see {tmp})")
         return sum(s[0] == "COMPLETED" for s in states) == n
 
-    wait_for(f"{n} {mode} runs to complete", all_done, timeout=1200, interval=2)
+    wait_until(f"{n} {mode} runs to complete", all_done, timeout=1200, interval=2)
     stop(watcher)
     return {**worst, "settled_s": settled_s, "release_to_completed_s": time.monotonic() - t1}
 

@@ -28,6 +28,7 @@ from blocks.storage import write_manifest
 from deployments import mlflow_events
 from deployments.poll_registry import RegistryPoller
 from deployments.webhook import sign
+from tests.private_worker import wait_until
 from tests.stacks import stack_env
 from workload import contract
 from workload.model import build_model
@@ -41,14 +42,7 @@ DEADLINE = 180.0  # seconds: a worker on a busy 2-core machine
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = DEADLINE, interval: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    return wait_until(what, check, timeout, interval)
 
 
 class World:
@@ -73,7 +67,7 @@ class World:
         return SyncPrefectClient(self.api_url)
 
     def runs_of(self, deployment: str, **parameters: str) -> list[Any]:
-        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
         with self.client() as client:
             dep = client.read_deployment_by_name(deployment)
