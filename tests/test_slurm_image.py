@@ -25,6 +25,7 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import SecretStr, ValidationError
 
 from blocks.errors import ConfigurationError, JobFailed
+from blocks.s3 import S3CheckpointStore
 from blocks.slurm import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME, SlurmCluster
 from blocks.slurm_script import Container, sbatch_script
 from blocks.specs import ImageRef, Resources, TrainingJob
@@ -477,15 +478,12 @@ def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[Image
 @pytest.mark.integration
 @pytest.mark.usefixtures("prefect_server")
 def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
-                                                      stacks: dict[str, str],
+                                                      stacks: dict[str, str], s3_store: S3CheckpointStore,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The whole pipeline with a Stack: DockerImageBuilder → SlurmCluster (podman) → S3 → MLflow server."""
     from mlflow import MlflowClient
-    from prefect_aws import AwsCredentials, S3Bucket
-    from prefect_aws.client_parameters import AwsClientParameters
 
     from blocks.provision import ClusterManaged
-    from blocks.s3 import S3CheckpointStore
     from blocks.serving import LocalServing
     from blocks.specs import HyperParameters, TrainingSpec
     from blocks.stack import Stack
@@ -494,20 +492,14 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
 
     mlflow_env, s3_env = stack_env("mlflow"), stack_env("s3")
     ref, _, builder = image
-    bucket = f"gpuferry-image-test-{uuid.uuid4().hex[:8]}"
-    credentials = AwsCredentials(
-        aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"],
-        region_name=s3_env["AWS_DEFAULT_REGION"],
-        aws_client_parameters=AwsClientParameters(endpoint_url=s3_env["S3_ENDPOINT_URL"]),
-    )  # fmt: skip
-    credentials.get_s3_client().create_bucket(Bucket=bucket)
+    bucket = s3_store.bucket.bucket_name  # a bucket of the test's own on the s3 stack, removed afterwards
     # The local inference server reads the s3:// checkpoint with boto3's own variables.
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, s3_env[name])
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["S3_ENDPOINT_URL"])
     stack = Stack(
         provider=ClusterManaged(cluster_name="gpuferry-test"), images=builder, compute=slurm,
-        storage=S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials)),
+        storage=s3_store,
         tracking=MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None),
         serving=LocalServing(),
     )  # fmt: skip
