@@ -130,13 +130,7 @@ class Bench:
         return proc
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        private_worker.stop(proc, timeout=30)
 
     # ---- one event ----
 

@@ -122,12 +122,13 @@ def start_worker(pool: str, name: str, env: dict[str, str], log: Path, kind: str
     return proc
 
 
-def stop(proc: subprocess.Popen[bytes] | None) -> None:
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 60) -> None:
+    """SIGTERM ``proc``; SIGKILL if it has not exited after ``timeout`` seconds."""
     if proc is None or proc.poll() is not None:
         return
     proc.terminate()
     try:
-        proc.wait(60)
+        proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
