@@ -8,8 +8,8 @@ Every configuration runs a trivial command, so this measures orchestration, not 
   tasks/<i>.env and runs ``sh bench/sweep_task.sh``; one batched poll per cycle, as often as the
   floor's (1 s); then the final state and usage of every task;
 * submitit: ``AutoExecutor(...).map_array(f, configurations)`` and every ``job.result()``;
-* plain (the floor): ``sbatch --array=0-N-1 --wrap 'echo ...'`` polled by one ``squeue --json`` a
-  second until all N tasks are COMPLETED.
+* plain (the floor): ``sbatch --array=0-N-1 --wrap 'echo ...'`` polled a second by the same query
+  as ours (one ``squeue -j <id>``) until all N tasks are COMPLETED.
 
 slurmctld RPCs come from ``sdiag`` (reset before each run, REQUEST_STATS_INFO itself excluded). P2
 also measures one poll of ours with 1 and with 1000 (held) jobs watched (5 times each; the least
@@ -205,7 +205,7 @@ def run_plain(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, An
     polls = 0
     while True:
         polls += 1
-        done = {r["array_task_id"] for r in cluster._squeue()
+        done = {r["array_task_id"] for r in cluster._squeue([job_id])
                 if str(r.get("array_job_id")) == job_id and r.get("job_state") == "COMPLETED"
                 and r.get("array_task_id") is not None}  # fmt: skip
         if len(done) >= n:

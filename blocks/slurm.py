@@ -10,8 +10,9 @@ machine (the flow runs on the login node). Every command is an argv list joined 
   (``gpuferry-key:<key>``). Before ``sbatch`` it looks for a live job (``squeue``) or a finished
   one (``sacct``) carrying the key and adopts it, so a retried submit never makes a second job. If
   the connection drops *during* sbatch the error is transient: the retry finds the job by its key.
-* ``poll(handles)`` is ONE ``squeue --json`` for every watched job (22.05 ignores ``-j`` there, so
-  the records are filtered here), plus one ``sacct`` for jobs that left the controller's memory.
+* ``poll(handles)`` is ONE ``squeue -j <every watched job>`` (text fields: ``squeue --json`` in
+  22.05 ignores ``-j`` and serialises every job the controller holds), plus one ``sacct`` for jobs
+  that left the controller's memory.
 * ``result()`` adds GPU-hours (allocated ``gres/gpu`` × elapsed, every attempt of a requeued job)
   and CPU-hours from ``sacct``.
 
@@ -29,6 +30,7 @@ import base64
 import io
 import json
 import posixpath
+import re
 import select
 import shlex
 import socket
@@ -98,7 +100,7 @@ def map_state(slurm_state: str, *, requeue: bool, exit_code: int | None, reason:
 
 
 def _wait_status_to_exit(raw: int | None) -> int | None:
-    """squeue --json gives the wait status (code << 8 | signal); a signal becomes 128 + signal."""
+    """squeue gives the wait status (code << 8 | signal); a signal becomes 128 + signal."""
     if raw is None:
         return None
     signal = raw & 0x7F
@@ -112,6 +114,11 @@ def _sacct_exit(text: str) -> int | None:
     except ValueError:
         return None
     return 128 + signal if signal else code
+
+
+def _command_name(argv: Sequence[str]) -> str:
+    """The program an ``env NAME=VALUE ... program`` command line runs."""
+    return next((a for a in argv if a != "env" and not re.match(r"^[A-Z_]+=", a)), argv[0])
 
 
 def _index_ranges(indexes: Iterable[int]) -> str:
@@ -295,7 +302,7 @@ class SlurmCluster(ComputeBackend):
                     self.close()
                     if attempt == 2 or not retry:
                         raise TransientError(f"SSH connection to {self.host}:{self.port} failed running "
-                                             f"{argv[0] if not self.slurm_conf else argv[2]}: {exc}") from exc  # fmt: skip
+                                             f"{_command_name(argv)}: {exc}") from exc  # fmt: skip
         if check and rc != 0:
             self._raise_for(argv, rc, err or out)
         return rc, out, err
@@ -341,7 +348,7 @@ class SlurmCluster(ComputeBackend):
 
     def _raise_for(self, argv: Sequence[str], rc: int, message: str) -> None:
         text = message.strip()
-        name = next((a for a in argv if not a.startswith("SLURM_CONF=") and a != "env"), argv[0])
+        name = _command_name(argv)
         transient_marks = ("Unable to contact slurm controller", "Socket timed out", "Connection refused",
                            "Zero Bytes were transmitted", "slurm_persist_conn_open", "Connection timed out",
                            "temporarily unavailable", "try again", "Resource temporarily unavailable")  # fmt: skip
@@ -685,7 +692,7 @@ class SlurmCluster(ComputeBackend):
         ended = sum(1 for r in records if str(r.get("array_job_id") or "") == handle.job_id
                     and r.get("array_task_id") is not None and self._from_squeue(r).terminal)  # fmt: skip
         if time.monotonic() - fetched > 30 or ended < size:
-            records = self._squeue()
+            records = self._squeue([handle.job_id])
         for record in records:
             if str(record.get("array_job_id") or "") != handle.job_id or record.get("array_task_id") is None:
                 continue
@@ -812,20 +819,47 @@ class SlurmCluster(ComputeBackend):
 
     # ---- state -----------------------------------------------------------------------------
 
-    def _squeue(self) -> list[dict[str, Any]]:
-        _, out, _ = self.run(["squeue", "--json"])
-        try:
-            data = json.loads(out)
-        except json.JSONDecodeError as exc:
-            raise TransientError(f"squeue --json returned unreadable output: {out[:200]!r}") from exc
-        # 22.05 exits 0 with no jobs and an "errors" list when it cannot reach the controller: that
-        # empty list is not "no jobs" (adopting by key and polling would be wrong), it is an outage.
-        errors = data.get("errors") or []
-        if errors:
-            detail = "; ".join(f"{e.get('source', '')}: {e.get('description', '')} ({e.get('error', '')})"
-                               for e in errors if isinstance(e, dict)) or str(errors)[:200]  # fmt: skip
-            raise TransientError(f"squeue --json could not read the controller's jobs: {detail}")
-        jobs = data.get("jobs", [])
+    # One squeue record: ``squeue -O`` field, and the name the record gets (``squeue --json``'s).
+    _SQUEUE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("JobID", "job_id"), ("ArrayJobID", "array_job_id"), ("ArrayTaskID", "array_task_id"),
+        ("State", "job_state"), ("exit_code", "exit_code"), ("Reason", "state_reason"), ("Requeue", "requeue"),
+        ("RestartCnt", "restart_cnt"), ("StartTime", "start_time"), ("EndTime", "end_time"), ("NumCPUs", "cpus"),
+        ("tres-alloc", "tres_alloc_str"),
+    )  # fmt: skip
+
+    def _squeue(self, job_ids: Iterable[str] = ()) -> list[dict[str, Any]]:
+        """The controller's records of ``job_ids`` (of every job it holds when none are given).
+
+        ONE ``squeue`` in text form, ``-O`` fields separated by ``|`` and times as epoch seconds: two
+        RPCs (the jobs, the partitions) whether it asks for one job or for a thousand (``--local``: no
+        federation lookup, which squeue adds for a single id). squeue filters by ``-j`` itself, whereas ``squeue --json`` in 22.05 ignores ``-j`` and
+        serialises every job in the controller's memory (~10 MB and up to a second at 2,000 records).
+        Pending array tasks come as one record whose ``array_task_id`` is None.
+        """
+        ids = sorted({str(j) for j in job_ids}, key=int)
+        argv = ["env", "SLURM_TIME_FORMAT=%s", "squeue", "--local", "-h", "-t", "all",
+                "-O", ",".join(f"{field}:|" for field, _ in self._SQUEUE_FIELDS)]  # fmt: skip
+        if ids:
+            argv += ["-j", ",".join(ids)]
+        rc, out, err = self.run(argv, check=False)
+        if rc != 0:
+            # squeue looks a single id up on its own, and one the controller has forgotten is an error.
+            if not (len(ids) == 1 and "Invalid job id" in err):
+                self._raise_for(argv, rc, err or out)
+            out = ""
+        jobs = []
+        for line in out.splitlines():
+            values = line.split("|")
+            if len(values) < len(self._SQUEUE_FIELDS) or not values[0].strip().isdigit():
+                continue
+            record: dict[str, Any] = {name: value.strip() for (_, name), value in zip(self._SQUEUE_FIELDS, values)}
+            for name in ("job_id", "array_job_id", "exit_code", "restart_cnt", "start_time", "end_time", "cpus"):
+                record[name] = int(record[name]) if record[name].isdigit() else 0
+            task = record["array_task_id"]
+            record["array_task_id"] = int(task) if task.isdigit() else None
+            record["array_task_string"] = task if task not in ("N/A", "") and not task.isdigit() else None
+            record["requeue"] = record["requeue"] == "1"
+            jobs.append(record)
         self._last_jobs = (time.monotonic(), jobs)
         return jobs
 
@@ -835,7 +869,7 @@ class SlurmCluster(ComputeBackend):
             return {}
         wanted = {h.job_id for h in handles}
         records: dict[str, list[dict[str, Any]]] = {j: [] for j in wanted}
-        for record in self._squeue():  # ONE query for every watched job
+        for record in self._squeue(wanted):  # ONE query for every watched job
             parent = str(record.get("array_job_id") or 0)
             own = str(record.get("job_id"))
             if parent in wanted and parent != "0":

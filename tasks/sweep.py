@@ -107,13 +107,14 @@ def _cancel_array(compute: ComputeBackend, job: TrainingJob, handle: JobHandle |
 @task(name="train-sweep", **retry_options(retries=3))
 def train_sweep(
     compute: ComputeBackend, job: TrainingJob, configurations: Sequence[HyperParameters], tracking: MlflowTracking,
-    parent_run_id: str, parallelism: int | None = None, timeout_seconds: float | None = None, run_workers: int = 8,
+    parent_run_id: str, parallelism: int | None = None, timeout_seconds: float | None = None, run_workers: int | None = None,
 ) -> tuple[list[str], SweepJobResult]:  # fmt: skip
     """Run ``job`` once per configuration as ONE job array, each in an MLflow run that is a child of
     ``parent_run_id``; wait for all of it (one poll per cycle). Returns the child run ids (by
     configuration) and the array's outcome.
 
-    The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time) and
+    The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time; by
+    default ``tracking.concurrent_writes``) and
     each task is released as soon as its run exists, so the first tasks run while later runs are
     still being made: the runs cost no wall time of their own unless they are slower than Slurm.
     When the task fails for good (an error no retry mends, its last attempt, the flow run stopped)
@@ -152,7 +153,8 @@ def train_sweep(
                 time.sleep(0.2 * attempt)
 
     handle = None
-    with ThreadPoolExecutor(max_workers=run_workers, thread_name_prefix="child-runs") as pool:
+    workers = run_workers or tracking.concurrent_writes
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="child-runs") as pool:
         make = {pool.submit(make_run, i): i for i in range(len(configurations)) if i not in runs}
         try:
             handle = compute.submit_held_sweep(job, len(configurations), parallelism=parallelism)  # type: ignore[attr-defined]
