@@ -160,9 +160,13 @@ class S3CheckpointStore(CheckpointStore):
         invalidate = _Once(lambda: client.delete_object(Bucket=bucket, Key=manifest_key) if old_manifest else None)
 
         requests = _RequestPool(self.max_concurrency)
+        # One file hashed at a time: the first file's parts go out after ITS hash, not after the hashes of
+        # every file in flight, and later files are hashed while earlier ones upload.
+        hashing = threading.Lock()
 
         def store_one(path: Path) -> tuple[dict, int]:
-            entry = manifest_entry(source, path, cache)
+            with hashing:
+                entry = manifest_entry(source, path, cache)
             key = f"{root}/{entry['path']}"
             with _explained(bucket, key):
                 if _matches(_head(client, bucket, key), entry["size"], entry["sha256"]):
