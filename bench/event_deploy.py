@@ -13,7 +13,9 @@ whose tracking is the MLflow server and whose serving is a local directory; one 
 
 Each event moves the benchmark's alias to a new version; the benchmark waits for that version's run
 to finish before the next one (the deployment runs one deploy at a time). Latency is from just before
-the alias call to the run's start time as the server recorded it (RUNNING). The hops come from the
+the alias call to the run's start time as the server recorded it (RUNNING). Before each event the
+standby worker's next process has finished its imports (``standby_wait_s``: how long that took after
+the previous run): events reach an idle worker, as registry events minutes apart do. The hops come from the
 server too: the event's ``occurred`` (when the receiver or poller emitted it), ``received`` (the events
 API), the run's ``created`` (the automation) and ``start_time``.
 
@@ -77,6 +79,7 @@ class Bench:
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
         self.env.pop("PREFECT_HOME", None)
         self.next_version = 1
+        self.handed_off = 0  # runs the worker has started
         self.procs: list[subprocess.Popen[bytes]] = []
 
     # ---- setup ----
@@ -134,10 +137,28 @@ class Bench:
 
     # ---- one event ----
 
+    def standby_ready(self) -> float:
+        """With the standby worker: wait until a standby process is ready for the next run (it logs
+        "ready" once its imports are done; one is started at the worker's start and one after each run
+        it was handed). An event arrives at an idle worker, as model-registry events, minutes apart, do.
+        Returns the seconds waited."""
+        if self.worker_kind != "standby":
+            return 0.0
+        started = time.monotonic()
+        log = self.tmp / "worker.log"
+
+        def ready() -> bool:
+            lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+            return sum(1 for line in lines if "standby process" in line and ": ready" in line) > self.handed_off
+
+        wait_for("the worker's next standby process", ready, timeout=RUN_DEADLINE_S, interval=0.2)
+        return time.monotonic() - started
+
     def set_alias_and_time(self, timeout: float = RUN_DEADLINE_S) -> dict[str, float]:
         """Move the alias to the next version; wait for its run to finish; return the hops (seconds)."""
         from mlflow import MlflowClient
 
+        standby_wait_s = self.standby_ready()
         version = str(self.next_version)
         self.next_version += 1
         client = MlflowClient(self.tracking_uri)
@@ -147,11 +168,13 @@ class Bench:
 
         run = wait_for(f"the deploy-model run for v{version}", lambda: self.run_for(version, started=True),
                        timeout=timeout)  # fmt: skip
+        self.handed_off += 1
         final = wait_for(f"the v{version} run to finish", lambda: self.finished(run.id), timeout=timeout, interval=0.5)
         if not final.state.is_completed():
             raise SystemExit(f"the v{version} run ended {final.state.type}: {final.state.message} (logs: {self.tmp})")
         event = self.event_for(version, set_at)
         hops = {
+            "standby_wait_s": standby_wait_s,
             "alias_call_s": returned_s,
             "running_s": (run.start_time - set_at).total_seconds(),
             "created_s": (run.created - set_at).total_seconds(),
@@ -239,6 +262,7 @@ class Bench:
                 if time.monotonic() - warm > 300:
                     raise SystemExit("MLflow delivered no webhook in 300 s (is the webhook enabled?)") from None
         run = wait_for(f"the warm-up run for v{version}", lambda: self.run_for(version), timeout=RUN_DEADLINE_S)
+        self.handed_off += 1
         wait_for("the warm-up run to finish", lambda: self.finished(run.id), timeout=RUN_DEADLINE_S, interval=0.5)
         print(f"  webhook: first delivery {time.monotonic() - warm:.1f} s after registering (MLflow's webhook cache)")
         results = []
