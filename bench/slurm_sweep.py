@@ -31,6 +31,7 @@ import sys
 import argparse
 import json
 import re
+import resource
 import sqlite3
 import subprocess
 import tempfile
@@ -77,18 +78,39 @@ def measured(sdiag: Sdiag, fn: Callable[[], Any]) -> tuple[float, int, dict[str,
     return wall, sum(counts.values()), counts, value
 
 
+def machine_cpu() -> tuple[float, float]:
+    """(busy, all) CPU-seconds of the whole machine since boot, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / ticks, sum(fields[:8]) / ticks
+
+
+def own_cpu() -> float:
+    """CPU-seconds of this process (the orchestrating side: flow, threads) so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Clock:
-    """Starts a side's measurement once its setup is done: RPC counters reset, wall clock started."""
+    """Starts a side's measurement once its setup is done: RPC counters reset, wall clock and CPU
+    counters started. The stop also says how busy the machine was (Slurm's daemons and tasks, sshd and
+    this process share its cores) and how much CPU this process spent orchestrating."""
 
     def __init__(self, sdiag: Sdiag) -> None:
         self.sdiag, self.t0 = sdiag, 0.0
+        self.cpu0, self.own0 = (0.0, 0.0), 0.0
 
     def start(self) -> None:
         self.sdiag.reset()
+        self.cpu0, self.own0 = machine_cpu(), own_cpu()
         self.t0 = time.perf_counter()
 
     def stop(self) -> tuple[float, int, dict[str, int]]:
         wall = time.perf_counter() - self.t0
+        busy, total = (b - a for a, b in zip(self.cpu0, machine_cpu()))
+        self.cpu = {"machine_busy_cpu_s": round(busy, 1), "machine_busy_pct": round(100 * busy / max(total, 1e-9)),
+                    "bench_process_cpu_s": round(own_cpu() - self.own0, 1)}  # fmt: skip
         counts = self.sdiag.rpcs()
         return wall, sum(counts.values()), counts
 
@@ -280,7 +302,8 @@ def main() -> None:
             wall, rpcs, counts = clock.stop()
             top = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
             results[side] = {"wall": wall, "rpcs": rpcs, **(extra or {})}
-            print(f"{side:9s} N={args.n}: {wall:7.1f} s, {rpcs} slurmctld RPCs ({top}); {extra}", flush=True)
+            print(f"{side:9s} N={args.n}: {wall:7.1f} s, {rpcs} slurmctld RPCs ({top}); {extra}; {clock.cpu}",
+                  flush=True)  # fmt: skip
         one = per_poll(cluster, sdiag, env, 1)
         many = per_poll(cluster, sdiag, env, 1000)
     print(f"ours, one poll: {one} slurmctld RPCs with 1 job watched, {many} with 1000")
