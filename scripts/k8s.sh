@@ -45,41 +45,8 @@ log() { printf '[k8s.sh] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 # ---- processes, by pid file (and the process's name, as pids are reused) -------------------------
-pid_alive() {  # pid_alive PIDFILE COMM
-  local pid stat
-  [[ -s $1 ]] || return 1
-  pid=$(<"$1")
-  [[ -r /proc/$pid/comm ]] && [[ $(</proc/"$pid"/comm) == "$2"* ]] || return 1
-  stat=$(</proc/"$pid"/stat) || return 1
-  stat=${stat##*) }
-  [[ ${stat:0:1} != Z ]]
-}
-
-stop_pid() {  # stop_pid PIDFILE COMM
-  local pidfile=$1 comm=$2 pid i
-  if pid_alive "$pidfile" "$comm"; then
-    pid=$(<"$pidfile")
-    kill "$pid" 2>/dev/null || true
-    for i in $(seq 1 150); do pid_alive "$pidfile" "$comm" || break; sleep 0.1; done
-    if pid_alive "$pidfile" "$comm"; then log "$comm ($pid) ignores SIGTERM; SIGKILL"; kill -9 "$pid" || true; fi
-    log "stopped $comm ($pid)"
-  fi
-  rm -f "$pidfile"
-}
-
-wait_for() {  # wait_for SECONDS LOGFILE DESCRIPTION COMMAND...
-  local seconds=$1 logfile=$2 what=$3 deadline
-  shift 3
-  deadline=$((SECONDS + seconds))
-  until "$@" >/dev/null 2>&1; do
-    if ((SECONDS > deadline)); then
-      log "$what did not happen within ${seconds}s; last lines of $logfile:"
-      tail -n 30 "$logfile" >&2 2>/dev/null || true
-      exit 1
-    fi
-    sleep 0.2
-  done
-}
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # start_bg NAME COMM COMMAND... : start COMMAND in the background unless NAME's pid file is alive.
 start_bg() {

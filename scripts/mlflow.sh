@@ -34,13 +34,8 @@ PSYCOPG2_REQ="psycopg2-binary>=2.9,<3"
 log() { echo "[mlflow] $*"; }
 die() { echo "[mlflow] ERROR: $*" >&2; exit 1; }
 
-running() {
-  local pidfile="$1" pattern="$2" pid
-  [[ -f "$pidfile" ]] || return 1
-  pid="$(cat "$pidfile")"
-  [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
-  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$pattern"
-}
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 healthy() { [[ "$(curl -fsS -m 5 "$URL/health" 2>/dev/null)" == "OK" ]]; }
 
@@ -149,28 +144,6 @@ $(tail -n 30 "$RUN/server.log")"
     sleep 1
   done
   log "server up at $URL (pid $(cat "$RUN/server.pid"))"
-}
-
-stop_pidfile() {
-  local pidfile="$1" pattern="$2" pid
-  if ! running "$pidfile" "$pattern"; then
-    rm -f "$pidfile"
-    return
-  fi
-  pid="$(cat "$pidfile")"
-  local sig
-  for sig in INT TERM; do
-    kill -s "$sig" "$pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do
-      running "$pidfile" "$pattern" || break 2
-      sleep 0.2
-    done
-  done
-  if running "$pidfile" "$pattern"; then
-    # setsid made the server the leader of its own process group: take its uvicorn worker with it.
-    kill -s KILL -- "-$pid" 2>/dev/null || kill -s KILL "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pidfile"
 }
 
 write_env() {

@@ -33,14 +33,8 @@ WORKER_PATTERN='deployments[.]worker\|prefect worker start'
 log() { echo "[prefect] $*"; }
 die() { echo "[prefect] ERROR: $*" >&2; exit 1; }
 
-# A pid file names a live process whose command line contains $2 (not a recycled pid).
-running() {
-  local pidfile="$1" pattern="$2" pid
-  [[ -f "$pidfile" ]] || return 1
-  pid="$(cat "$pidfile")"
-  [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
-  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$pattern"
-}
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 healthy() { curl -fsS -m 5 "$API_URL/health" >/dev/null 2>&1; }
 
@@ -149,27 +143,6 @@ $(tail -n 30 "$RUN/worker.log")"
 }
 
 # Stop the process in $1 (and its session): SIGINT, then SIGTERM, then SIGKILL.
-stop_pidfile() {
-  local pidfile="$1" pattern="$2" pid
-  if ! running "$pidfile" "$pattern"; then
-    rm -f "$pidfile"
-    return
-  fi
-  pid="$(cat "$pidfile")"
-  local sig
-  for sig in INT TERM; do
-    kill -s "$sig" "$pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do
-      running "$pidfile" "$pattern" || break 2
-      sleep 0.2
-    done
-  done
-  if running "$pidfile" "$pattern"; then
-    kill -s KILL -- "-$pid" 2>/dev/null || kill -s KILL "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pidfile"
-}
-
 # The browser of the UI test (a test dependency of this stack).
 ensure_chromium() {
   [[ "${GPUFERRY_SKIP_CHROMIUM:-0}" == 1 ]] && return

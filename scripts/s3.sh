@@ -23,14 +23,8 @@ PATTERN="moto_server -H 127.0.0.1 -p $PORT"
 log() { echo "[s3] $*"; }
 die() { echo "[s3] ERROR: $*" >&2; exit 1; }
 
-# A pid file names a live process whose command line contains $2 (not a recycled pid).
-running() {
-  local pidfile="$1" pattern="$2" pid
-  [[ -f "$pidfile" ]] || return 1
-  pid="$(cat "$pidfile")"
-  [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
-  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$pattern"
-}
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # moto answers ListBuckets on GET / (an S3 XML document).
 healthy() { curl -fsS -m 5 "$ENDPOINT/" 2>/dev/null | grep -q "ListAllMyBucketsResult"; }
@@ -60,24 +54,6 @@ $(tail -n 30 "$RUN/moto.log")"
     sleep 0.2
   done
   log "moto server up at $ENDPOINT (pid $(cat "$RUN/moto.pid"))"
-}
-
-stop_pidfile() {
-  local pidfile="$1" pattern="$2" pid
-  if ! running "$pidfile" "$pattern"; then
-    rm -f "$pidfile"
-    return
-  fi
-  pid="$(cat "$pidfile")"
-  kill -s TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 50); do
-    running "$pidfile" "$pattern" || break
-    sleep 0.2
-  done
-  if running "$pidfile" "$pattern"; then
-    kill -s KILL "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pidfile"
 }
 
 write_env() {
