@@ -204,7 +204,9 @@ def run_submitit(clock: Clock, env: dict[str, str], n: int, workdir: Path) -> di
     import submitit
 
     clock.start()
-    executor = submitit.AutoExecutor(folder=str(workdir / "submitit" / "%j"), cluster="slurm")
+    # One folder for the whole array: with "%j" in it submitit makes each task's folder only after sbatch
+    # returns, and a task that starts first cannot open its log there (FAILED, exit 0:53).
+    executor = submitit.AutoExecutor(folder=str(workdir / "submitit"), cluster="slurm")
     executor.update_parameters(slurm_partition=env["SLURM_PARTITION"], timeout_min=5, cpus_per_task=1,
                                slurm_array_parallelism=n)  # fmt: skip
     configurations = [{"seed": i} for i in range(n)]

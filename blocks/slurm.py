@@ -832,8 +832,9 @@ class SlurmCluster(ComputeBackend):
 
         ONE ``squeue`` in text form, ``-O`` fields separated by ``|`` and times as epoch seconds: two
         RPCs (the jobs, the partitions) whether it asks for one job or for a thousand (``--local``: no
-        federation lookup, which squeue adds for a single id). squeue filters by ``-j`` itself, whereas ``squeue --json`` in 22.05 ignores ``-j`` and
-        serialises every job in the controller's memory (~10 MB and up to a second at 2,000 records).
+        federation lookup, which squeue adds for a single id). squeue filters by ``-j`` itself, whereas
+        ``squeue --json`` in 22.05 ignores ``-j`` and serialises every job in the controller's memory
+        (~10 MB and up to a second at 2,000 records).
         Pending array tasks come as one record whose ``array_task_id`` is None.
         """
         ids = sorted({str(j) for j in job_ids}, key=int)
