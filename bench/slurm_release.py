@@ -1,0 +1,79 @@
+"""How releasing a held job array affects Slurm's throughput (what P1_vs_floor depends on).
+
+1000 trivial tasks (``echo``), one array per run, on the local Slurm (``make slurm-up``, idempotent):
+
+* plain: ``sbatch --array`` (never held);
+* whole: submitted ``--hold``, then one ``scontrol release <array>``;
+* parts: submitted ``--hold``, then released 40 tasks at a time every 0.8 s (25 parts, as the sweep
+  flow releases tasks as their MLflow child runs come). Each released part becomes job records of its
+  own, which Slurm schedules apart from the array's one record.
+
+Each run polls one ``squeue --local -j`` a second until every task is COMPLETED and prints the wall
+time from submit.
+
+    .venv/bin/python bench/slurm_release.py [--n 1000] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
+    from tests.stacks import stack_env
+
+    env = {**os.environ, "SLURM_CONF": stack_env("slurm")["SLURM_CONF"]}
+
+    def sh(*argv: str) -> str:
+        return subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+
+    def completed(job: str) -> int:
+        out = sh("squeue", "--local", "-h", "-t", "all", "-j", job, "-O", "ArrayTaskID:|,State:|")
+        return sum(1 for line in out.splitlines()
+                   if line.split("|")[0].strip().isdigit() and line.split("|")[1].strip() == "COMPLETED")  # fmt: skip
+
+    def one(mode: str) -> float:
+        deadline = time.monotonic() + 600
+        while sh("squeue", "-h", "-t", "PENDING,RUNNING,COMPLETING").strip():  # the previous run's tasks
+            if time.monotonic() > deadline:
+                raise SystemExit("the cluster did not become idle")
+            time.sleep(1)
+        start = time.perf_counter()
+        argv = ["sbatch", "--parsable", f"--array=0-{args.n - 1}", "--time=5", "--output=/dev/null", "--wrap", "echo"]
+        if mode != "plain":
+            argv.insert(2, "--hold")
+        job = sh(*argv).strip().split(";")[0]
+        if mode == "whole":
+            sh("scontrol", "release", job)
+        elif mode == "parts":
+            for first in range(0, args.n, 40):
+                sh("scontrol", "release", ",".join(f"{job}_{i}" for i in range(first, min(args.n, first + 40))))
+                time.sleep(0.8)
+        while completed(job) < args.n:
+            time.sleep(1)
+        return time.perf_counter() - start
+
+    walls: dict[str, list[float]] = {"plain": [], "whole": [], "parts": []}
+    for _ in range(args.repeat):
+        for mode in walls:
+            walls[mode].append(one(mode))
+            print(f"{mode:6s} N={args.n}: {walls[mode][-1]:.1f} s", flush=True)
+    for mode, values in walls.items():
+        print(f"{mode}: " + " / ".join(f"{v:.1f}" for v in values) + " s")
+
+
+if __name__ == "__main__":
+    main()
