@@ -15,8 +15,8 @@ Each event moves the benchmark's alias to a new version; the benchmark waits for
 to finish before the next one (the deployment runs one deploy at a time). Latency is from just before
 the alias call to the run's start time as the server recorded it (RUNNING). Before each event the
 standby worker's next process has finished its imports (``standby_wait_s``: how long that took after
-the previous run): events reach an idle worker, as registry events minutes apart do. The hops come from the
-server too: the event's ``occurred`` (when the receiver or poller emitted it), ``received`` (the events
+the previous run): events reach an idle worker, as registry events minutes apart do. The hops come
+from the server too: the event's ``occurred`` (when the receiver or poller emitted it), ``received`` (the events
 API), the run's ``created`` (the automation) and ``start_time``.
 
     .venv/bin/python bench/event_deploy.py [--events 20] [--poll-interval 10] [--worker standby|process]
@@ -85,7 +85,6 @@ class Bench:
     # ---- setup ----
 
     def setup(self, versions: int) -> None:
-
         names = private_worker.render(self.tmp / "prefect.yaml", ["on-champion"], self.pool, self.uid, alias=self.alias)
         self.deployment = names["on-champion"]
         private_worker.deploy(self.tmp / "prefect.yaml", self.env, self.pool)
@@ -305,7 +304,6 @@ class Bench:
             MlflowClient(self.tracking_uri).delete_registered_model(self.model)
             from prefect.client.orchestration import SyncPrefectClient
 
-    
             if self.deployment:
                 private_worker.remove(self.api_url, [self.deployment], self.pool)
             with SyncPrefectClient(self.api_url) as client:

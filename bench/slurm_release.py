@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
     subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
+    from tests.private_worker import wait_until
     from tests.stacks import stack_env
 
     env = {**os.environ, "SLURM_CONF": stack_env("slurm")["SLURM_CONF"]}
@@ -46,11 +47,8 @@ def main() -> None:
                    if line.split("|")[0].strip().isdigit() and line.split("|")[1].strip() == "COMPLETED")  # fmt: skip
 
     def one(mode: str) -> float:
-        deadline = time.monotonic() + 600
-        while sh("squeue", "-h", "-t", "PENDING,RUNNING,COMPLETING").strip():  # the previous run's tasks
-            if time.monotonic() > deadline:
-                raise SystemExit("the cluster did not become idle")
-            time.sleep(1)
+        wait_until("the previous run's tasks to leave the queue",
+                   lambda: not sh("squeue", "-h", "-t", "PENDING,RUNNING,COMPLETING").strip(), timeout=600, interval=1)  # fmt: skip
         start = time.perf_counter()
         argv = ["sbatch", "--parsable", f"--array=0-{args.n - 1}", "--time=5", "--output=/dev/null", "--wrap", "echo"]
         if mode != "plain":
@@ -62,8 +60,8 @@ def main() -> None:
             for first in range(0, args.n, 40):
                 sh("scontrol", "release", ",".join(f"{job}_{i}" for i in range(first, min(args.n, first + 40))))
                 time.sleep(0.8)
-        while completed(job) < args.n:
-            time.sleep(1)
+        wait_until(f"all {args.n} tasks of {mode} array {job} COMPLETED", lambda: completed(job) >= args.n,
+                   timeout=900, interval=1)  # fmt: skip
         return time.perf_counter() - start
 
     walls: dict[str, list[float]] = {"plain": [], "whole": [], "parts": []}

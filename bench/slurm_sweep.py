@@ -47,9 +47,9 @@ sys.path.insert(0, str(REPO))
 
 def stack_env() -> dict[str, str]:
     subprocess.run(["make", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
-    cache = Path(os.environ.get("GPUFERRY_CACHE", Path.home() / ".cache" / "gpuferry"))
-    path = Path(os.environ.get("GPUFERRY_STACKS", cache / "stacks")) / "slurm" / "env"
-    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    from tests.stacks import stack_env as written
+
+    return written("slurm")
 
 
 class Sdiag:
@@ -100,6 +100,7 @@ class Clock:
     def __init__(self, sdiag: Sdiag) -> None:
         self.sdiag, self.t0 = sdiag, 0.0
         self.cpu0, self.own0 = (0.0, 0.0), 0.0
+        self.cpu: dict[str, float] = {}  # the last stop's CPU figures
 
     def start(self) -> None:
         self.sdiag.reset()

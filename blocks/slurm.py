@@ -858,7 +858,6 @@ class SlurmCluster(ComputeBackend):
                 record[name] = int(record[name]) if record[name].isdigit() else 0
             task = record["array_task_id"]
             record["array_task_id"] = int(task) if task.isdigit() else None
-            record["array_task_string"] = task if task not in ("N/A", "") and not task.isdigit() else None
             record["requeue"] = record["requeue"] == "1"
             jobs.append(record)
         self._last_jobs = (time.monotonic(), jobs)

@@ -107,15 +107,15 @@ def _cancel_array(compute: ComputeBackend, job: TrainingJob, handle: JobHandle |
 @task(name="train-sweep", **retry_options(retries=3))
 def train_sweep(
     compute: ComputeBackend, job: TrainingJob, configurations: Sequence[HyperParameters], tracking: MlflowTracking,
-    parent_run_id: str, parallelism: int | None = None, timeout_seconds: float | None = None, run_workers: int | None = None,
+    parent_run_id: str, parallelism: int | None = None, timeout_seconds: float | None = None,
+    run_workers: int | None = None,
 ) -> tuple[list[str], SweepJobResult]:  # fmt: skip
     """Run ``job`` once per configuration as ONE job array, each in an MLflow run that is a child of
     ``parent_run_id``; wait for all of it (one poll per cycle). Returns the child run ids (by
     configuration) and the array's outcome.
 
-    The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time; by
-    default ``tracking.concurrent_writes``) and
-    each task is released as soon as its run exists, so the first tasks run while later runs are
+    The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time,
+    by default ``tracking.concurrent_writes``) and each task is released as soon as its run exists, so the first tasks run while later runs are
     still being made: the runs cost no wall time of their own unless they are slower than Slurm.
     When the task fails for good (an error no retry mends, its last attempt, the flow run stopped)
     it cancels the array first: no held task is left in the queue.
