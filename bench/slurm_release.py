@@ -4,9 +4,12 @@
 
 * plain: ``sbatch --array`` (never held);
 * whole: submitted ``--hold``, then one ``scontrol release <array>``;
-* parts: submitted ``--hold``, then released 40 tasks at a time every 0.8 s (25 parts, as the sweep
-  flow releases tasks as their MLflow child runs come). Each released part becomes job records of its
-  own, which Slurm schedules apart from the array's one record.
+* parts: submitted ``--hold``, then released 40 tasks at a time every 0.8 s (25 parts). Each task
+  released by its index becomes a job record of its own, which Slurm schedules apart from the
+  array's one record;
+* doubling: submitted ``--hold``, then parts of 16, 16, 32, 64, … tasks every 0.8 s while they are
+  less than half the array, then the rest as the whole array (how the sweep flow releases tasks as
+  their MLflow child runs come).
 
 Each run polls one ``squeue --local -j`` a second until every task is COMPLETED and prints the wall
 time from submit.
@@ -31,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--modes", default="plain,whole,parts,doubling", help="comma-separated, run in this order")
     args = parser.parse_args()
     subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
     from tests.private_worker import wait_until
@@ -60,11 +64,19 @@ def main() -> None:
             for first in range(0, args.n, 40):
                 sh("scontrol", "release", ",".join(f"{job}_{i}" for i in range(first, min(args.n, first + 40))))
                 time.sleep(0.8)
+        elif mode == "doubling":
+            released = 0
+            while 2 * max(released, 8) < args.n:
+                size = max(16, released)
+                sh("scontrol", "release", f"{job}_[{released}-{released + size - 1}]")
+                released += size
+                time.sleep(0.8)
+            sh("scontrol", "release", job)
         wait_until(f"all {args.n} tasks of {mode} array {job} COMPLETED", lambda: completed(job) >= args.n,
                    timeout=900, interval=1)  # fmt: skip
         return time.perf_counter() - start
 
-    walls: dict[str, list[float]] = {"plain": [], "whole": [], "parts": []}
+    walls: dict[str, list[float]] = {mode: [] for mode in args.modes.split(",")}
     for _ in range(args.repeat):
         for mode in walls:
             walls[mode].append(one(mode))

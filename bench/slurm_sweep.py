@@ -3,13 +3,18 @@
 Every configuration runs a trivial command, so this measures orchestration, not training.
 
 * ours: the sweep flow's own task in a flow — ``train_sweep``: ONE job array over SSH, queued
-  held while one MLflow child run per configuration is made (in an SQLite store in WAL mode), each
-  task released as soon as its run exists; each task exports its configuration and run id from
+  held while one MLflow child run per configuration is made (in an SQLite store in WAL mode), and
+  released in a few doubling parts as the runs come, the last part as the whole array (tasks/sweep.py:
+  ``_release_as_runs_come``); each task exports its configuration and run id from
   tasks/<i>.env and runs ``sh bench/sweep_task.sh``; one batched poll per cycle, as often as the
   floor's (1 s); then the final state and usage of every task;
 * submitit: ``AutoExecutor(...).map_array(f, configurations)`` and every ``job.result()``;
 * plain (the floor): ``sbatch --array=0-N-1 --wrap 'echo ...'`` polled a second by the same query
   as ours (one ``squeue -j <id>``) until all N tasks are COMPLETED.
+
+Each side starts on a controller that holds no job record (the bench waits for the records of the
+side before it to be purged, up to MinJobAge, 300 s here: every scheduling pass walks them), and runs
+while nothing else is queued.
 
 slurmctld RPCs come from ``sdiag`` (reset before each run, REQUEST_STATS_INFO itself excluded). P2
 also measures one poll of ours with 1 and with 1000 (held) jobs watched (5 times each; the least
@@ -116,15 +121,20 @@ class Clock:
         return wall, sum(counts.values()), counts
 
 
-def wait_quiet(cluster: Any) -> None:
-    """No job of ours queued or running (earlier runs' tasks finish before the next run starts)."""
-    deadline = time.monotonic() + 600
+def wait_quiet(cluster: Any) -> float:
+    """Wait until the controller holds no job record at all, and return how long that took.
+
+    Every side starts on the same controller: none of an earlier side's jobs still runs, and none of
+    its finished records is left in slurmctld's memory (it keeps them MinJobAge, 300 s here, and
+    every scheduling pass walks them), so no side pays for the one that ran before it.
+    """
+    start = time.monotonic()
+    deadline = start + 900
     while time.monotonic() < deadline:
-        live = [j for j in cluster._squeue() if j.get("job_state") in ("PENDING", "RUNNING", "COMPLETING")]
-        if not live:
-            return
-        time.sleep(2)
-    raise RuntimeError("the cluster did not become idle")
+        if not cluster._squeue():
+            return time.monotonic() - start
+        time.sleep(5)
+    raise RuntimeError("the controller still holds job records after 900 s")
 
 
 # ---- the three sides -------------------------------------------------------------------------------
@@ -300,11 +310,11 @@ def main() -> None:
         if not args.skip_submitit:
             sides.append(("submitit", lambda: run_submitit(clock, env, args.n, root)))
         for side, fn in sides:
-            wait_quiet(cluster)
-            extra = fn()
+            settled = wait_quiet(cluster)
+            extra = {**(fn() or {}), "settle_wait_s": round(settled)}
             wall, rpcs, counts = clock.stop()
             top = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
-            results[side] = {"wall": wall, "rpcs": rpcs, **(extra or {})}
+            results[side] = {"wall": wall, "rpcs": rpcs, **extra}
             print(f"{side:9s} N={args.n}: {wall:7.1f} s, {rpcs} slurmctld RPCs ({top}); {extra}; {clock.cpu}",
                   flush=True)  # fmt: skip
         one = per_poll(cluster, sdiag, env, 1)

@@ -209,6 +209,7 @@ class SlurmCluster(ComputeBackend):
     _client_for: tuple[Any, ...] | None = PrivateAttr(None)
     _last_jobs: tuple[float, list[dict[str, Any]]] = PrivateAttr((0.0, []))
     _detected_runtime: tuple[tuple[Any, ...], str] | None = PrivateAttr(None)
+    _known_partitions: tuple[tuple[Any, ...], float, list[str]] | None = PrivateAttr(None)
 
     _TERMINAL_SLURM: ClassVar[frozenset[str]] = frozenset(
         {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "NODE_FAIL",
@@ -358,10 +359,14 @@ class SlurmCluster(ComputeBackend):
 
     # ---- files on the cluster --------------------------------------------------------------
 
-    def _put_files(self, workdir: str, files: Mapping[str, tuple[bytes, int]], *, keep_existing: bool = False) -> None:
+    def _put_files(self, workdir: str, files: Mapping[str, tuple[bytes, int]], *, keep_existing: bool = False,
+                   then: Sequence[str] = (), check: bool = True, retry: bool = True) -> tuple[int, str, str]:  # fmt: skip
         """Write ``files`` (name relative to ``workdir`` -> (data, mode)) in ONE command: a tar sent on
         stdin, unpacked at the filesystem root (so ``workdir`` and the folders in it are created too).
         ``keep_existing``: leave a file that is already there as it is (a retried write of the same data).
+        ``then``: a command run once the files are there, in the same SSH command (every command costs
+        the login shell's start-up); its exit code and output are returned, and ``check`` and ``retry``
+        are as for ``run``.
         """
         archive = io.BytesIO()
         with tarfile.open(fileobj=archive, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -372,7 +377,14 @@ class SlurmCluster(ComputeBackend):
         argv = ["tar", "-x", "--no-same-owner", "-C", "/", "-f", "-"]
         if keep_existing:
             argv.insert(2, "--skip-old-files")
-        self.run(argv, stdin=archive.getvalue())
+        if not then:
+            return self.run(argv, stdin=archive.getvalue(), check=check, retry=retry)
+        # The command's words reach it as "$@" (never through the shell's parser).
+        rc, out, err = self.run(["sh", "-c", f'{shlex.join(argv)} || exit; exec "$@"', "sh", *then],
+                                stdin=archive.getvalue(), check=False, retry=retry)  # fmt: skip
+        if check and rc != 0:
+            self._raise_for(then, rc, err or out)
+        return rc, out, err
 
     def _mkdir(self, path: str) -> None:
         self.run(["mkdir", "-p", "--", path])
@@ -447,10 +459,18 @@ class SlurmCluster(ComputeBackend):
 
     def partitions(self) -> list[str]:
         _, out, _ = self.run(["sinfo", "-h", "-o", "%R"])
-        return sorted({line.strip() for line in out.splitlines() if line.strip()})
+        known = sorted({line.strip() for line in out.splitlines() if line.strip()})
+        self._known_partitions = ((self.host, self.port, self.local, self.slurm_conf), time.monotonic(), known)
+        return known
 
     def _check_partition(self, partition: str | None) -> None:
         if partition is None:
+            return
+        # A partition seen in the last minute is taken as there (preflight has just asked, and submit
+        # asks again); one not seen is looked up afresh before it is refused.
+        cached = self._known_partitions
+        if (cached is not None and cached[0] == (self.host, self.port, self.local, self.slurm_conf)
+                and time.monotonic() - cached[1] < 60 and partition in cached[2]):  # fmt: skip
             return
         known = self.partitions()
         if partition not in known:
@@ -612,14 +632,15 @@ class SlurmCluster(ComputeBackend):
         top of ``job.env``, and its own checkpoint directory and progress file under ``task_dir``).
 
         Idempotent by ``job.key`` like ``submit``. ``parallelism`` throttles how many tasks run at once
-        (``--array=0-N%P``). The same as ``submit_held_sweep`` then ``release_sweep_tasks`` of all tasks.
+        (``--array=0-N%P``). The same as ``submit_held_sweep`` then ``release_sweep_tasks`` of all tasks,
+        the array released whole.
         """
         if not tasks:
             raise ConfigurationError("a sweep needs at least one task")
         settings = dict(enumerate(tasks))
         self._task_entries(job.workdir, settings)  # every setting checked before anything is submitted
         handle = self.submit_held_sweep(job, len(tasks), parallelism=parallelism)
-        self.release_sweep_tasks(handle, settings)
+        self.release_sweep_tasks(handle, settings, whole_array=True)
         return handle
 
     def submit_held_sweep(self, job: TrainingJob, size: int, *, parallelism: int | None = None) -> JobHandle:
@@ -636,7 +657,8 @@ class SlurmCluster(ComputeBackend):
         return self._submit(job.key, job.workdir, script, array=True, hold=True,
                             secret_files=self._container_files(job))  # fmt: skip
 
-    def release_sweep_tasks(self, handle: JobHandle, tasks: Mapping[int, Mapping[str, str]]) -> None:
+    def release_sweep_tasks(self, handle: JobHandle, tasks: Mapping[int, Mapping[str, str]], *,
+                            whole_array: bool = False) -> None:  # fmt: skip
         """Give these tasks of a held array (index -> its environment) their settings and let them run.
 
         Two commands, however many tasks: the settings go next to the script as ``tasks/<index>.env``
@@ -644,15 +666,23 @@ class SlurmCluster(ComputeBackend):
         any program), then ``scontrol release``. A settings file already there is kept (a retry writes
         the same settings), and releasing a task that already ran is no error. The settings are not
         secrets (use secret_env for those).
+
+        ``whole_array``: release every task of the array that is still held (each must have its
+        settings by now, from this call or an earlier one) with ``scontrol release <array>``. The held
+        tasks stay in the array's one job record, whereas Slurm splits each task released by its index
+        into a record of its own, which it schedules apart: release the bulk of an array whole.
         """
         entries = self._task_entries(handle.workdir, tasks)
-        if not entries:
+        if not entries and not whole_array:
             return
+        target = handle.job_id if whole_array else f"{handle.job_id}_[{_index_ranges(entries)}]"
+        argv = ["scontrol", "release", target]
         files = {f"{TASKS_DIR}/{index}.env": ("".join(f"{name}={value}\0" for name, value in entry.items()).encode(), 0o644)
                  for index, entry in entries.items()}  # fmt: skip
-        self._put_files(handle.workdir, files, keep_existing=True)
-        argv = ["scontrol", "release", f"{handle.job_id}_[{_index_ranges(entries)}]"]
-        rc, out, err = self.run(argv, check=False)
+        if files:  # the settings, then the release: one command
+            rc, out, err = self._put_files(handle.workdir, files, keep_existing=True, then=argv, check=False)
+        else:
+            rc, out, err = self.run(argv, check=False)
         problems = [line for line in (err + out).splitlines()
                     if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
         if rc != 0 and problems:
@@ -768,19 +798,25 @@ class SlurmCluster(ComputeBackend):
         if existing is not None:
             return self._handle(existing, key, workdir, log)
         path = posixpath.join(workdir, SCRIPT_NAME)
-        self._put_files(workdir, {SCRIPT_NAME: (script.encode(), 0o700)})  # creates workdir too
+        sbatch = ["sbatch", "--parsable", *(["--hold"] if hold else []), path]
+        secrets = {}
         if secret_env:
             for name in secret_env:
                 if not name.isidentifier():
                     raise ConfigurationError(f"secret_env name {name!r} is not a variable name")
             body = "".join(f"{n}={shlex.quote(v.get_secret_value())}\n" for n, v in sorted(secret_env.items()))
-            self._write(posixpath.join(workdir, SECRETS_NAME), body.encode(), 0o600)
-        for name, data in (secret_files or {}).items():  # e.g. the registry login of the job's image
-            if "/" in name:
-                self._mkdir(posixpath.join(workdir, posixpath.dirname(name)))
-            self._write(posixpath.join(workdir, name), data, 0o600)
+            secrets[SECRETS_NAME] = body.encode()
+        secrets.update(secret_files or {})  # e.g. the registry login of the job's image
+        # Secrets go over SFTP, each created 0600 before a byte is written; the script and sbatch
+        # follow in one command.
+        if secrets:
+            self._mkdir(workdir)
+            for name, data in secrets.items():
+                if "/" in name:
+                    self._mkdir(posixpath.join(workdir, posixpath.dirname(name)))
+                self._write(posixpath.join(workdir, name), data, 0o600)
         try:
-            _, out, _ = self.run(["sbatch", "--parsable", *(["--hold"] if hold else []), path], retry=False)
+            _, out, _ = self._put_files(workdir, {SCRIPT_NAME: (script.encode(), 0o700)}, then=sbatch, retry=False)
         except TransientError as exc:
             raise TransientError(f"{exc} — the job may have been submitted; a retried submit adopts it by its key") from exc
         job_id = out.strip().split(";")[0]
@@ -794,28 +830,38 @@ class SlurmCluster(ComputeBackend):
     def find_job(self, key: str) -> str | None:
         """The id of a live or finished job carrying ``key`` (live ones first), or None."""
         comment = KEY_COMMENT_PREFIX + key
-        # Every state (-t all): a job that just finished is in the controller's memory before sacct has it.
+        live_lines, accounted = self._jobs_named(key)
         live = []
-        for line in self._live_jobs(key):
+        for line in live_lines:
             job_id, name, job_comment = (line.split("|", 2) + ["", ""])[:3]
             if name == key and job_comment == comment and job_id.isdigit():
                 live.append(job_id)
         if live:
             return min(live, key=int)
         # sacct has the comment only where AccountingStoreFlags=job_comment; the name alone is the key there.
-        _, out, _ = self.run([
-            "sacct", "-X", "-n", "-P", f"--name={key}", f"--starttime=now-{self.adopt_lookback_days}days",
-            "--format=JobIDRaw,JobID,Comment",
-        ])  # fmt: skip
-        found = [line.split("|")[1].split("_")[0] for line in out.splitlines()
+        found = [line.split("|")[1].split("_")[0] for line in accounted
                  if line.count("|") >= 2 and line.split("|", 2)[2] in (comment, "")]  # fmt: skip
         return min(found, key=int) if found else None
 
-    def _live_jobs(self, name: str) -> list[str]:
-        """The controller's jobs named ``name`` as ``array job id|name|comment`` lines (text squeue
-        filters by name; ``squeue --json`` would return every job in memory)."""
-        _, out, _ = self.run(["squeue", "-h", "-t", "all", f"--name={name}", "-o", "%F|%j|%k"])
-        return out.splitlines()
+    # squeue's and then sacct's jobs of one name ("$1"), since "$2"; a fixed script, the name an argument.
+    _JOBS_NAMED_SH: ClassVar[str] = (
+        'squeue -h -t all --name="$1" -o "%F|%j|%k" || exit; echo "-- sacct --"; '
+        'exec sacct -X -n -P --name="$1" --starttime="$2" --format=JobIDRaw,JobID,Comment'
+    )
+
+    def _jobs_named(self, name: str) -> tuple[list[str], list[str]]:
+        """The jobs named ``name``, asked in ONE command (each costs the login shell's start-up):
+        the controller's in every state (a job that just finished is in its memory before sacct has
+        it) as ``array job id|name|comment`` lines (text squeue filters by name; ``squeue --json``
+        would return every job in memory), then the accounting database's of the last
+        ``adopt_lookback_days`` as ``JobIDRaw|JobID|Comment`` lines."""
+        argv = ["sh", "-c", self._JOBS_NAMED_SH, "sh", name, f"now-{self.adopt_lookback_days}days"]
+        rc, out, err = self.run(argv, check=False)
+        # squeue's lines start with a job id: the separator line cannot be one of them.
+        live, separated, accounted = ("\n" + out).partition("\n-- sacct --\n")
+        if rc != 0:
+            self._raise_for(["sacct" if separated else "squeue", f"--name={name}"], rc, err or out)
+        return [line for line in live.splitlines() if line], accounted.splitlines()
 
     # ---- state -----------------------------------------------------------------------------
 

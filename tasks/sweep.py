@@ -7,7 +7,7 @@ import json
 import posixpath
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 from prefect import get_run_logger, task
 from prefect.exceptions import TerminationSignal
@@ -51,29 +51,36 @@ def mark_children(tracking: MlflowTracking, run_ids: Sequence[str], status: str)
             tracking.end_run(run_id, status)
 
 
+# The first part of a held array to release: enough tasks for the cluster to start at once.
+FIRST_RELEASE = 16
+
+
 def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict[int, str],
                           make: dict[Future[str], int], configurations: Sequence[HyperParameters]) -> None:  # fmt: skip
-    """Release each task of the held array once its child run exists: whatever is ready when the
-    previous release returns goes in the next one, so releases keep pace with run creation."""
+    """Release the held array's tasks as their child runs come, in a few parts that double: the first
+    once ``FIRST_RELEASE`` runs exist, each next one once as many runs wait as were released before,
+    and the last, once every run exists, as the whole array.
+
+    Why so few parts: Slurm splits each task released on its own into a job record of its own, which
+    it schedules apart, whereas the tasks still held stay in the array's one record. Doubling splits
+    off at most about half the array (its first ~log2(N/16) parts), and the cluster still never
+    waits for runs unless they are made less than twice as fast as it runs tasks.
+    """
 
     def settings(index: int) -> dict[str, str]:
         return {contract.HPARAMS: json.dumps(configurations[index].model_dump()), contract.MLFLOW_RUN_ID: runs[index]}
 
-    ready = sorted(runs)
-    waiting = set(make)
-    while ready or waiting:
-        if not ready:
-            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-            for future in done:
-                runs[make[future]] = future.result()  # a failed run creation fails the task
-                ready.append(make[future])
-        compute.release_sweep_tasks(handle, {i: settings(i) for i in ready})  # type: ignore[attr-defined]
-        ready = []
-        done = {f for f in waiting if f.done()}
-        waiting -= done
-        for future in done:
-            runs[make[future]] = future.result()
-            ready.append(make[future])
+    ready = sorted(runs)  # adopted by a retry: their tasks may have run already
+    released, left = 0, len(make)
+    for future in as_completed(make):
+        runs[make[future]] = future.result()  # a failed run creation fails the task
+        ready.append(make[future])
+        left -= 1
+        if left and len(ready) >= max(FIRST_RELEASE, released):
+            compute.release_sweep_tasks(handle, {i: settings(i) for i in ready})  # type: ignore[attr-defined]
+            released += len(ready)
+            ready = []
+    compute.release_sweep_tasks(handle, {i: settings(i) for i in ready}, whole_array=True)  # type: ignore[attr-defined]
 
 
 def _last_attempt() -> bool:
@@ -115,8 +122,9 @@ def train_sweep(
     configuration) and the array's outcome.
 
     The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time,
-    by default ``tracking.concurrent_writes``) and each task is released as soon as its run exists, so the first tasks run while later runs are
-    still being made: the runs cost no wall time of their own unless they are slower than Slurm.
+    by default ``tracking.concurrent_writes``) and the tasks are released in a few growing parts as
+    their runs come (``_release_as_runs_come``), so the first tasks run while later runs are still
+    being made: the runs cost no wall time of their own unless they are slower than Slurm.
     When the task fails for good (an error no retry mends, its last attempt, the flow run stopped)
     it cancels the array first: no held task is left in the queue.
     (The flow's preflight has validated the job; a job the cluster refuses fails the submit at once,

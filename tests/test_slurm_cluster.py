@@ -139,7 +139,8 @@ def test_submit_twice_makes_one_job(cluster: SlurmCluster, env: dict[str, str]) 
     assert second == first
     # ... and once the controller has forgotten the job: found in the accounting database instead.
     forgetful = sleeper.model_copy()
-    object.__setattr__(forgetful, "_live_jobs", lambda name: [])
+    ask = forgetful._jobs_named
+    object.__setattr__(forgetful, "_jobs_named", lambda name: ([], ask(name)[1]))
     wait_for(lambda: jobs_named(env, k) and forgetful.find_job(k), 60, "the job in sacct")
     assert forgetful.submit(job) == first
     assert jobs_named(env, k) == [first.job_id]

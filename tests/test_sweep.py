@@ -67,6 +67,7 @@ class HeldArray:
     def __init__(self) -> None:
         self.released: dict[int, dict[str, str]] = {}
         self.releases: list[list[int]] = []
+        self.whole_released = False
         self.submits = 0
 
     def submit_held_sweep(self, job, size, *, parallelism=None):  # type: ignore[no-untyped-def]
@@ -76,15 +77,19 @@ class HeldArray:
         self.size = size
         return JobHandle(backend="held-array", job_id="42", key=job.key, workdir=job.workdir, log_path="/dev/null")
 
-    def release_sweep_tasks(self, handle, tasks):  # type: ignore[no-untyped-def]
+    def release_sweep_tasks(self, handle, tasks, *, whole_array=False):  # type: ignore[no-untyped-def]
+        assert not self.whole_released, "released after the whole array"
         assert not set(tasks) & set(self.released), "a task was released twice"
+        if whole_array:  # every task still held runs now: each must have its settings
+            assert sorted({*self.released, *tasks}) == list(range(self.size)), "the array released before every run"
+        self.whole_released = whole_array
         self.released.update(tasks)
         self.releases.append(sorted(tasks))
 
     def watch(self, handle, timeout_seconds=None):  # type: ignore[no-untyped-def]
         from blocks.specs import JobStatus
 
-        assert sorted(self.released) == list(range(self.size)), "watched before every task was released"
+        assert self.whole_released, "watched before the array was released"
         return JobStatus(job_id="42", state="COMPLETED")
 
     def array_outcome(self, handle, size):  # type: ignore[no-untyped-def]
@@ -138,3 +143,32 @@ def test_each_task_is_released_with_its_own_child_run(tmp_path: Path) -> None:
     children_again, _ = sweep_step(again)
     assert children_again == children
     assert again.releases == [list(range(12))]  # every run already there: one release
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_big_array_is_released_in_few_doubling_parts_then_whole(tmp_path: Path) -> None:
+    from prefect import flow
+
+    from blocks.specs import TrainingJob
+    from blocks.tracking import MlflowTracking
+    from tasks.sweep import FIRST_RELEASE, train_sweep
+
+    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                              artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
+    parent = tracking.client.create_run(tracking.experiment_id("sweep-parts"), run_name="parts").info.run_id
+    configurations = SweepGrid(values={"seed": list(range(200))}).expand(HyperParameters())
+    job = TrainingJob(key="sweep-parts", workdir=str(tmp_path / "job"))
+
+    @flow
+    def sweep_step(backend: HeldArray) -> tuple:  # type: ignore[type-arg]
+        return train_sweep(backend, job, configurations, tracking, parent)
+
+    backend = HeldArray()
+    children, result = sweep_step(backend)
+    assert len(set(children)) == 200 and len(result.completed) == 200
+    *parts, last = backend.releases
+    # Tasks split off one by one cost Slurm a job record each: a few parts, each at least as big as
+    # all before it, then the rest as the array itself.
+    assert parts and len(parts[0]) >= FIRST_RELEASE
+    assert all(len(part) >= sum(map(len, parts[:k])) for k, part in enumerate(parts))
+    assert len(parts) <= 5 and len(last) >= 1 and backend.whole_released
