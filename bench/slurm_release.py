@@ -8,11 +8,14 @@
   released by its index becomes a job record of its own, which Slurm schedules apart from the
   array's one record;
 * doubling: submitted ``--hold``, then parts of 16, 16, 32, 64, … tasks every 0.8 s while they are
-  less than half the array, then the rest as the whole array (how the sweep flow releases tasks as
-  their MLflow child runs come).
+  less than half the array, then the rest as the whole array.
+
+The sweep flow releases its first 16 tasks by index, then the rest as the whole array.
 
 Each run polls one ``squeue --local -j`` a second until every task is COMPLETED and prints the wall
-time from submit.
+time from submit. Runs follow one another as soon as nothing is queued, while the controller still
+keeps the earlier runs' finished records (MinJobAge, 300 s), which slow every later run: compare
+modes within a round, and over rounds.
 
     .venv/bin/python bench/slurm_release.py [--n 1000] [--repeat 2]
 """

@@ -3,9 +3,9 @@
 Every configuration runs a trivial command, so this measures orchestration, not training.
 
 * ours: the sweep flow's own task in a flow — ``train_sweep``: ONE job array over SSH, queued
-  held while one MLflow child run per configuration is made (in an SQLite store in WAL mode), and
-  released in a few doubling parts as the runs come, the last part as the whole array (tasks/sweep.py:
-  ``_release_as_runs_come``); each task exports its configuration and run id from
+  held while one MLflow child run per configuration is made (in an SQLite store in WAL mode); its
+  first 16 tasks are released as soon as their runs exist, the rest as the whole array once every
+  run exists (tasks/sweep.py: ``_release_as_runs_come``); each task exports its configuration and run id from
   tasks/<i>.env and runs ``sh bench/sweep_task.sh``; one batched poll per cycle, as often as the
   floor's (1 s); then the final state and usage of every task;
 * submitit: ``AutoExecutor(...).map_array(f, configurations)`` and every ``job.result()``;

@@ -661,7 +661,7 @@ class SlurmCluster(ComputeBackend):
                             whole_array: bool = False) -> None:  # fmt: skip
         """Give these tasks of a held array (index -> its environment) their settings and let them run.
 
-        Two commands, however many tasks: the settings go next to the script as ``tasks/<index>.env``
+        One command, however many tasks: the settings go next to the script as ``tasks/<index>.env``
         (NUL-separated NAME=value words, which task ``SLURM_ARRAY_TASK_ID`` exports without starting
         any program), then ``scontrol release``. A settings file already there is kept (a retry writes
         the same settings), and releasing a task that already ran is no error. The settings are not
@@ -799,7 +799,7 @@ class SlurmCluster(ComputeBackend):
             return self._handle(existing, key, workdir, log)
         path = posixpath.join(workdir, SCRIPT_NAME)
         sbatch = ["sbatch", "--parsable", *(["--hold"] if hold else []), path]
-        secrets = {}
+        secrets: dict[str, bytes] = {}
         if secret_env:
             for name in secret_env:
                 if not name.isidentifier():
