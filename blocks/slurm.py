@@ -457,10 +457,16 @@ class SlurmCluster(ComputeBackend):
 
     # ---- validation ------------------------------------------------------------------------
 
+    @property
+    def _cluster_key(self) -> tuple[Any, ...]:
+        """Which cluster this block talks to, as the key of what it learns about it once (the container
+        runtime, the partitions): a copy of the block with other settings asks again."""
+        return (self.local, self.host, self.port, self.user, self.slurm_conf)
+
     def partitions(self) -> list[str]:
         _, out, _ = self.run(["sinfo", "-h", "-o", "%R"])
         known = sorted({line.strip() for line in out.splitlines() if line.strip()})
-        self._known_partitions = ((self.host, self.port, self.local, self.slurm_conf), time.monotonic(), known)
+        self._known_partitions = (self._cluster_key, time.monotonic(), known)
         return known
 
     def _check_partition(self, partition: str | None) -> None:
@@ -469,8 +475,8 @@ class SlurmCluster(ComputeBackend):
         # A partition seen in the last minute is taken as there (preflight has just asked, and submit
         # asks again); one not seen is looked up afresh before it is refused.
         cached = self._known_partitions
-        if (cached is not None and cached[0] == (self.host, self.port, self.local, self.slurm_conf)
-                and time.monotonic() - cached[1] < 60 and partition in cached[2]):  # fmt: skip
+        if (cached is not None and cached[0] == self._cluster_key and time.monotonic() - cached[1] < 60
+                and partition in cached[2]):  # fmt: skip
             return
         known = self.partitions()
         if partition not in known:
@@ -563,7 +569,7 @@ class SlurmCluster(ComputeBackend):
         apptainer."""
         if self.container_runtime != "auto":
             return self.container_runtime
-        where = (self.local, self.host, self.port, self.user, self.slurm_conf)
+        where = self._cluster_key
         with self._lock:
             if self._detected_runtime is not None and self._detected_runtime[0] == where:
                 return self._detected_runtime[1]
