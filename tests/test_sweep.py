@@ -145,8 +145,59 @@ def test_each_task_is_released_with_its_own_child_run(tmp_path: Path) -> None:
     assert again.releases == [list(range(12))]  # every run already there: one release
 
 
+def test_tasks_are_released_in_doubling_parts_then_the_whole_array() -> None:
+    """A part goes once FIRST_RELEASE tasks are ready and as many as all the parts before; the rest
+    goes as the whole array."""
+    import threading
+    from concurrent.futures import Future
+
+    from blocks.specs import JobHandle
+    from tasks.sweep import FIRST_RELEASE, _release_as_runs_come
+    from tests.private_worker import wait_until
+    from workload import contract
+
+    assert FIRST_RELEASE == 16
+    size = 100
+    configurations = SweepGrid(values={"seed": list(range(size))}).expand(HyperParameters())
+    futures: list[Future[str]] = [Future() for _ in range(size)]
+    backend = HeldArray()
+    backend.size = size
+    handle = JobHandle(backend="held-array", job_id="42", key="k", workdir="/w", log_path="/dev/null")
+    runs: dict[int, str] = {}
+    policy = threading.Thread(target=_release_as_runs_come,
+                              args=(backend, handle, runs, {f: i for i, f in enumerate(futures)}, configurations))  # fmt: skip
+    policy.start()
+    made = 0
+
+    def make(count: int) -> None:
+        nonlocal made
+        for future in futures[made:made + count]:
+            future.set_result(f"run-{made}")
+            made += 1
+
+    def parts(count: int) -> None:
+        wait_until(f"{count} releases", lambda: len(backend.releases) >= count, timeout=30, interval=0.01)
+
+    make(10)  # fewer than FIRST_RELEASE: nothing goes yet
+    make(6)
+    parts(1)
+    make(10)  # 10 held with a run, fewer than the 16 released: nothing goes
+    make(6)
+    parts(2)
+    make(31)
+    make(1)  # 32 held with a run, as many as released before
+    parts(3)
+    make(size - made)  # the last run (36 held, fewer than 64): the rest as the whole array
+    policy.join(timeout=30)
+    assert not policy.is_alive()
+    assert backend.releases == [list(range(0, 16)), list(range(16, 32)), list(range(32, 64)), list(range(64, 100))]
+    assert backend.whole_released
+    assert runs == {i: f"run-{i}" for i in range(size)}
+    assert {i: backend.released[i][contract.MLFLOW_RUN_ID] for i in range(size)} == runs
+
+
 @pytest.mark.usefixtures("prefect_server")
-def test_a_big_array_is_released_in_a_first_part_then_whole(tmp_path: Path) -> None:
+def test_a_big_array_is_released_in_parts_then_whole(tmp_path: Path) -> None:
     from prefect import flow
 
     from blocks.specs import TrainingJob
@@ -166,7 +217,10 @@ def test_a_big_array_is_released_in_a_first_part_then_whole(tmp_path: Path) -> N
     backend = HeldArray()
     children, result = sweep_step(backend)
     assert len(set(children)) == 200 and len(result.completed) == 200
-    # Tasks released by index cost Slurm a job record each: the first few, to start the cluster while
-    # the other runs are made, then every other task as the array itself.
-    first, rest = backend.releases
-    assert len(first) == FIRST_RELEASE and len(rest) == 200 - FIRST_RELEASE and backend.whole_released
+    # Each part released by index holds at least FIRST_RELEASE tasks and as many as all before it
+    # (tasks released by index cost Slurm a job record each); the last release is the whole array.
+    *by_index, rest = backend.releases
+    assert backend.whole_released and rest and by_index
+    for k, part in enumerate(by_index):
+        assert len(part) >= max(FIRST_RELEASE, sum(map(len, by_index[:k]))), backend.releases
+    assert sorted(i for part in backend.releases for i in part) == list(range(200))
