@@ -1,23 +1,27 @@
 """How releasing a held job array affects Slurm's throughput (what P1_vs_floor depends on).
 
-1000 trivial tasks (``echo``), one array per run, on the local Slurm (``make slurm-up``, idempotent):
+1000 trivial tasks (``echo``), one array per run, on the local Slurm (``make slurm-up``, idempotent).
+The sweep flow may release a task only once its MLflow child run exists; here the runs are
+emulated: ``--rate`` of them are "made" each second from submit on (a local SQLite store makes
+~150 a second on an idle machine, ~60 while the P1 sweep's tasks share it), and each mode
+releases what is made by then:
 
-* plain: ``sbatch --array`` (never held);
-* whole: submitted ``--hold``, then one ``scontrol release <array>``;
-* parts: submitted ``--hold``, then released 40 tasks at a time every 0.8 s (25 parts). Each task
-  released by its index becomes a job record of its own, which Slurm schedules apart from the
-  array's one record;
-* doubling: submitted ``--hold``, then parts of 16, 16, 32, 64, … tasks every 0.8 s while they are
-  less than half the array, then the rest as the whole array.
-
-The sweep flow releases its first 16 tasks by index, then the rest as the whole array.
+* plain: ``sbatch --array`` (never held; the floor);
+* whole: submitted ``--hold``, then one ``scontrol release <array>`` at once (as if runs were free);
+* split: submitted ``--hold``, then every task released by its index in one command, then the
+  array: each task released by index becomes a job record of its own; this shows what that costs;
+* late: the first 16 tasks by index once made, the rest as the whole array once every run is made;
+* parts: every 0.1 s, the tasks made since, by index (many releases); the rest as the array;
+* doubling: the sweep flow's policy (tasks/sweep.py ``_release_as_runs_come``): a part by index once
+  the made and held tasks number at least 16 and at least all the parts before; the rest as the array.
 
 Each run polls one ``squeue --local -j`` a second until every task is COMPLETED and prints the wall
 time from submit. Runs follow one another as soon as nothing is queued, while the controller still
-keeps the earlier runs' finished records (MinJobAge, 300 s), which slow every later run: compare
-modes within a round, and over rounds.
+keeps the earlier runs' finished records (MinJobAge, 300 s), which slow every later run: the modes
+run in the given order, then in the reverse order (``--repeat`` such pairs), so that each mode sees
+as many stale records as the others on average.
 
-    .venv/bin/python bench/slurm_release.py [--n 1000] [--repeat 2]
+    .venv/bin/python bench/slurm_release.py [--n 1000] [--rate 150] [--repeat 1] [--modes plain,whole,...]
 """
 
 from __future__ import annotations
@@ -32,14 +36,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+MODES = ("plain", "whole", "split", "late", "parts", "doubling")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1000)
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--modes", default="plain,whole,parts,doubling", help="comma-separated, run in this order")
+    parser.add_argument("--rate", type=float, default=150.0, help="emulated child runs made per second")
+    parser.add_argument("--repeat", type=int, default=1, help="pairs of rounds (given order, then reversed)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, run in this order")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
     subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
+    from tasks.sweep import FIRST_RELEASE
     from tests.private_worker import wait_until
     from tests.stacks import stack_env
 
@@ -47,6 +58,18 @@ def main() -> None:
 
     def sh(*argv: str) -> str:
         return subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+
+    def release(job: str, first: int, last: int) -> None:
+        sh("scontrol", "release", f"{job}_[{first}-{last}]")
+
+    def release_array(job: str) -> None:
+        # Tasks released by index that already ran answer "Job has already finished" (exit 1); any
+        # other answer is an error.
+        done = subprocess.run(["scontrol", "release", job], env=env, capture_output=True, text=True)
+        other = [line for line in (done.stdout + done.stderr).splitlines()
+                 if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
+        if done.returncode != 0 and other:
+            raise RuntimeError(f"scontrol release {job}: " + "; ".join(other))
 
     def completed(job: str) -> int:
         out = sh("squeue", "--local", "-h", "-t", "all", "-j", job, "-O", "ArrayTaskID:|,State:|")
@@ -57,41 +80,40 @@ def main() -> None:
         wait_until("the previous run's tasks to leave the queue",
                    lambda: not sh("squeue", "-h", "-t", "PENDING,RUNNING,COMPLETING").strip(), timeout=600, interval=1)  # fmt: skip
         start = time.perf_counter()
+
+        def made() -> int:
+            return min(args.n, int(args.rate * (time.perf_counter() - start)))
+
         argv = ["sbatch", "--parsable", f"--array=0-{args.n - 1}", "--time=5", "--output=/dev/null", "--wrap", "echo"]
         if mode != "plain":
             argv.insert(2, "--hold")
         job = sh(*argv).strip().split(";")[0]
         if mode == "whole":
-            sh("scontrol", "release", job)
-        elif mode == "parts":
-            for first in range(0, args.n, 40):
-                sh("scontrol", "release", ",".join(f"{job}_{i}" for i in range(first, min(args.n, first + 40))))
-                time.sleep(0.8)
-        elif mode == "doubling":
+            release_array(job)
+        elif mode == "split":
+            release(job, 0, args.n - 1)
+            release_array(job)
+        elif mode in ("late", "parts", "doubling"):
             released = 0
-            while 2 * max(released, 8) < args.n:
-                size = max(16, released)
-                sh("scontrol", "release", f"{job}_[{released}-{released + size - 1}]")
-                released += size
-                time.sleep(0.8)
-            # The tasks released by index that already ran answer "Job has already finished" (exit 1);
-            # any other answer is an error.
-            done = subprocess.run(["scontrol", "release", job], env=env, capture_output=True, text=True)
-            other = [line for line in (done.stdout + done.stderr).splitlines()
-                     if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
-            if done.returncode != 0 and other:
-                raise RuntimeError(f"scontrol release {job}: " + "; ".join(other))
+            while made() < args.n:
+                ready = made() - released
+                if (mode == "late" and released == 0 and ready >= FIRST_RELEASE) or (mode == "parts" and ready > 0) \
+                        or (mode == "doubling" and ready >= max(FIRST_RELEASE, released)):  # fmt: skip
+                    release(job, released, released + ready - 1)
+                    released += ready
+                time.sleep(0.1 if mode == "parts" else 0.01)
+            release_array(job)
         wait_until(f"all {args.n} tasks of {mode} array {job} COMPLETED", lambda: completed(job) >= args.n,
                    timeout=900, interval=1)  # fmt: skip
         return time.perf_counter() - start
 
-    walls: dict[str, list[float]] = {mode: [] for mode in args.modes.split(",")}
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(args.repeat):
-        for mode in walls:
+        for mode in modes + modes[::-1]:
             walls[mode].append(one(mode))
-            print(f"{mode:6s} N={args.n}: {walls[mode][-1]:.1f} s", flush=True)
+            print(f"{mode:8s} N={args.n}: {walls[mode][-1]:.1f} s", flush=True)
     for mode, values in walls.items():
-        print(f"{mode}: " + " / ".join(f"{v:.1f}" for v in values) + " s")
+        print(f"{mode}: " + " / ".join(f"{v:.1f}" for v in values) + f" s (mean {sum(values) / len(values):.1f})")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Every configuration runs a trivial command, so this measures orchestration, not 
 
 * ours: the sweep flow's own task in a flow — ``train_sweep``: ONE job array over SSH, queued
   held while one MLflow child run per configuration is made (in an SQLite store in WAL mode); its
-  first 16 tasks are released as soon as their runs exist, the rest as the whole array once every
+  tasks are released in doubling parts as their runs come, the rest as the whole array once every
   run exists (tasks/sweep.py: ``_release_as_runs_come``); each task exports its configuration and run id from
   tasks/<i>.env and runs ``sh bench/sweep_task.sh``; one batched poll per cycle, as often as the
   floor's (1 s); then the final state and usage of every task;
@@ -12,15 +12,20 @@ Every configuration runs a trivial command, so this measures orchestration, not 
 * plain (the floor): ``sbatch --array=0-N-1 --wrap 'echo ...'`` polled a second by the same query
   as ours (one ``squeue -j <id>``) until all N tasks are COMPLETED.
 
-Each side starts on a controller that holds no job record (the bench waits for the records of the
-side before it to be purged, up to MinJobAge, 300 s here: every scheduling pass walks them), and runs
-while nothing else is queued.
+Slurm's own pace varies here: slurmctld keeps finished records for MinJobAge (300 s) and every
+scheduling pass walks them, so each run is slower than the one before; and without an Epilog a
+finished task's CPUs wait for slurmctld's one-second tick or not, by a race in slurmd, so the
+throughput of the same array flips between ~16 and ~60 tasks a second from run to run. So ours and
+the floor run in blocks of four, plain, ours, ours, plain (each block starts on a controller that
+holds no job record; within it, each run starts once nothing is queued or running): both sides see
+the same stale records on average. P1_vs_floor is the sum of ours' walls over the sum of the floor's.
+submitit runs once, first, on a controller with no job record.
 
 slurmctld RPCs come from ``sdiag`` (reset before each run, REQUEST_STATS_INFO itself excluded). P2
 also measures one poll of ours with 1 and with 1000 (held) jobs watched (5 times each; the least
 count is the poll's own, since other clients of a shared cluster only add RPCs).
 
-    .venv/bin/python bench/slurm_sweep.py [--n 1000] [--skip-submitit]
+    .venv/bin/python bench/slurm_sweep.py [--n 1000] [--blocks 2] [--skip-submitit]
 
 Needs submitit importable (a dependency of the benchmarks). Prints ``RESULT P1 <ours/submitit wall>``,
 ``RESULT P1_vs_floor <ours/plain wall>``, ``RESULT P2 <ours/submitit RPCs>`` and
@@ -135,6 +140,15 @@ def wait_quiet(cluster: Any) -> float:
             return time.monotonic() - start
         time.sleep(5)
     raise RuntimeError("the controller still holds job records after 900 s")
+
+
+def wait_idle(cluster: Any) -> None:
+    """Wait until no job is pending, running or completing (finished records may stay)."""
+    from tests.private_worker import wait_until
+
+    busy = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "SUSPENDED")
+    wait_until("the queue to empty", lambda: not any(r["job_state"] in busy for r in cluster._squeue()),
+               timeout=600, interval=1)  # fmt: skip
 
 
 # ---- the three sides -------------------------------------------------------------------------------
@@ -277,12 +291,14 @@ def per_poll(cluster: Any, sdiag: Sdiag, env: dict[str, str], count: int) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1000, help="configurations (array tasks) per sweep")
+    parser.add_argument("--blocks", type=int, default=2, help="blocks of plain, ours, ours, plain")
     parser.add_argument("--skip-submitit", action="store_true", help="measure ours and the floor only")
     args = parser.parse_args()
 
     env = stack_env()
     os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # submitit runs sbatch/sacct on this machine
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its background writes lock the SQLite store
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # so do the harness server's
     from pydantic import SecretStr
     from prefect.testing.utilities import prefect_test_harness
 
@@ -300,21 +316,23 @@ def main() -> None:
         poll_interval_start=0.5, poll_interval_max=1.0,  # the floor polls once a second too
     )  # fmt: skip
     sdiag = Sdiag(env["SLURM_CONF"])
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, list[dict[str, Any]]] = {"plain": [], "ours": [], "submitit": []}
     with prefect_test_harness(server_startup_timeout=180):
         clock = Clock(sdiag)
-        sides: list[tuple[str, Callable[[], Any]]] = [
-            ("plain", lambda: run_plain(clock, cluster, args.n, root)),
-            ("ours", lambda: run_ours(clock, cluster, args.n, root)),
-        ]
-        if not args.skip_submitit:
-            sides.append(("submitit", lambda: run_submitit(clock, env, args.n, root)))
-        for side, fn in sides:
-            settled = wait_quiet(cluster)
-            extra = {**(fn() or {}), "settle_wait_s": round(settled)}
+        sides: dict[str, Callable[[], Any]] = {
+            "plain": lambda: run_plain(clock, cluster, args.n, root),
+            "ours": lambda: run_ours(clock, cluster, args.n, root),
+            "submitit": lambda: run_submitit(clock, env, args.n, root),
+        }
+        # (side, whether it starts on a controller with no job record)
+        order = [] if args.skip_submitit else [("submitit", True)]
+        order += [(side, k == 0) for _ in range(args.blocks) for k, side in enumerate(("plain", "ours", "ours", "plain"))]
+        for side, settle in order:
+            settled = wait_quiet(cluster) if settle else (wait_idle(cluster) or 0.0)
+            extra = {**(sides[side]() or {}), "settle_wait_s": round(settled)}
             wall, rpcs, counts = clock.stop()
             top = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
-            results[side] = {"wall": wall, "rpcs": rpcs, **extra}
+            results[side].append({"wall": wall, "rpcs": rpcs, **extra})
             print(f"{side:9s} N={args.n}: {wall:7.1f} s, {rpcs} slurmctld RPCs ({top}); {extra}; {clock.cpu}",
                   flush=True)  # fmt: skip
         one = per_poll(cluster, sdiag, env, 1)
@@ -322,12 +340,18 @@ def main() -> None:
     print(f"ours, one poll: {one} slurmctld RPCs with 1 job watched, {many} with 1000")
     cluster.close()
 
-    ours, plain = results["ours"], results["plain"]
-    if "submitit" in results:
-        print(f"RESULT P1 {ours['wall'] / results['submitit']['wall']:.3f}")
-    print(f"RESULT P1_vs_floor {ours['wall'] / plain['wall']:.3f}")
-    if "submitit" in results:
-        print(f"RESULT P2 {ours['rpcs'] / results['submitit']['rpcs']:.3f}")
+    def total(side: str, key: str) -> float:
+        return sum(r[key] for r in results[side])
+
+    ours_wall, ours_rpcs = total("ours", "wall") / len(results["ours"]), total("ours", "rpcs") / len(results["ours"])
+    for b in range(args.blocks):
+        block = {side: sum(r["wall"] for r in results[side][2 * b:2 * b + 2]) for side in ("plain", "ours")}
+        print(f"block {b + 1}: ours {block['ours']:.1f} s / plain {block['plain']:.1f} s = {block['ours'] / block['plain']:.3f}")
+    if results["submitit"]:
+        print(f"RESULT P1 {ours_wall / results['submitit'][0]['wall']:.3f}")
+    print(f"RESULT P1_vs_floor {total('ours', 'wall') / total('plain', 'wall'):.3f}")
+    if results["submitit"]:
+        print(f"RESULT P2 {ours_rpcs / results['submitit'][0]['rpcs']:.3f}")
     # sdiag counts every client's RPCs: other users of the cluster only ever add to a poll's count,
     # so the least of the repeats is the poll's own cost.
     print(f"RESULT P2_per_poll {min(many) / min(one):.3f}")
