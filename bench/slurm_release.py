@@ -12,8 +12,9 @@ releases what is made by then:
   array: each task released by index becomes a job record of its own; this shows what that costs;
 * late: the first 16 tasks by index once made, the rest as the whole array once every run is made;
 * parts: every 0.1 s, the tasks made since, by index (many releases); the rest as the array;
-* doubling: the sweep flow's policy (tasks/sweep.py ``_release_as_runs_come``): a part by index once
-  the made and held tasks number at least 16 and at least all the parts before; the rest as the array.
+* doubling: the sweep flow's own policy, run as it is (tasks/sweep.py ``_release_as_runs_come``, fed
+  the emulated runs in index order): a part by index once the made and held tasks number at least 16
+  and at least all the parts before; the rest as the array.
 
 Each run polls one ``squeue --local -j`` a second until every task is COMPLETED and prints the wall
 time from submit. Runs follow one another as soon as nothing is queued, while the controller still
@@ -30,7 +31,9 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +53,9 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
     subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
-    from tasks.sweep import FIRST_RELEASE
+    from blocks.slurm import _index_ranges
+    from blocks.specs import HyperParameters, JobHandle, SweepGrid
+    from tasks.sweep import FIRST_RELEASE, _release_as_runs_come
     from tests.private_worker import wait_until
     from tests.stacks import stack_env
 
@@ -70,6 +75,18 @@ def main() -> None:
                  if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
         if done.returncode != 0 and other:
             raise RuntimeError(f"scontrol release {job}: " + "; ".join(other))
+
+    class Scontrol:
+        """What the sweep policy asks of the cluster, without the settings files (``echo`` needs none)."""
+
+        @staticmethod
+        def release_sweep_tasks(handle: JobHandle, tasks: dict[int, dict[str, str]], *, whole_array: bool = False) -> None:
+            if whole_array:
+                release_array(handle.job_id)
+            else:
+                sh("scontrol", "release", f"{handle.job_id}_[{_index_ranges(tasks)}]")
+
+    configurations = SweepGrid(values={"seed": list(range(args.n))}, max_configurations=args.n).expand(HyperParameters())
 
     def completed(job: str) -> int:
         out = sh("squeue", "--local", "-h", "-t", "all", "-j", job, "-O", "ArrayTaskID:|,State:|")
@@ -93,16 +110,27 @@ def main() -> None:
         elif mode == "split":
             release(job, 0, args.n - 1)
             release_array(job)
-        elif mode in ("late", "parts", "doubling"):
+        elif mode in ("late", "parts"):
             released = 0
             while made() < args.n:
                 ready = made() - released
-                if (mode == "late" and released == 0 and ready >= FIRST_RELEASE) or (mode == "parts" and ready > 0) \
-                        or (mode == "doubling" and ready >= max(FIRST_RELEASE, released)):  # fmt: skip
+                if (mode == "late" and released == 0 and ready >= FIRST_RELEASE) or (mode == "parts" and ready > 0):
                     release(job, released, released + ready - 1)
                     released += ready
                 time.sleep(0.1 if mode == "parts" else 0.01)
             release_array(job)
+        elif mode == "doubling":
+            runs: dict[Future[str], int] = {Future(): i for i in range(args.n)}
+
+            def come() -> None:  # each run "made" in index order, at --rate
+                for future, index in runs.items():
+                    while made() <= index:
+                        time.sleep(0.005)
+                    future.set_result(f"run-{index}")
+
+            threading.Thread(target=come, daemon=True).start()
+            handle = JobHandle(backend="slurm", job_id=job, key=job, workdir="/dev/null", log_path="/dev/null")
+            _release_as_runs_come(Scontrol(), handle, {}, runs, configurations)  # type: ignore[arg-type]
         wait_until(f"all {args.n} tasks of {mode} array {job} COMPLETED", lambda: completed(job) >= args.n,
                    timeout=900, interval=1)  # fmt: skip
         return time.perf_counter() - start
