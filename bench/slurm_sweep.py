@@ -3,7 +3,8 @@
 Every configuration runs a trivial command, so this measures orchestration, not training.
 
 * ours: the sweep flow's own task in a flow — ``train_sweep``: ONE job array over SSH, queued
-  held while one MLflow child run per configuration is made (in an SQLite store in WAL mode); its
+  held while one MLflow child run per configuration is made (in an SQLite store in WAL mode, by a
+  thread whose nice value is 10 above the flow's: on these 2 cores it yields to Slurm); its
   tasks are released in doubling parts as their runs come, the rest as the whole array once every
   run exists (tasks/sweep.py: ``_release_as_runs_come``); each task exports its configuration and run id from
   tasks/<i>.env and runs ``sh bench/sweep_task.sh``; one batched poll per cycle, as often as the
@@ -25,7 +26,7 @@ slurmctld RPCs come from ``sdiag`` (reset before each run, REQUEST_STATS_INFO it
 also measures one poll of ours with 1 and with 1000 (held) jobs watched (5 times each; the least
 count is the poll's own, since other clients of a shared cluster only add RPCs).
 
-    .venv/bin/python bench/slurm_sweep.py [--n 1000] [--blocks 2] [--skip-submitit]
+    .venv/bin/python bench/slurm_sweep.py [--n 1000] [--blocks 3] [--skip-submitit]
 
 Needs submitit importable (a dependency of the benchmarks). Prints ``RESULT P1 <ours/submitit wall>``,
 ``RESULT P1_vs_floor <ours/plain wall>``, ``RESULT P2 <ours/submitit RPCs>`` and
@@ -291,7 +292,7 @@ def per_poll(cluster: Any, sdiag: Sdiag, env: dict[str, str], count: int) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=1000, help="configurations (array tasks) per sweep")
-    parser.add_argument("--blocks", type=int, default=2, help="blocks of plain, ours, ours, plain")
+    parser.add_argument("--blocks", type=int, default=3, help="blocks of plain, ours, ours, plain")
     parser.add_argument("--skip-submitit", action="store_true", help="measure ours and the floor only")
     args = parser.parse_args()
 

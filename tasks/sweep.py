@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import posixpath
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -53,6 +55,23 @@ def mark_children(tracking: MlflowTracking, run_ids: Sequence[str], status: str)
 
 # The first part of a held array to release: enough tasks for the cluster to start at once.
 FIRST_RELEASE = 16
+# How much lower than the flow's own the CPU priority of the threads that make the child runs is
+# (their nice value is raised by this much; 0 leaves it).
+CHILD_RUNS_NICE = 10
+
+
+def _lower_own_priority(by: int) -> None:
+    """Raise the calling thread's nice value by ``by`` (Linux: each thread has its own), so that the
+    child runs' bookkeeping yields the CPU to the cluster's daemons and the released tasks wherever
+    the flow shares a machine with them (a login node, a small cluster); it needs only to keep ahead
+    of the tasks. Where that is not possible, the threads keep the priority they have."""
+    if by <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + by)
+    except OSError:
+        pass
 
 
 def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict[int, str],
@@ -127,7 +146,8 @@ def train_sweep(
     configuration) and the array's outcome.
 
     The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time,
-    by default ``tracking.concurrent_writes``); tasks are released in doubling parts as their runs
+    by default ``tracking.concurrent_writes``, at a CPU priority ``CHILD_RUNS_NICE`` below the
+    flow's); tasks are released in doubling parts as their runs
     come and run while the others are made, and the rest as the whole array once every run exists
     (``_release_as_runs_come``).
     When the task fails for good (an error no retry mends, its last attempt, the flow run stopped)
@@ -167,7 +187,8 @@ def train_sweep(
 
     handle = None
     workers = run_workers or tracking.concurrent_writes
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="child-runs") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="child-runs", initializer=_lower_own_priority,
+                            initargs=(CHILD_RUNS_NICE,)) as pool:  # fmt: skip
         make = {pool.submit(make_run, i): i for i in range(len(configurations)) if i not in runs}
         try:
             handle = compute.submit_held_sweep(job, len(configurations), parallelism=parallelism)  # type: ignore[attr-defined]

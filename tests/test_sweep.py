@@ -107,12 +107,16 @@ class HeldArray:
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_each_task_is_released_with_its_own_child_run(tmp_path: Path) -> None:
+def test_each_task_is_released_with_its_own_child_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
+    import os
+    import threading
+
+    from mlflow.tracking import MlflowClient
 
     from blocks.specs import TrainingJob
     from blocks.tracking import MlflowTracking
-    from tasks.sweep import train_sweep
+    from tasks.sweep import CHILD_RUNS_NICE, train_sweep
     from workload import contract
 
     tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
@@ -127,8 +131,19 @@ def test_each_task_is_released_with_its_own_child_run(tmp_path: Path) -> None:
     def sweep_step(backend: HeldArray) -> tuple:  # type: ignore[type-arg]
         return train_sweep(backend, job, configurations, tracking, parent, run_workers=3)
 
+    # The child runs are made by threads whose CPU priority is lower than the flow's own by CHILD_RUNS_NICE.
+    create_run, made_at = MlflowClient.create_run, set()
+    flow_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def recording_create_run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made_at.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return create_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "create_run", recording_create_run)
     backend = HeldArray()
     children, result = sweep_step(backend)
+    assert CHILD_RUNS_NICE > 0 and made_at == {min(flow_nice + CHILD_RUNS_NICE, 19)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == flow_nice  # the flow's own is kept
 
     assert backend.submits == 1 and len(result.tasks) == 12 and len(result.completed) == 12
     assert len(set(children)) == 12
