@@ -86,10 +86,10 @@ def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict
     ``scontrol release`` by index makes slurmctld split those tasks into job records of their own, and
     many small releases slowed its scheduling (``bench/slurm_release.py``: a part every 0.1 s was
     slower than doubling parts), while the tasks released with the whole array stay in its one record
-    until they start. Parts that
-    double keep about as much work released ahead of the cluster as it has already been given, in
-    about log2(N / 16) releases. (A part a second on top of those, 13 releases instead of 7 for
-    1000 runs, made the P1 sweep slower: 1.31× the floor against 1.20×.)
+    until they start. Parts that double keep about as much work released ahead of the cluster as it
+    has already been given, in about log2(N / 16) releases. (A part a second on top of those, 13
+    releases instead of 7 for 1000 runs, measured 1.31× the floor against doubling parts' 1.20× in
+    the same two-block P1 benchmark.)
     """
 
     def settings(index: int) -> dict[str, str]:
@@ -147,9 +147,8 @@ def train_sweep(
 
     The array is queued held first. Meanwhile the child runs are made (``run_workers`` at a time,
     by default ``tracking.concurrent_writes``, at a CPU priority ``CHILD_RUNS_NICE`` below the
-    flow's); tasks are released in doubling parts as their runs
-    come and run while the others are made, and the rest as the whole array once every run exists
-    (``_release_as_runs_come``).
+    flow's); tasks are released in doubling parts as their runs come and run while the others are
+    made, and the rest as the whole array once every run exists (``_release_as_runs_come``).
     When the task fails for good (an error no retry mends, its last attempt, the flow run stopped)
     it cancels the array first: no held task is left in the queue.
     (The flow's preflight has validated the job; a job the cluster refuses fails the submit at once,
