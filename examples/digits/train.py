@@ -56,7 +56,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from workload import contract, data
+from runtime import contract, data
 from workload import model as mlp
 
 TRAINING_STATE_FILENAME = "training_state.pt"

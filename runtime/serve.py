@@ -69,12 +69,12 @@ import uvicorn
 from torch import nn
 
 try:
-    from workload import contract
-    from workload.model import N_FEATURES, load_model_file
+    from runtime import contract
+    from examples_digits_model import N_FEATURES, load_model_file  # replaced by the MLflow model server
 except ImportError:  # run as a script (python workload/serve.py): make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from workload import contract
-    from workload.model import N_FEATURES, load_model_file
+    from runtime import contract
+    from examples_digits_model import N_FEATURES, load_model_file  # replaced by the MLflow model server
 
 try:  # orjson parses and writes JSON several times faster; the standard library is the fallback
     import orjson
