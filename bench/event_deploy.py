@@ -107,7 +107,7 @@ class Bench:
         from mlflow import MlflowClient
 
         from blocks.storage import write_manifest
-        from workload import contract
+        from runtime import contract
         from workload.model import build_model
 
         client = MlflowClient(self.tracking_uri)

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from blocks.storage import write_manifest  # noqa: E402
-from workload import contract  # noqa: E402
+from runtime import contract  # noqa: E402
 from workload.data import load_digits_split  # noqa: E402
 from workload.model import build_model  # noqa: E402
 

@@ -161,7 +161,7 @@ def run_ours(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any
     from blocks.specs import HyperParameters, Resources, SweepGrid, TrainingJob
     from blocks.tracking import MlflowTracking
     from tasks.sweep import train_sweep
-    from workload import contract
+    from runtime import contract
 
     tracking = MlflowTracking(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}",
                               artifact_location=(workdir / "artifacts").as_uri())  # fmt: skip

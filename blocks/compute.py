@@ -38,7 +38,7 @@ from blocks._proc import alive, start_time
 from blocks.home import gpuferry_home
 from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
 from blocks.specs import JobHandle, JobResult, JobStatus, Resources, TrainingJob
-from workload import contract
+from runtime import contract
 
 WORKLOAD_ROOT = Path(contract.__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ Every message names what failed and what to do about it.
 
 from __future__ import annotations
 
-from workload.contract import EXIT_PREEMPTED
+from runtime.contract import EXIT_PREEMPTED
 
 
 class GpuferryError(Exception):

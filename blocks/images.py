@@ -24,7 +24,7 @@ from pydantic import Field
 
 from blocks.errors import ConfigurationError
 from blocks.specs import ImageRef
-from workload import contract
+from runtime import contract
 
 WORKLOAD_DIR = Path(contract.__file__).resolve().parent
 

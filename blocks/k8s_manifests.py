@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from blocks.errors import ConfigurationError
 from blocks.specs import ServingSpec
-from workload import contract
+from runtime import contract
 
 PART_OF = "gpuferry"
 MANAGED_BY = "gpuferry"

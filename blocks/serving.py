@@ -33,7 +33,7 @@ from blocks._proc import alive, free_port, start_time, stop
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.home import gpuferry_home
 from blocks.specs import Endpoint, ImageRef, ServingSpec
-from workload import contract
+from runtime import contract
 
 WORKLOAD_ROOT = Path(contract.__file__).resolve().parent.parent
 

@@ -52,7 +52,7 @@ from blocks.errors import ConfigurationError, GpuferryError, JobFailed, Transien
 from blocks.docker_image import _registry_parts
 from blocks.slurm_script import ADDITIONAL_DIRECTIVES, CONTAINER_RUNTIMES, Container, check_name, check_pinned_image, sbatch_script
 from blocks.specs import TERMINAL_STATES, JobHandle, JobResult, JobStatus, TrainingJob
-from workload import contract
+from runtime import contract
 
 KEY_COMMENT_PREFIX = "gpuferry-key:"
 SCRIPT_NAME = "job.sbatch"

@@ -33,8 +33,8 @@ from pydantic import Field
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.home import gpuferry_home
 from blocks.specs import CheckpointRef, check_name
-from workload import contract
-from workload.contract import manifest_bytes
+from runtime import contract
+from runtime.contract import manifest_bytes
 
 MANIFEST = contract.MANIFEST_FILENAME
 _CHUNK = 1 << 20

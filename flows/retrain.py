@@ -22,7 +22,7 @@ from tasks.deploy import serving_preflight
 from tasks.provision import provision_nodes, release_nodes
 from tasks.track import finish_run, run_metrics, start_run
 from tasks.train import train, train_suspending
-from workload import contract
+from runtime import contract
 
 
 @flow(name="retrain", log_prints=True)

@@ -23,7 +23,7 @@ from blocks.stack import Stack
 from tasks.deploy import deploy
 from tasks.track import log_run, record_deploy, register_model
 from tasks.upload import upload_checkpoint
-from workload import contract
+from runtime import contract
 
 
 class Shipped(NamedTuple):

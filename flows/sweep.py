@@ -30,7 +30,7 @@ from tasks.deploy import serving_preflight
 from tasks.provision import provision_nodes, release_nodes
 from tasks.sweep import child_metrics, mark_children, train_sweep
 from tasks.track import finish_run, log_run, start_run
-from workload import contract
+from runtime import contract
 
 
 @flow(name="sweep", log_prints=True)

@@ -19,7 +19,7 @@ from blocks.errors import ConfigurationError
 from blocks.specs import HyperParameters, JobHandle, SweepJobResult, SweepTaskResult, TrainingJob
 from blocks.tracking import MlflowTracking
 from tasks.retry import is_transient, retry_options
-from workload import contract
+from runtime import contract
 
 SWEEP_INDEX_TAG = "gpuferry.sweep_index"
 PARENT_TAG = "mlflow.parentRunId"

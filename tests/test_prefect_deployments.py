@@ -30,7 +30,7 @@ from deployments.poll_registry import RegistryPoller
 from deployments.webhook import sign
 from tests.private_worker import wait_until
 from tests.stacks import stack_env
-from workload import contract
+from runtime import contract
 from workload.model import build_model
 
 pytestmark = pytest.mark.integration

@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from blocks.storage import MANIFEST, write_manifest
-from workload import contract
-from workload.contract import ManifestError
+from runtime import contract
+from runtime.contract import ManifestError
 from workload.data import load_digits_split
 from workload.model import build_model
 from workload.serve import UnverifiedCheckpoint, fetch_model

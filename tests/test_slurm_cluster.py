@@ -18,7 +18,7 @@ from blocks.errors import ConfigurationError, JobFailed
 from blocks.slurm import SlurmCluster
 from blocks.specs import HyperParameters, Resources, TrainingJob
 from tests.stacks import stack_env
-from workload import contract
+from runtime import contract
 
 pytestmark = pytest.mark.integration
 

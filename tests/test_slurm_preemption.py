@@ -12,7 +12,7 @@ import pytest
 from blocks.slurm import SlurmCluster
 from blocks.specs import HyperParameters, JobHandle, JobStatus, Resources, TrainingJob
 from tests.test_slurm_cluster import cluster, env, key, slurm, wait_for  # noqa: F401 - fixtures
-from workload import contract
+from runtime import contract
 
 pytestmark = pytest.mark.integration
 

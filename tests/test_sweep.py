@@ -117,7 +117,7 @@ def test_each_task_is_released_with_its_own_child_run(tmp_path: Path, monkeypatc
     from blocks.specs import TrainingJob
     from blocks.tracking import MlflowTracking
     from tasks.sweep import CHILD_RUNS_NICE, train_sweep
-    from workload import contract
+    from runtime import contract
 
     tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                               artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
@@ -169,7 +169,7 @@ def test_tasks_are_released_in_doubling_parts_then_the_whole_array() -> None:
     from blocks.specs import JobHandle
     from tasks.sweep import FIRST_RELEASE, _release_as_runs_come
     from tests.private_worker import wait_until
-    from workload import contract
+    from runtime import contract
 
     assert FIRST_RELEASE == 16
     size = 100

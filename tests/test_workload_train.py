@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from workload import contract
+from runtime import contract
 from workload.model import load_model_file
 from workload.train import TRAINING_STATE_FILENAME
 
