@@ -28,13 +28,15 @@ lock: venv
 # State of the embedded backends (MLflow store, checkpoints, job dirs, the local server).
 export GPUFERRY_HOME ?= $(CURDIR)/.gpuferry
 DEMO_ENV := PREFECT_HOME=$(GPUFERRY_HOME)/prefect PREFECT_SERVER_ANALYTICS_ENABLED=false
+# The workload `make demo` runs: any directory with a gpuferry.yaml (make demo DEMO_WORKLOAD=examples/diabetes).
+DEMO_WORKLOAD ?= examples/digits
 
 demo: venv
 	@mkdir -p $(GPUFERRY_HOME)/prefect
-	$(DEMO_ENV) $(BIN)/python -m flows.demo
+	$(DEMO_ENV) $(BIN)/python -m flows.demo $(DEMO_WORKLOAD)
 
 demo-stop: venv
-	$(DEMO_ENV) $(BIN)/python -m flows.demo stop
+	$(DEMO_ENV) $(BIN)/python -m flows.demo stop $(DEMO_WORKLOAD)
 
 # ---- local stacks ------------------------------------------------------------------------------
 # `make <stack>-up` / `make <stack>-down`: scripts/<stack>.sh up|down. Idempotent; `down` stops only

@@ -102,13 +102,13 @@ class Bench:
         self.register(versions)
 
     def register(self, count: int) -> None:
-        """``count`` versions of one real checkpoint (each alias move deploys another version)."""
-        import torch
+        """``count`` versions of one real checkpoint, an MLflow model (each alias move deploys another version)."""
+        import mlflow.sklearn
+        import numpy as np
         from mlflow import MlflowClient
+        from sklearn.linear_model import LinearRegression
 
         from blocks.storage import write_manifest
-        from runtime import contract
-        from workload.model import build_model
 
         client = MlflowClient(self.tracking_uri)
         experiment = client.create_experiment(self.model, artifact_location=(self.tmp / "artifacts").as_uri())
@@ -116,10 +116,9 @@ class Bench:
         run = client.create_run(experiment)
         source = f"{run.info.artifact_uri}/checkpoint"
         path = Path(urlparse(source).path)
-        path.mkdir(parents=True)
-        torch.manual_seed(0)
-        model = build_model({"hidden": 16})
-        torch.save({"state_dict": model.state_dict(), "config": {"hidden": 16}}, path / contract.MODEL_FILENAME)
+        x = np.eye(3)
+        mlflow.sklearn.save_model(LinearRegression().fit(x, x.sum(axis=1)), str(path), input_example=x[:2],
+                                  pip_requirements=["scikit-learn"])  # fmt: skip
         write_manifest(path)  # the server serves only a checkpoint with a manifest
         for _ in range(count):
             client.create_model_version(self.model, source=source, run_id=run.info.run_id)
@@ -300,7 +299,7 @@ class Bench:
             from deployments.webhook import unregister_webhook
 
             unregister_webhook(self.tracking_uri, self.stack)
-            LocalServing(state_dir=str(self.serving_dir)).undeploy("digits")
+            LocalServing(state_dir=str(self.serving_dir)).undeploy(self.model)  # no service recorded: the model's name
             MlflowClient(self.tracking_uri).delete_registered_model(self.model)
             from prefect.client.orchestration import SyncPrefectClient
 

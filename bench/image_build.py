@@ -3,8 +3,8 @@
 Both run in this one process against the registry stack, which this script starts itself
 (`make registry-up`, idempotent):
 
-- tag hit: ``DockerImageBuilder.build()`` on the unchanged workload/ context whose tag is already in the
-  registry — hash the context, one HEAD to the registry, no engine call. Median of several runs.
+- tag hit: ``DockerImageBuilder.build()`` of the unchanged digits example (examples/digits) whose tag is already
+  in the registry — pack and hash the context, one HEAD to the registry, no engine call. Median of several runs.
 - full build: the same Dockerfile, context and base, built without the layer cache (``nocache=True``) into a
   throwaway repository, pushed, digest read back — what a pipeline without content tags pays every run.
 
@@ -34,7 +34,9 @@ from prefect_docker.credentials import DockerRegistryCredentials  # noqa: E402
 from prefect_docker.host import DockerHost  # noqa: E402
 
 from blocks.docker_image import MANIFEST_TYPES, DockerImageBuilder  # noqa: E402
-from blocks.images import WORKLOAD_DIR  # noqa: E402
+from blocks.workload import load_workload  # noqa: E402
+
+WORKLOAD = ROOT / "examples" / "digits"
 
 
 def stack_env() -> dict[str, str]:
@@ -61,21 +63,21 @@ def main() -> None:
             docker_host=DockerHost(base_url=env["DOCKER_HOST"]),
             credentials=creds,
             repository=repository,
-            context=str(WORKLOAD_DIR),
             build_args={"BASE_IMAGE": env["BASE_IMAGE"]},
             **kwargs,
         )
 
-    # Make sure the tag is there (builds once when workload/ changed since the last run; not timed).
+    # Make sure the tag is there (builds once when the example changed since the last run; not timed).
+    workload = load_workload(str(WORKLOAD))
     started = time.monotonic()
-    first = builder("gpuferry/workload").build()
+    first = builder("gpuferry/workload").build(workload)
     print(f"# setup: {first.reference} ({'built' if first.built else 'already pushed'}, "
           f"{time.monotonic() - started:.1f}s)", file=sys.stderr)  # fmt: skip
 
     hits = []
     for _ in range(args.repeats):
         started = time.monotonic()
-        image = builder("gpuferry/workload").build()
+        image = builder("gpuferry/workload").build(load_workload(str(WORKLOAD)))
         hits.append(time.monotonic() - started)
         assert not image.built and image.reference == first.reference, image
     hit = statistics.median(hits)
@@ -83,7 +85,7 @@ def main() -> None:
     throwaway = f"gpuferry-bench/full-{uuid.uuid4().hex[:10]}"
     full_builder = builder(throwaway, nocache=True)
     started = time.monotonic()
-    full = full_builder.build()
+    full = full_builder.build(workload)
     full_s = time.monotonic() - started
     assert full.built, full
 

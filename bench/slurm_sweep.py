@@ -7,7 +7,8 @@ Every configuration runs a trivial command, so this measures orchestration, not 
   thread whose nice value is 10 above the flow's: on these 2 cores it yields to Slurm); its
   tasks are released in doubling parts as their runs come, the rest as the whole array once every
   run exists (tasks/sweep.py: ``_release_as_runs_come``); each task exports its configuration and run id from
-  tasks/<i>.env and runs ``sh bench/sweep_task.sh``; one batched poll per cycle, as often as the
+  tasks/<i>.env and runs ``sh sweep_task.sh`` (bench/sweep_task/, shipped once as the job's code); one
+  batched poll per cycle, as often as the
   floor's (1 s); then the final state and usage of every task;
 * submitit: ``AutoExecutor(...).map_array(f, configurations)`` and every ``job.result()``;
 * plain (the floor): ``sbatch --array=0-N-1 --wrap 'echo ...'`` polled a second by the same query
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+TASK_DIR = REPO / "bench" / "sweep_task"  # the code of one configuration's job
 sys.path.insert(0, str(REPO))
 
 
@@ -158,10 +160,11 @@ def wait_idle(cluster: Any) -> None:
 def run_ours(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any]:
     from prefect import flow
 
-    from blocks.specs import HyperParameters, Resources, SweepGrid, TrainingJob
+    from blocks.specs import Resources, TrainingJob
     from blocks.tracking import MlflowTracking
-    from tasks.sweep import train_sweep
+    from blocks.workload import code_archive
     from runtime import contract
+    from tasks.sweep import train_sweep
 
     tracking = MlflowTracking(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}",
                               artifact_location=(workdir / "artifacts").as_uri())  # fmt: skip
@@ -169,9 +172,11 @@ def run_ours(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any
     # The store itself puts its SQLite file in write-ahead-log mode (blocks/tracking.py).
     with sqlite3.connect(workdir / "mlflow.db") as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    configurations = SweepGrid(values={"seed": list(range(n))}, max_configurations=n).expand(HyperParameters())
+    configurations = [{"seed": seed} for seed in range(n)]
     key = f"bench-{uuid.uuid4().hex[:8]}-sweep"
-    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), resources=Resources(time_limit_minutes=5),
+    # The trivial work of one configuration: `sh sweep_task.sh` echoes its HPARAMS.
+    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), command=["sh", "sweep_task.sh"],
+                      code=code_archive(TASK_DIR), resources=Resources(time_limit_minutes=5),
                       env={contract.MLFLOW_TRACKING_URI: tracking.tracking_uri})  # fmt: skip
     marks: dict[str, float] = {}
 
@@ -312,8 +317,6 @@ def main() -> None:
         private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
         known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
         workdir_root=str(root / "jobs"), partition=env["SLURM_PARTITION"],
-        # The trivial work of one configuration: `sh bench/sweep_task.sh` echoes its HPARAMS.
-        code_dir=str(REPO), python="/bin/sh", entrypoint="bench/sweep_task.sh",
         poll_interval_start=0.5, poll_interval_max=1.0,  # the floor polls once a second too
     )  # fmt: skip
     sdiag = Sdiag(env["SLURM_CONF"])

@@ -61,11 +61,13 @@ while not os.path.exists(release) and os.path.isdir(os.path.dirname(release)):
 def wait_for_training(stack: str, key: str, release_file: str, wait: str = "block") -> str:
     """Submit one job on ``stack`` and wait for it the way ``wait`` says (the retrain flow's train step)."""
     from blocks.specs import TrainingJob
+    from blocks.workload import code_archive
     from flows.retrain import load_stack
     from tasks.train import train, train_suspending
 
     compute = load_stack(stack).compute
-    job = TrainingJob(key=key, workdir=compute.job_workdir(key), env={RELEASE_ENV: release_file})
+    job = TrainingJob(key=key, workdir=compute.job_workdir(key), command=["python", "sleep_job.py"],
+                      code=code_archive(Path(release_file).parent / "code"), env={RELEASE_ENV: release_file})  # fmt: skip
     if wait == "suspend":
         result = train_suspending(compute, job, stack=stack, timeout_seconds=3600)
     else:
@@ -159,7 +161,7 @@ def setup(tmp: Path) -> None:
     code.mkdir()
     (code / "sleep_job.py").write_text(SLEEP_JOB)
     stack = Stack.embedded()
-    stack.compute = LocalProcesses(code_dir=str(code), entrypoint="sleep_job.py", workdir_root=str(tmp / "jobs"))
+    stack.compute = LocalProcesses(workdir_root=str(tmp / "jobs"))
     stack.save(STACK_BLOCK, overwrite=True)
     with get_client(sync_client=True) as client:
         try:

@@ -34,13 +34,18 @@ from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from pydantic import Field
 
+from blocks import _job_runner
 from blocks._proc import alive, start_time
 from blocks.home import gpuferry_home
 from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
-from blocks.specs import JobHandle, JobResult, JobStatus, Resources, TrainingJob
+from blocks.launch import launch_command
+from blocks.secrets import secret_values
+from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
 from runtime import contract
 
-WORKLOAD_ROOT = Path(contract.__file__).resolve().parent.parent
+# What a local job inherits from this process's environment: enough to find programs and write files,
+# nothing that authenticates (Prefect's API key, cloud credentials stay here).
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "SHELL")
 
 
 def run_logger(fallback: str = "gpuferry.compute") -> logging.Logger | logging.LoggerAdapter:
@@ -203,7 +208,7 @@ def _size(path: str) -> int:
 
 
 def job_environment(job: TrainingJob, workdir: Path) -> dict[str, str]:
-    """The contract's variables for a job whose files live in ``workdir``."""
+    """The contract's variables for a job whose files live in ``workdir`` (secrets not included)."""
     return {
         **job.env,
         contract.CHECKPOINT_DIR: str(workdir / "checkpoints"),
@@ -222,9 +227,11 @@ class LocalProcesses(ComputeBackend):
     _block_type_name = "gpuferry Local Processes"
     _description = "Runs training jobs as local processes (torchrun standalone when more than one)."
 
-    python: str = Field(default_factory=lambda: sys.executable, description="Python interpreter of the job.")
-    entrypoint: str = Field("workload/train.py", description="Training script, relative to code_dir.")
-    code_dir: str = Field(str(WORKLOAD_ROOT), description="Directory the job runs in (holds the entrypoint).")
+    python: str = Field(
+        default_factory=lambda: sys.executable,
+        description="Interpreter that runs a leading `python` of the workload's command (unless the workload's "
+        "environment.python names one).",
+    )
     threads_per_process: int | None = Field(
         None, ge=1, description="OMP/torch threads per process (None: the cores divided among the processes)."
     )
@@ -244,18 +251,15 @@ class LocalProcesses(ComputeBackend):
                 f"resources.processes_per_node={res.processes_per_node} exceeds gpus_per_node="
                 f"{res.gpus_per_node}: use one process per GPU"
             )
-        script = Path(self.code_dir) / self.entrypoint
-        if not script.is_file():
-            raise ConfigurationError(f"entrypoint {script} does not exist: fix code_dir or entrypoint")
+        if job.code is None or not Path(job.code.root).is_dir():
+            raise ConfigurationError(
+                "the job has no workload directory on this machine (job.code): local processes run the workload's "
+                "command from it"
+            )
+        launch_command(job.command, job.python or self.python, res.processes_per_node)
 
-    def command(self, resources: Resources) -> list[str]:
-        script = str(Path(self.code_dir) / self.entrypoint)
-        if resources.processes_per_node == 1:
-            return [self.python, script]
-        return [
-            self.python, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={resources.processes_per_node}", script,
-        ]  # fmt: skip
+    def command(self, job: TrainingJob) -> list[str]:
+        return launch_command(job.command, job.python or self.python, job.resources.processes_per_node)
 
     def submit(self, job: TrainingJob) -> JobHandle:
         self.validate_job(job)
@@ -295,16 +299,19 @@ class LocalProcesses(ComputeBackend):
 
     def _start(self, job: TrainingJob, workdir: Path) -> dict[str, Any]:
         res = job.resources
-        env = {**os.environ, **job_environment(job, workdir)}
+        assert job.code is not None  # validate_job
+        env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        env.update(job_environment(job, workdir))
+        env.update(secret_values(job.secrets))
         threads = self.threads_per_process or max(1, (os.cpu_count() or 1) // res.processes_per_node)
         env.setdefault("OMP_NUM_THREADS", str(threads))
         env.setdefault("PYTHONUNBUFFERED", "1")
         if res.gpus_per_node:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(res.gpus_per_node))
-        argv = [sys.executable, "-m", "blocks._job_runner", str(workdir), "--", *self.command(res)]
-        runner_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKLOAD_ROOT), env.get("PYTHONPATH")]))}
+        # The supervisor is a plain script (the standard library only): the job's environment needs nothing of ours.
+        argv = [sys.executable, _job_runner.__file__, str(workdir), "--", *self.command(job)]
         proc = subprocess.Popen(
-            argv, cwd=self.code_dir, env=runner_env, start_new_session=True,
+            argv, cwd=job.code.root, env=env, start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         return {"pid": proc.pid, "pid_start": start_time(proc.pid), "submitted": time.time()}

@@ -2,8 +2,8 @@
 
 ``DockerImageBuilder.build()``:
 
-1. tag = ``ImageBuilder.tag()``, the hash of the build context (honouring ``.dockerignore``), the
-   Dockerfile and the build args;
+1. tag = the sha256 of the build context the engine receives (``blocks.images.build_context``: the
+   workload's files after ``.dockerignore``, the Dockerfile, gpuferry's runtime) and the build args;
 2. asks the registry (its HTTP API) whether ``repository:tag`` exists: when it does, nothing is built and
    the returned ``ImageRef`` says so (``built=False``);
 3. otherwise builds (``rm=True``, ``pull=False``: the base must be local or pullable by the engine),
@@ -24,11 +24,12 @@ it as insecure too (podman: registries.conf, Docker: ``insecure-registries``).
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import re
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
@@ -41,8 +42,11 @@ from prefect_docker.host import DockerHost
 from pydantic import Field, field_validator
 
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
-from blocks.images import ImageBuilder
+from blocks.images import BuildContext, ImageBuilder, build_context
 from blocks.specs import ImageRef
+
+if TYPE_CHECKING:
+    from blocks.workload import Workload
 
 # Docker's reference grammar for a repository path (no registry host, no tag).
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -271,24 +275,30 @@ class DockerImageBuilder(ImageBuilder):
 
     # ---------------------------------------------------------------------------------------- the steps
 
-    def find(self, tag: str | None = None) -> str | None:
-        """The registry digest of ``repository:tag`` (default: the content tag), or None."""
+    def find(self, tag: str) -> str | None:
+        """The registry digest of ``repository:tag``, or None."""
         registry = self.registry()
         try:
-            return registry.manifest_digest(self.repository, tag or self.tag())
+            return registry.manifest_digest(self.repository, tag)
         finally:
             registry.close()
 
-    def _build_image(self, client: docker.DockerClient, name: str) -> str:
+    def context(self, workload: Workload) -> BuildContext:
+        """What the engine receives for ``workload`` (its tag is the image's content tag)."""
+        self._validate()
+        return build_context(workload, self.build_args)
+
+    def _build_image(self, client: docker.DockerClient, name: str, context: BuildContext) -> str:
         lines: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         step: str | None = None
         image_id = ""
         try:
             stream = client.api.build(
-                path=self.context,
-                dockerfile=self.dockerfile,
+                fileobj=io.BytesIO(context.tar),
+                custom_context=True,
+                dockerfile=context.dockerfile,
                 tag=name,
-                buildargs=dict(self.build_args),
+                buildargs=dict(context.build_args),
                 rm=True,
                 forcerm=True,
                 pull=False,
@@ -334,10 +344,10 @@ class DockerImageBuilder(ImageBuilder):
             raise _classify_push_error(str(exc), f"{name}:{tag}") from exc
         return pushed_digest
 
-    def build(self) -> ImageRef:
-        self._validate()
+    def build(self, workload: Workload) -> ImageRef:
+        context = self.context(workload)
         log = _logger()
-        tag = self.tag()
+        tag = context.tag
         name = self.image_name()
         registry = self.registry()
         try:
@@ -349,14 +359,15 @@ class DockerImageBuilder(ImageBuilder):
                     builder=self.get_block_type_slug(),
                     content_tag=tag,
                     reference=f"{name}@{digest}",
+                    workdir=context.workdir,
                     built=False,
                     note=f"content tag {tag} already in {name}: build skipped",
                 )
             started = time.monotonic()
-            log.info("building %s:%s from %s", name, tag, self.context)
+            log.info("building %s:%s (%s)", name, tag, context.description)
             client = self._client()
             try:
-                image_id = self._build_image(client, f"{name}:{tag}")
+                image_id = self._build_image(client, f"{name}:{tag}", context)
                 built_s = time.monotonic() - started
                 log.info("built %s:%s (%s) in %.1fs; pushing", name, tag, image_id or "?", built_s)
                 pushed_digest = self._push(client, name, tag)
@@ -374,6 +385,7 @@ class DockerImageBuilder(ImageBuilder):
                 builder=self.get_block_type_slug(),
                 content_tag=tag,
                 reference=f"{name}@{digest}",
+                workdir=context.workdir,
                 built=True,
                 note=f"built and pushed {name}:{tag} in {total_s:.1f}s",
             )

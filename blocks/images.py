@@ -1,78 +1,170 @@
 """Image builders: what the training job and the inference server run in.
 
-``ImageBuilder.build()`` returns an ``ImageRef`` whose ``reference`` pins the image by digest
-(``repo@sha256:...``); every later step runs exactly that. The tag is a hash of the build context
-(honouring ``.dockerignore``), the Dockerfile and the build args, so an unchanged context is never
-rebuilt.
+``ImageBuilder.build(workload)`` returns an ``ImageRef`` whose ``reference`` pins the image by digest
+(``repo@sha256:...``); every later step runs exactly that.
 
-The embedded default, ``CurrentEnvironment``, builds nothing: jobs run from this Python
-environment, and the run records so.
+``build_context(workload)`` makes the bytes the engine receives, from the workload's ``image`` section:
+its own Dockerfile and context, a Dockerfile generated from a base image and a requirements file, or
+``FROM`` a prebuilt image pinned by digest. In each case gpuferry's model server (``runtime/``) is copied
+into the final stage at ``/opt/gpuferry`` and put on ``PYTHONPATH``; when the workload serves with it, a
+last step checks that its packages are in the image, so a missing one fails the build, not the deploy.
+The context honours ``.dockerignore`` with Docker's own rules (``docker.utils.build.exclude_paths``), is
+packed deterministically, and its sha256 (with the build args) is the image's tag: an unchanged workload
+is never rebuilt, and any change that reaches the engine makes a new tag.
+
+The embedded default, ``CurrentEnvironment``, builds nothing: jobs run from this Python environment, and
+the run records so.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 import sys
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from docker.utils.build import exclude_paths
 from prefect.blocks.core import Block
 from pydantic import Field
 
+import runtime
+from blocks.archive import deterministic_tar
 from blocks.errors import ConfigurationError
 from blocks.specs import ImageRef
-from runtime import contract
+from blocks.workload_file import GENERATED_WORKDIR
 
-WORKLOAD_DIR = Path(contract.__file__).resolve().parent
+if TYPE_CHECKING:
+    from blocks.workload import Workload
+
+RUNTIME_DIR = Path(runtime.__file__).resolve().parent
+CONTEXT_DIR = ".gpuferry"  # what gpuferry adds to the build context: the final Dockerfile and runtime/
+DOCKERFILE = f"{CONTEXT_DIR}/Dockerfile"
+RUNTIME_IN_IMAGE = "/opt/gpuferry"
 
 
-def _dockerignore(context: Path) -> list[str]:
+@dataclass(frozen=True)
+class BuildContext:
+    """What the engine receives: a tar holding the context and ``dockerfile``, and the build arguments."""
+
+    tar: bytes
+    dockerfile: str
+    build_args: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None  # where the commands run inside the image
+    description: str = ""
+
+    @property
+    def tag(self) -> str:
+        """sha256 of the context's bytes and the build args: the image's content tag."""
+        digest = hashlib.sha256(self.tar)
+        for key, value in sorted(self.build_args.items()):
+            digest.update(f"\0arg\0{key}={value}".encode())
+        return digest.hexdigest()[:20]
+
+
+def _ignore_patterns(context: Path) -> list[str]:
     path = context / ".dockerignore"
     if not path.exists():
         return []
-    patterns = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            patterns.append(line.rstrip("/"))
-    return patterns
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def _ignored(rel: str, patterns: list[str]) -> bool:
-    """``.dockerignore`` semantics for the common cases: globs, ``**``, and ``!`` exceptions (last wins)."""
-    ignored = False
-    parts = rel.split("/")
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    for pattern in patterns:
-        negate = pattern.startswith("!")
-        pat = pattern[1:] if negate else pattern
-        pat = pat.lstrip("/")
-        hit = any(fnmatch.fnmatchcase(p, pat) or fnmatch.fnmatchcase(p, pat.replace("**/", "")) for p in prefixes)
-        if hit:
-            ignored = not negate
-    return ignored
+def context_files(context: Path, dockerfile: str | None = None) -> list[str]:
+    """The files of ``context`` the engine would see: ``.dockerignore`` applied with Docker's own rules."""
+    kept = exclude_paths(str(context), _ignore_patterns(context), dockerfile=dockerfile)
+    files = []
+    for rel in kept:
+        path = context / rel
+        if path.is_file() and not path.is_symlink() and not rel.startswith(f"{CONTEXT_DIR}/"):
+            files.append(Path(rel).as_posix())
+    return sorted(files)
 
 
-def content_tag(context: str | Path, dockerfile: str = "Dockerfile", build_args: dict[str, str] | None = None) -> str:
-    """sha256 over the context's files (path, mode, bytes), the Dockerfile and the build args."""
-    root = Path(context)
-    if not (root / dockerfile).is_file():
-        raise ConfigurationError(f"no {dockerfile} in build context {root}: set dockerfile or context")
-    patterns = _dockerignore(root)
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel != dockerfile and _ignored(rel, patterns):
-            continue
-        digest.update(rel.encode() + b"\0" + oct(path.stat().st_mode & 0o777).encode() + b"\0")
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    digest.update(b"dockerfile\0" + dockerfile.encode())
-    for key, value in sorted((build_args or {}).items()):
-        digest.update(f"arg\0{key}={value}\0".encode())
-    return digest.hexdigest()[:20]
+def _runtime_files() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(RUNTIME_DIR.rglob("*")):
+        rel = path.relative_to(RUNTIME_DIR).as_posix()
+        if path.is_file() and "__pycache__" not in rel and not rel.endswith(".pyc"):
+            out.append((f"{CONTEXT_DIR}/runtime/{rel}", path))
+    return out
+
+
+def generated_dockerfile(base: str, requirements: str | None) -> str:
+    """The Dockerfile of a workload that names a base image and a requirements file."""
+    lines = [
+        "# Generated by gpuferry from gpuferry.yaml (image.base, image.requirements).",
+        f"ARG BASE_IMAGE={base}",
+        "FROM ${BASE_IMAGE}",
+        "ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1",
+        f"WORKDIR {GENERATED_WORKDIR}",
+    ]
+    wanted = [f"/tmp/gpuferry-requirements/{n}" for n in (["workload.txt"] if requirements else [])]
+    if requirements:
+        lines.append(f"COPY {requirements} /tmp/gpuferry-requirements/workload.txt")
+    lines += [
+        f"COPY {CONTEXT_DIR}/runtime/requirements.txt /tmp/gpuferry-requirements/runtime.txt",
+        "RUN python -m pip install --no-cache-dir " + " ".join(f"-r {w}" for w in [*wanted, "/tmp/gpuferry-requirements/runtime.txt"])
+        + " && rm -rf /tmp/gpuferry-requirements",
+        f"COPY . {GENERATED_WORKDIR}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _with_runtime(dockerfile: str, check: bool) -> str:
+    lines = [
+        dockerfile.rstrip("\n"),
+        "",
+        "# Added by gpuferry: its model server (runtime/), importable as `runtime`.",
+        f"COPY {CONTEXT_DIR}/runtime {RUNTIME_IN_IMAGE}/runtime",
+        f"ENV PYTHONPATH={RUNTIME_IN_IMAGE}${{PYTHONPATH:+:${{PYTHONPATH}}}}",
+    ]
+    if check:
+        lines.append("RUN python -m runtime.check")
+    return "\n".join(lines) + "\n"
+
+
+def build_context(workload: Workload, build_args: dict[str, str] | None = None) -> BuildContext:
+    """The context for ``workload``'s image (``build_args`` override the workload's own)."""
+    image = workload.definition.image
+    if image is None:
+        raise ConfigurationError(
+            f"workload {workload.name}: gpuferry.yaml has no image section, and the stack's image builder builds "
+            "one: add image (dockerfile, base + requirements, or prebuilt), or use a stack without an image builder"
+        )
+    root = Path(workload.root)
+    args = {**image.build_args, **(build_args or {})}
+    serve_check = workload.definition.serve.mlflow_server
+    if image.kind == "dockerfile":
+        context = (root / image.context).resolve()
+        if not context.is_dir() or not (context == root or root in context.parents):
+            raise ConfigurationError(f"image.context={image.context!r}: no such directory inside the workload")
+        source = context / image.dockerfile  # type: ignore[operator]
+        if not source.is_file():
+            raise ConfigurationError(f"image.dockerfile={image.dockerfile!r}: no such file in {context}")
+        text = source.read_text()
+        files = context_files(context, image.dockerfile)
+        description = f"{image.dockerfile} in {context}"
+    elif image.kind == "generated":
+        context = root
+        if image.requirements and not (root / image.requirements).is_file():
+            raise ConfigurationError(f"image.requirements={image.requirements!r}: no such file in {root}")
+        text = generated_dockerfile(image.base, image.requirements)  # type: ignore[arg-type]
+        files = context_files(context)
+        description = f"generated from {image.base}"
+    else:
+        context = root
+        text = f"FROM {image.prebuilt}\n"
+        files = []
+        description = f"{image.prebuilt} with gpuferry's runtime"
+    entries: list[tuple[str, Path | bytes]] = [(rel, context / rel) for rel in files]
+    entries += _runtime_files()
+    entries.append((DOCKERFILE, _with_runtime(text, serve_check).encode()))
+    return BuildContext(
+        tar=deterministic_tar(sorted(entries, key=lambda e: e[0])), dockerfile=DOCKERFILE, build_args=args,
+        workdir=workload.definition.image_workdir(text), description=description,
+    )  # fmt: skip
 
 
 class ImageBuilder(Block, ABC):
@@ -80,19 +172,18 @@ class ImageBuilder(Block, ABC):
 
     _block_type_name = "gpuferry Image Builder"
 
-    context: str = Field(str(WORKLOAD_DIR), description="Build context directory (the workload we ship).")
-    dockerfile: str = Field("Dockerfile", description="Dockerfile, relative to the context.")
-    build_args: dict[str, str] = Field(default_factory=dict, description="Docker build arguments.")
+    build_args: dict[str, str] = Field(
+        default_factory=dict,
+        description="Build arguments for every workload built here (over the workload's own), e.g. BASE_IMAGE "
+        "pointing at this site's mirror.",
+    )
 
     # Whether build() returns an image the training job then runs in (checked before anything runs).
     produces_image: ClassVar[bool] = True
 
     @abstractmethod
-    def build(self) -> ImageRef:
-        """Build (or find already built) and push the image; return it pinned by digest."""
-
-    def tag(self) -> str:
-        return content_tag(self.context, self.dockerfile, self.build_args)
+    def build(self, workload: Workload) -> ImageRef:
+        """Build (or find already built) and push the workload's image; return it pinned by digest."""
 
 
 class CurrentEnvironment(ImageBuilder):
@@ -102,10 +193,10 @@ class CurrentEnvironment(ImageBuilder):
     _description = "Builds no image; training and serving run from the current Python environment."
     produces_image: ClassVar[bool] = False
 
-    def build(self) -> ImageRef:
+    def build(self, workload: Workload) -> ImageRef:
         return ImageRef(
             builder=self.get_block_type_slug(),
-            content_tag=self.tag(),
+            content_tag=workload.code.sha256[:20],
             reference=None,
             built=False,
             note=f"no image: runs from the current environment ({sys.executable}, {os.uname().machine})",

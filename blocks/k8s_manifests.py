@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from blocks.errors import ConfigurationError
-from blocks.specs import ServingSpec
+from blocks.specs import ServerSpec, ServingSpec
 from runtime import contract
 
 PART_OF = "gpuferry"
@@ -119,12 +119,16 @@ def options(**kwargs: Any) -> ManifestOptions:
         raise ConfigurationError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
 
 
+# gpuferry's model server, as the image builder puts it into every workload image (/opt/gpuferry on PYTHONPATH).
+MLFLOW_SERVER_COMMAND = ("python", "-m", "runtime.serve")
+
+
 def service_object_name(spec: ServingSpec) -> str:
     """The Deployment/Service name: the service name as a DNS label."""
-    name = spec.service_name.lower().replace("_", "-").replace(".", "-")
+    name = spec.service.lower().replace("_", "-").replace(".", "-")
     if not _DNS_LABEL.match(name):
         raise ConfigurationError(
-            f"service_name={spec.service_name!r} cannot be a Kubernetes object name ({name!r}): use lowercase "
+            f"service_name={spec.service!r} cannot be a Kubernetes object name ({name!r}): use lowercase "
             "letters, digits and '-', starting and ending with a letter or digit"
         )
     return name
@@ -184,8 +188,15 @@ def build_manifests(
     model_uri: str,
     image: str | None,
     opts: ManifestOptions,
+    server: ServerSpec | None = None,
+    checkpoint_sha256: str | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """``{"deployment": ..., "service": ..., ["hpa": ...], ["pdb": ...]}`` for server-side apply."""
+    """``{"deployment": ..., "service": ..., ["hpa": ...], ["pdb": ...]}`` for server-side apply.
+
+    ``server`` is what serves the model (the workload's serve section): gpuferry's MLflow model server
+    (``python -m runtime.serve`` on ``container_port``) or the workload's own command, port and probe paths.
+    """
+    server = server or ServerSpec()
     name = service_object_name(spec)
     image = check_image(image)
     if opts.autoscale_max_replicas is not None and opts.autoscale_max_replicas < spec.replicas:
@@ -199,14 +210,16 @@ def build_manifests(
         MODEL_VERSION_ANNOTATION: version,
         MODEL_URI_ANNOTATION: model_uri,
     }
-    port = opts.container_port
+    port = opts.container_port if server.mlflow_server else server.port
     env = {
+        **server.env,
         contract.MODEL_URI: model_uri,
         contract.HOST: "0.0.0.0",
         contract.PORT: str(port),
         contract.MAX_BATCH_SIZE: str(spec.max_batch_size),
         contract.MAX_BATCH_WAIT_MS: _number(spec.max_batch_wait_ms),
         contract.MAX_QUEUE: str(spec.max_queue),
+        **({contract.MODEL_SHA256: checkpoint_sha256} if checkpoint_sha256 else {}),
         **opts.env,
     }
     resources: dict[str, dict[str, Any]] = {"requests": {}, "limits": {}}
@@ -240,20 +253,26 @@ def build_manifests(
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "env": [{"name": k, "value": v} for k, v in env.items()],
         "readinessProbe": {
-            "httpGet": {"path": "/readyz", "port": PORT_NAME},
+            "httpGet": {"path": server.readiness_path, "port": PORT_NAME},
             "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 3, "successThreshold": 1,
         },
         "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": PORT_NAME},
+            "httpGet": {"path": server.health_path, "port": PORT_NAME},
             "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3,
         },
         "startupProbe": {
-            "httpGet": {"path": "/healthz", "port": PORT_NAME},
+            "httpGet": {"path": server.health_path, "port": PORT_NAME},
             "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": startup_failures,
         },
     }  # fmt: skip
     if opts.command:
         container["command"] = list(opts.command)
+    elif server.command:
+        container["command"] = list(server.command)
+    else:
+        container["command"] = list(MLFLOW_SERVER_COMMAND)
+    if server.workdir:
+        container["workingDir"] = server.workdir
     if opts.env_from_secret:
         container["envFrom"] = [{"secretRef": {"name": opts.env_from_secret}}]
     if resources:

@@ -33,7 +33,7 @@ from pydantic import Field, PrivateAttr, SecretStr
 from blocks import k8s_manifests as manifests
 from blocks import k8s_rollout as rollout
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
-from blocks.k8s_api import Connection, KubeApi, NotFound, connection_from_kubeconfig, connection_in_cluster
+from blocks.k8s_api import Connection, KubeApi, connection_from_kubeconfig, connection_in_cluster
 from blocks.serving import Release, ServingBackend
 from blocks.specs import MIG_PROFILES, Endpoint, ServingSpec
 
@@ -80,7 +80,9 @@ class KubernetesCluster(ServingBackend):
     request_timeout_seconds: float = Field(30.0, gt=0, description="Seconds one API request may take.")
     api_retries: int = Field(4, ge=0, le=20, description="Retries of one API request after a 5xx, 429 or timeout.")
     # ---- the workload's objects
-    container_port: int = Field(8080, ge=1, le=65535, description="Port the inference server listens on in the pod.")
+    container_port: int = Field(
+        8080, ge=1, le=65535, description="Port gpuferry's model server listens on in the pod (a workload's own server: its serve.port)."
+    )
     service_port: int = Field(80, ge=1, le=65535, description="Port of the Service.")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type.")
     service_url: str | None = Field(
@@ -101,7 +103,9 @@ class KubernetesCluster(ServingBackend):
     memory_request: str | None = Field("512Mi", description="Memory request per replica.")
     cpu_limit: str | None = Field(None, description="CPU limit per replica (None: none).")
     memory_limit: str | None = Field("2Gi", description="Memory limit per replica (a server above it is OOMKilled).")
-    command: list[str] | None = Field(None, description="Container command (None: the image's entrypoint).")
+    command: list[str] | None = Field(
+        None, description="Container command over the workload's (None: gpuferry's model server, or the workload's serve.command)."
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the server.")
     env_from_secret: str | None = Field(
         None, description="Name of a Secret whose keys become environment variables (e.g. S3 credentials)."
@@ -236,7 +240,7 @@ class KubernetesCluster(ServingBackend):
         opts = self._options(**self._discover_versions())
         objects = manifests.build_manifests(
             spec, model_name=release.model_name, version=release.version, model_uri=release.model_uri,
-            image=image, opts=opts,
+            image=image, opts=opts, server=release.server, checkpoint_sha256=release.checkpoint_sha256,
         )  # fmt: skip
         log = _logger()
         name = manifests.service_object_name(spec)
@@ -382,7 +386,7 @@ class KubernetesCluster(ServingBackend):
     ) -> Endpoint:
         name = manifests.service_object_name(spec)
         return Endpoint(
-            service=spec.service_name,
+            service=spec.service,
             url=self._url(name),
             model_version=version,
             backend=self.get_block_type_slug(),

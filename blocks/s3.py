@@ -288,6 +288,12 @@ class S3CheckpointStore(CheckpointStore):
             )
         return parse_manifest(raw, uri)
 
+    def _read_bytes(self, uri: str, path: str) -> bytes | None:
+        bucket, root = parse_s3_uri(uri)
+        key = f"{root}/{path}"
+        with _explained(bucket, key):
+            return _read_object(self.client(), bucket, key)
+
     def delete(self, uri: str) -> int:
         """Delete a stored checkpoint (its manifest first, so readers stop trusting it); returns objects deleted."""
         bucket, root = parse_s3_uri(uri)

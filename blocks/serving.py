@@ -10,7 +10,8 @@ in a service that cannot be scheduled.
 ``DeployOutcome`` is what a deploy ended with (deployed, rolled back and why, or failed and why), as
 the pipeline records it in MLflow and in the deploy step's Prefect artifact.
 
-The embedded default, ``LocalServing``, runs ``workload/serve.py`` as a process on a free port.
+The embedded default, ``LocalServing``, runs the server as a process on a free port: gpuferry's MLflow
+model server (``runtime/serve.py``) or the workload's own (``serve.command`` of its ``gpuferry.yaml``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field
 
 from blocks._proc import alive, free_port, start_time, stop
+from blocks.compute import INHERITED_ENV
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.home import gpuferry_home
-from blocks.specs import Endpoint, ImageRef, ServingSpec
+from blocks.specs import Endpoint, ImageRef, ServerSpec, ServingSpec
 from runtime import contract
 
-WORKLOAD_ROOT = Path(contract.__file__).resolve().parent.parent
+# The directory that holds the `runtime` package (gpuferry's model server), for a local server's PYTHONPATH.
+RUNTIME_PARENT = Path(contract.__file__).resolve().parent.parent
 
 
 class Release(BaseModel):
@@ -47,6 +50,8 @@ class Release(BaseModel):
     version: str
     model_uri: str
     image: ImageRef | None = None
+    server: ServerSpec = Field(default_factory=ServerSpec, description="What serves it (the workload's serve section).")
+    checkpoint_sha256: str | None = Field(None, description="The stored checkpoint's identity, as the version records it.")
 
 
 class DeployOutcome(BaseModel):
@@ -113,16 +118,48 @@ class DeployOutcome(BaseModel):
         return f"{summary}\n\n```\n{self.message}\n```"
 
 
-def smoke_test(url: str, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    """POST the smoke request to ``/predict``; it must answer 200 with one prediction per input row."""
-    response = httpx.post(f"{url}/predict", json=request, timeout=timeout)
-    if response.status_code != 200:
-        raise DeployFailed(f"smoke test: /predict answered {response.status_code}: {response.text[:500]}")
-    body = response.json()
-    rows = len(request.get("inputs", []))
-    if len(body.get("predictions", [])) != rows:
-        raise DeployFailed(f"smoke test: sent {rows} rows, got {len(body.get('predictions', []))} predictions")
+def request_rows(request: dict[str, Any]) -> int | None:
+    """How many rows an MLflow scoring request carries (None when its format does not say)."""
+    for key in ("inputs", "instances"):
+        value = request.get(key)
+        if isinstance(value, list):
+            return len(value)
+        if isinstance(value, dict) and value:
+            first = next(iter(value.values()))
+            return len(first) if isinstance(first, list) else None
+    split = request.get("dataframe_split")
+    if isinstance(split, dict) and isinstance(split.get("data"), list):
+        return len(split["data"])
+    records = request.get("dataframe_records")
+    return len(records) if isinstance(records, list) else None
+
+
+def check_smoke_answer(server: ServerSpec, request: dict[str, Any], status: int, body: Any, text: str) -> Any:
+    """The new version's answer to the smoke request: 200, and for gpuferry's MLflow model server one
+    prediction per row sent. Raises ``DeployFailed`` saying what was wrong."""
+    if status != 200:
+        raise DeployFailed(f"smoke test: {server.prediction_path} answered {status}: {text[:500]}")
+    if server.mlflow_server:
+        predictions = body.get("predictions") if isinstance(body, dict) else None
+        if predictions is None:
+            raise DeployFailed(f"smoke test: the answer has no predictions: {text[:500]}")
+        rows = request_rows(request)
+        if rows is not None and hasattr(predictions, "__len__") and len(predictions) != rows:
+            raise DeployFailed(f"smoke test: sent {rows} rows, got {len(predictions)} predictions")
     return body
+
+
+def smoke_test(url: str, server: ServerSpec, request: dict[str, Any], timeout: float = 30.0) -> Any:
+    """POST the smoke request to the server's prediction path; see ``check_smoke_answer``."""
+    try:
+        response = httpx.post(f"{url}{server.prediction_path}", json=request, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise DeployFailed(f"smoke test: no answer from {url}{server.prediction_path}: {exc}") from exc
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    return check_smoke_answer(server, request, response.status_code, body, response.text)
 
 
 class ServingBackend(Block, ABC):
@@ -158,12 +195,21 @@ class LocalServing(ServingBackend):
     """Runs the inference server as a process on this machine, one per service."""
 
     _block_type_name = "gpuferry Local Serving"
-    _description = "Serves the model with workload/serve.py as a local process on a free port."
+    _description = "Serves the model as a local process on a free port (gpuferry's MLflow model server, or the workload's own)."
 
-    python: str = Field(default_factory=lambda: sys.executable, description="Python interpreter of the server.")
+    python: str = Field(
+        default_factory=lambda: sys.executable,
+        description="Interpreter of gpuferry's model server, and of a leading `python` in the workload's server command.",
+    )
     host: str = Field("127.0.0.1", description="Address the server listens on.")
     state_dir: str | None = Field(None, description="Where service state and logs live (None: $GPUFERRY_HOME/serving).")
     drain_seconds: float = Field(30, gt=0, description="How long the old version may take to drain before SIGKILL.")
+    pass_env: list[str] = Field(
+        default_factory=lambda: ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                                 "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE"],
+        description="Variables of this process the server gets (the credentials an s3:// model URI needs); nothing "
+        "else of this environment reaches it.",
+    )
 
     def _dir(self) -> Path:
         path = Path(self.state_dir) if self.state_dir else gpuferry_home() / "serving"
@@ -196,44 +242,59 @@ class LocalServing(ServingBackend):
 
     def deploy(self, spec: ServingSpec, release: Release) -> Endpoint:
         self.validate(spec)
-        previous = self.current(spec.service_name)
+        service = spec.service
+        previous = self.current(service)
         if previous and previous["version"] == release.version and previous["model_uri"] == release.model_uri:
-            if _ready(previous["url"]):
+            if _ready(previous["url"], previous.get("readiness_path", "/readyz")):
                 return self._endpoint(spec, release, previous, previous_version=previous["version"], changed=False)
+        if spec.smoke_request is None:
+            raise ConfigurationError("the smoke request is not set: the flow fills it in from the model's input example")
 
+        server = release.server
         port = free_port(self.host)
-        log_path = self._dir() / f"{spec.service_name}-v{release.version}-{port}.log"
-        env = {
-            **os.environ,
+        log_path = self._dir() / f"{service}-v{release.version}-{port}.log"
+        env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        env.update({key: os.environ[key] for key in self.pass_env if key in os.environ})
+        env.update(server.env)
+        env.update({
             contract.MODEL_URI: release.model_uri,
             contract.HOST: self.host,
             contract.PORT: str(port),
             contract.MAX_BATCH_SIZE: str(spec.max_batch_size),
             contract.MAX_BATCH_WAIT_MS: str(spec.max_batch_wait_ms),
             contract.MAX_QUEUE: str(spec.max_queue),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKLOAD_ROOT), os.environ.get("PYTHONPATH")])),
-        }
+            "PYTHONUNBUFFERED": "1",
+        })  # fmt: skip
+        if release.checkpoint_sha256:
+            env[contract.MODEL_SHA256] = release.checkpoint_sha256
         if not spec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
+        if server.mlflow_server:
+            argv, cwd = [self.python, "-m", "runtime.serve"], str(RUNTIME_PARENT)
+            env["PYTHONPATH"] = str(RUNTIME_PARENT)
+        else:
+            assert server.command is not None
+            argv = [self.python, *server.command[1:]] if server.command[0] == "python" else list(server.command)
+            cwd = server.workdir or str(RUNTIME_PARENT)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [self.python, "-m", "workload.serve"], cwd=WORKLOAD_ROOT, env=env, start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv, cwd=cwd, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
             )  # fmt: skip
         state = {
             "pid": proc.pid, "pid_start": start_time(proc.pid), "url": f"http://{self.host}:{port}",
             "version": release.version, "model_uri": release.model_uri, "model_name": release.model_name,
-            "log": str(log_path), "started": time.time(),
+            "readiness_path": server.readiness_path, "log": str(log_path), "started": time.time(),
         }  # fmt: skip
         try:
             self._wait_ready(state, spec.ready_timeout_seconds)
-            smoke_test(state["url"], spec.smoke_request)
+            smoke_test(state["url"], server, spec.smoke_request)
         except BaseException:
             stop(state["pid"], state["pid_start"], grace_seconds=5)
             raise
-        tmp = self._dir() / f".{spec.service_name}.json.tmp"
+        tmp = self._dir() / f".{service}.json.tmp"
         tmp.write_text(json.dumps(state))
-        os.replace(tmp, self._dir() / f"{spec.service_name}.json")  # traffic now goes to the new version
+        os.replace(tmp, self._dir() / f"{service}.json")  # traffic now goes to the new version
         if previous:
             stop(previous["pid"], previous["pid_start"], grace_seconds=self.drain_seconds)
         return self._endpoint(spec, release, state, previous_version=previous["version"] if previous else None)
@@ -252,7 +313,7 @@ class LocalServing(ServingBackend):
                     f"the server for version {state['version']} exited before it was ready; "
                     f"last lines of {state['log']}:\n{_tail(state['log'])}"
                 )
-            if _ready(state["url"]):
+            if _ready(state["url"], state["readiness_path"]):
                 return
             time.sleep(interval)
             interval = min(interval * 1.5, 1.0)
@@ -265,7 +326,7 @@ class LocalServing(ServingBackend):
         self, spec: ServingSpec, release: Release, state: dict[str, Any], previous_version: str | None, changed: bool = True
     ) -> Endpoint:
         return Endpoint(
-            service=spec.service_name,
+            service=spec.service,
             url=state["url"],
             model_version=release.version,
             backend=self.get_block_type_slug(),
@@ -274,9 +335,9 @@ class LocalServing(ServingBackend):
         )
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, path: str = "/readyz") -> bool:
     try:
-        return httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200
+        return httpx.get(f"{url}{path}", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -46,7 +46,8 @@ import paramiko
 from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import Field, PrivateAttr, SecretStr
 
-from blocks.compute import ComputeBackend
+from blocks.compute import ComputeBackend, run_logger
+from blocks.secrets import secret_values
 from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.docker_image import _registry_parts
@@ -158,9 +159,14 @@ class SlurmCluster(ComputeBackend):
     partition: str | None = Field(None, description="Default partition (None: the cluster's default).")
     account: str | None = Field(None, description="Default account (None: the user's default).")
     qos: str | None = Field(None, description="Default QoS (None: the association's default).")
-    python: str = Field("python3", description="Python interpreter of the job on the cluster.")
-    code_dir: str | None = Field(None, description="Directory on the cluster that holds the training code.")
-    entrypoint: str = Field("workload/train.py", description="Training script, relative to code_dir.")
+    python: str = Field(
+        "python3", description="Interpreter on the cluster that runs a leading `python` of the workload's command "
+        "in jobs without an image (unless the workload's environment.python names one).",
+    )
+    code_root: str | None = Field(
+        None, description="Directory on the cluster's shared filesystem where workloads' code is unpacked, one "
+        "directory per content hash, sent once (None: .code under workdir_root).",
+    )
     warning_signal: str | None = Field(
         "B:USR1@90", description="Signal sent ahead of the time limit so the job checkpoints (sbatch --signal)."
     )
@@ -177,10 +183,6 @@ class SlurmCluster(ComputeBackend):
     container_runtime: Literal["auto", "pyxis", "podman", "apptainer"] = Field(
         "auto", description="How a job with an image runs inside it: pyxis (srun --container-image), podman or "
         "apptainer; auto: pyxis when the login node's srun has --container-image, else podman, else apptainer.",
-    )
-    container_python: str = Field("python", description="Python interpreter inside the image.")
-    container_entrypoint: str = Field(
-        "/app/workload/train.py", description="Training script inside the image (workload/Dockerfile puts it there)."
     )
     container_mounts: list[str] = Field(
         default_factory=list, description="More host paths mounted at the same path in the container (datasets, a "
@@ -210,6 +212,7 @@ class SlurmCluster(ComputeBackend):
     _last_jobs: tuple[float, list[dict[str, Any]]] = PrivateAttr((0.0, []))
     _detected_runtime: tuple[tuple[Any, ...], str] | None = PrivateAttr(None)
     _known_partitions: tuple[tuple[Any, ...], float, list[str]] | None = PrivateAttr(None)
+    _shipped_code: dict[tuple[Any, ...], set[str]] = PrivateAttr(default_factory=dict)
 
     _TERMINAL_SLURM: ClassVar[frozenset[str]] = frozenset(
         {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "NODE_FAIL",
@@ -496,8 +499,8 @@ class SlurmCluster(ComputeBackend):
         check_name(job.key, "job key")
         self._workdir_ok(job.workdir)
         image = job.image.reference if job.image is not None else None
-        if not self.code_dir and not image:
-            raise ConfigurationError("code_dir is not set: the directory on the cluster that holds the training code")
+        if not image and job.code is None:
+            raise ConfigurationError("the job has neither an image nor the workload's code (job.code) to ship")
         if res.gpus_per_node and res.processes_per_node > res.gpus_per_node:
             raise ConfigurationError(
                 f"resources.processes_per_node={res.processes_per_node} exceeds gpus_per_node={res.gpus_per_node}: "
@@ -525,13 +528,15 @@ class SlurmCluster(ComputeBackend):
         res = job.resources
         workdir = job.workdir
         env = {**job.env, "PYTHONUNBUFFERED": "1"}
+        container = self._container_for_job(job)
+        python = "python" if container is not None else job.python or self.python
+        command = [python, *job.command[1:]] if job.command and job.command[0] == "python" else list(job.command)
         if array_size is None:
             env[contract.CHECKPOINT_DIR] = posixpath.join(workdir, "checkpoints")
             env[contract.PROGRESS_FILE] = posixpath.join(workdir, "progress.json")
         options = self._common_options()
         if res.partition:
             options["partition"] = res.partition
-        script = posixpath.join(self.code_dir or "/", self.entrypoint)
         torchrun = res.processes_per_node > 1 or res.nodes > 1
         options.update(
             job_name=job.key, comment=KEY_COMMENT_PREFIX + job.key, nodes=res.nodes,
@@ -545,8 +550,10 @@ class SlurmCluster(ComputeBackend):
         if self.warning_signal:
             options["signal"] = self.warning_signal
         if torchrun:
-            options.update(torchrun_nproc_per_node=res.processes_per_node, rdzv_port=self.rdzv_port,
-                           rdzv_port_span=self.rdzv_port_span)  # fmt: skip
+            options.update(torchrun_nproc_per_node=res.processes_per_node, torchrun_python=python,
+                           rdzv_port=self.rdzv_port, rdzv_port_span=self.rdzv_port_span)  # fmt: skip
+        if job.secrets:
+            options["secret_env_file"] = posixpath.join(workdir, SECRETS_NAME)
         if array_size is not None:
             # One array task per configuration; each exports its own settings (checkpoint dir, progress
             # file, hyperparameters, MLflow run) from tasks/<index>.env, written next to the script.
@@ -555,11 +562,55 @@ class SlurmCluster(ComputeBackend):
                 output=posixpath.join(workdir, "task-%a.log"),
                 array_env_dir=posixpath.join(workdir, TASKS_DIR),
             )  # fmt: skip
-        container = self._container_for_job(job)
         if container is not None:
             options["container"] = container
-            return sbatch_script([self.container_python, self.container_entrypoint], workdir=workdir, **options)
-        return sbatch_script([self.python, script], workdir=workdir, **options)
+        else:
+            assert job.code is not None  # validate_job
+            options["cwd"] = self.code_dir(job.code.sha256)
+        return sbatch_script(command, workdir=workdir, **options)
+
+    # ---- the workload's code, shipped once per content ------------------------------------------
+
+    def code_dir(self, sha256: str) -> str:
+        """Where the code with archive hash ``sha256`` is unpacked on the cluster."""
+        root = self.code_root or posixpath.join(self.workdir_root or posixpath.dirname(self.job_workdir("x")), ".code")
+        return posixpath.join(root, sha256[:24])
+
+    # Unpack the archive on stdin into "$1" unless it is there: checked against its sha256 ("$2") first, unpacked
+    # beside the target and renamed into place, so a directory that exists is complete.
+    _UNPACK_SH: ClassVar[str] = (
+        'set -e; [ -f "$1/.complete" ] && exit 0; mkdir -p "$(dirname "$1")"; tmp="$1.tmp.$$"; '
+        'rm -rf "$tmp"; mkdir "$tmp"; cat > "$tmp.tar.gz"; '
+        'echo "$2  $tmp.tar.gz" | sha256sum -c --status || { rm -rf "$tmp" "$tmp.tar.gz"; '
+        'echo "the code archive arrived damaged (sha256 mismatch)" >&2; exit 3; }; '
+        'tar -xzf "$tmp.tar.gz" -C "$tmp"; rm -f "$tmp.tar.gz"; touch "$tmp/.complete"; '
+        'mv -T "$tmp" "$1" 2>/dev/null || { [ -f "$1/.complete" ] && rm -rf "$tmp"; }'
+    )
+
+    def ship_code(self, job: TrainingJob) -> str | None:
+        """Put the job's code on the cluster (once per content) and return its directory there; None for a job
+        that runs in an image (its code is in the image)."""
+        if job.image is not None and job.image.reference:
+            return None
+        code = job.code
+        assert code is not None  # validate_job
+        target = self.code_dir(code.sha256)
+        with self._lock:
+            shipped = self._shipped_code.get(self._cluster_key, set())
+            if target in shipped:
+                return target
+        rc, _, _ = self.run(["test", "-f", posixpath.join(target, ".complete")], check=False)
+        if rc != 0:
+            data = Path(code.archive).read_bytes()
+            self.run(["sh", "-c", self._UNPACK_SH, "sh", target, code.sha256], stdin=data)
+            run_logger().info("shipped the workload's code (%d files, %d bytes, sha256 %s) to %s", code.files,
+                              code.size_bytes, code.sha256[:12], target)  # fmt: skip
+        with self._lock:
+            self._shipped_code.setdefault(self._cluster_key, set()).add(target)
+        return target
+
+    def _secret_env(self, job: TrainingJob) -> dict[str, SecretStr]:
+        return {name: SecretStr(value) for name, value in secret_values(job.secrets).items()}
 
     # ---- running inside the job's image ----------------------------------------------------------
 
@@ -599,6 +650,7 @@ class SlurmCluster(ComputeBackend):
         return Container(
             image=check_pinned_image(job.image.reference, "job.image.reference"), runtime=runtime,  # type: ignore[arg-type]
             mounts=tuple(self.container_mounts), auth_file=auth, runtime_env=dict(self.container_runtime_env),
+            env_names=tuple(sorted(job.secrets)), workdir=job.image.workdir,
             gpu_mode=self.podman_gpu_mode, podman_options=tuple(self.podman_options),
         )  # fmt: skip
 
@@ -622,8 +674,9 @@ class SlurmCluster(ComputeBackend):
 
     def submit(self, job: TrainingJob) -> JobHandle:
         self.validate_job(job)
+        self.ship_code(job)
         return self._submit(job.key, job.workdir, self._script_for_job(job), array=False,
-                            secret_files=self._container_files(job))  # fmt: skip
+                            secret_env=self._secret_env(job), secret_files=self._container_files(job))  # fmt: skip
 
     # ---- sweeps: one job array, one environment per task ------------------------------------------
 
@@ -659,9 +712,10 @@ class SlurmCluster(ComputeBackend):
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_ARRAY_TASKS:
             raise ConfigurationError(f"a sweep has 1 to {MAX_ARRAY_TASKS} tasks, not {size!r}")
         self.validate_job(job)
+        self.ship_code(job)
         script = self._script_for_job(job, array_size=size, parallelism=parallelism)
         return self._submit(job.key, job.workdir, script, array=True, hold=True,
-                            secret_files=self._container_files(job))  # fmt: skip
+                            secret_env=self._secret_env(job), secret_files=self._container_files(job))  # fmt: skip
 
     def release_sweep_tasks(self, handle: JobHandle, tasks: Mapping[int, Mapping[str, str]], *,
                             whole_array: bool = False) -> None:  # fmt: skip

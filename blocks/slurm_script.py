@@ -17,8 +17,9 @@ Launch modes:
 
 * a plain command (the default): runs in the batch shell, which forwards ``USR1``/``TERM`` to it so
   that a ``--signal=B:USR1@90`` warning or a preemption reaches the program;
-* ``torchrun_nproc_per_node=N``: ``command`` is ``[python, script, *args]`` and runs under
-  ``python -m torch.distributed.run``; on one node with ``--standalone``, on several with one
+* ``torchrun_nproc_per_node=N``: ``command`` runs under ``python -m torch.distributed.run`` (a
+  ``[python, script, *args]`` command with its own interpreter, any other program with
+  ``--no-python`` and ``torchrun_python``); on one node with ``--standalone``, on several with one
   ``srun`` task per node and a c10d rendezvous on the address of the first node of
   ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``, then that node's ``NodeAddr``). The port is
   ``rdzv_port + SLURM_JOB_ID % rdzv_port_span``: two multi-node jobs that share their first node
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from blocks.errors import ConfigurationError
+from blocks.launch import is_python
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 NAME_HELP = "1-128 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -90,8 +92,8 @@ SBATCH_OPTIONS: tuple[str, ...] = (
     "dependency", "signal", "requeue", "additional",
 )  # fmt: skip
 SCRIPT_OPTIONS: tuple[str, ...] = (
-    "env", "secret_env_file", "array_env_dir", "torchrun_nproc_per_node", "rdzv_port", "rdzv_port_span",
-    "requeue_exit_code", "max_requeues", "container",
+    "cwd", "env", "secret_env_file", "array_env_dir", "torchrun_nproc_per_node", "torchrun_python", "rdzv_port",
+    "rdzv_port_span", "requeue_exit_code", "max_requeues", "container",
 )  # fmt: skip
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -223,6 +225,8 @@ class Container:
     * ``runtime_env``: variables for the runtime itself (``CONTAINERS_CONF``, ``ENROOT_ALLOW_HTTP``...),
       exported before it runs; not passed into the container by podman;
     * ``env_names``: more variables the container gets besides ``env`` (e.g. the names of secrets);
+    * ``workdir``: where the program runs inside the image (the workload's code); None: the image's
+      own working directory (podman, pyxis; apptainer needs it);
     * ``podman_options``: more ``podman run`` options, ``--name[=value]`` (e.g. ``--security-opt=label=disable``);
     * ``gpu_mode`` (podman): ``cdi`` adds ``--device nvidia.com/gpu=<id>`` for each GPU Slurm allocated
       (``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``) and numbers them 0..n-1 in ``CUDA_VISIBLE_DEVICES``;
@@ -239,6 +243,7 @@ class Container:
     auth_file: str | None = None
     runtime_env: Mapping[str, str] = field(default_factory=dict)
     env_names: tuple[str, ...] = ()
+    workdir: str | None = None
     gpu_mode: Literal["cdi", "env"] = "cdi"
     podman_options: tuple[str, ...] = ()
 
@@ -276,6 +281,11 @@ def _container(options: Mapping[str, Any], workdir: str) -> Container | None:
         _check("container.podman_options", option, _PODMAN_OPTION, "--NAME or --NAME=VALUE, e.g. --pid=host")
     for mount in c.mounts:
         _check("container.mounts", mount, _PATH, "absolute paths of letters, digits and _./%+@=- (no spaces)")
+    if c.workdir is not None:
+        _check("container.workdir", c.workdir, _PATH, "an absolute path inside the image (no spaces)")
+    elif c.runtime == "apptainer":
+        _fail("container.workdir", None, "the directory of the workload's code inside the image (apptainer does not "
+              "start in the image's WORKDIR): declare image.workdir in gpuferry.yaml")
     if c.auth_file is not None:
         _check("container.auth_file", c.auth_file, _PATH, "an absolute path (no spaces)")
         if c.runtime == "pyxis" and not c.auth_file.endswith("/.credentials"):
@@ -310,7 +320,7 @@ def _container_lines(c: Container, *, workdir: str, env_names: Sequence[str], gp
         if c.auth_file:
             args.append(f"--authfile={c.auth_file}")
         args += [f"--volume={m}:{m}" for m in mounts]
-        args += [f"--workdir={workdir}", "--env=SLURM_*"]
+        args += [*([f"--workdir={c.workdir}"] if c.workdir else []), "--env=SLURM_*"]
         if c.gpu_mode == "env":
             args.append("--env=CUDA_VISIBLE_DEVICES")
         args += c.podman_options
@@ -332,7 +342,7 @@ def _container_lines(c: Container, *, workdir: str, env_names: Sequence[str], gp
     if c.auth_file:
         args.append(f"--authfile={c.auth_file}")
     args += [f"--bind={m}:{m}" for m in mounts]
-    args.append(f"--pwd={workdir}")
+    args.append(f"--pwd={c.workdir}")
     if gpus:
         args.append("--nv")
     lines += [
@@ -348,7 +358,7 @@ def _pyxis_options(c: Container, workdir: str) -> str:
     return shlex.join([
         f"--container-image={_pyxis_image(c.image)}",
         "--container-mounts=" + ",".join(f"{m}:{m}" for m in mounts),
-        f"--container-workdir={workdir}",
+        *([f"--container-workdir={c.workdir}"] if c.workdir else []),
     ])  # fmt: skip
 
 
@@ -372,15 +382,17 @@ def _in_container_srun(c: Container | None, workdir: str) -> tuple[str, str]:
 
 
 def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> str:
-    """The batch script that runs ``command`` (an argv list) in ``workdir`` with ``options``.
+    """The batch script that runs ``command`` (an argv list) for the job that owns ``workdir``.
 
     sbatch options: nodes, ntasks_per_node, gpus_per_node, gres, cpus_per_task, mem (MB or '4G'),
     time (minutes or D-HH:MM:SS), partition, account, qos, job_name, comment, output, error,
     open_mode, array, array_parallelism, dependency, signal, requeue, additional (allow-listed
-    directives). Script options: env (exported variables), secret_env_file (sourced, never
-    inlined), array_env_dir (array task i exports the NUL-separated NAME=value words of
-    ``<dir>/<i>.env``), torchrun_nproc_per_node, rdzv_port and rdzv_port_span (the rendezvous port
-    is rdzv_port + job id % rdzv_port_span), requeue_exit_code, max_requeues.
+    directives). Script options: cwd (where the program runs; default ``workdir``), env (exported
+    variables), secret_env_file (sourced, never inlined), array_env_dir (array task i exports the
+    NUL-separated NAME=value words of ``<dir>/<i>.env``), torchrun_nproc_per_node, torchrun_python
+    (the interpreter that runs torchrun for a command that is not ``[python, ...]``), rdzv_port and
+    rdzv_port_span (the rendezvous port is rdzv_port + job id % rdzv_port_span), requeue_exit_code,
+    max_requeues.
     """
     unknown = sorted(set(options) - set(SBATCH_OPTIONS) - set(SCRIPT_OPTIONS))
     if unknown:
@@ -390,9 +402,10 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
     if not command or not all(isinstance(a, str) and a and "\x00" not in a for a in command):
         raise ConfigurationError(f"command={list(command)!r} must be a non-empty list of non-empty strings")
     _check("workdir", workdir, _PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)")
+    cwd = _check("cwd", options.get("cwd") or workdir, _PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)")
     container = _container(options, workdir)
     lines = ["#!/bin/bash", *_directives(options), ""]
-    lines += ["set -uo pipefail", f"cd {shlex.quote(workdir)} || exit 1"]
+    lines += ["set -uo pipefail", f"cd {shlex.quote(cwd)} || exit 1"]
 
     env = options.get("env") or {}
     for name in sorted(env):
@@ -427,10 +440,14 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
         _int("torchrun_nproc_per_node", nproc, 1, 64)
         port = _int("rdzv_port", options.get("rdzv_port", 29500), 1024, 65535)
         span = _int("rdzv_port_span", options.get("rdzv_port_span", 1000), 1, 65536 - port)
-        if len(command) < 2:
-            raise ConfigurationError("with torchrun, command is [python, script, *args]")
-        python, program = command[0], list(command[1:])
-        torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        if is_python(command[0]):
+            if len(command) < 2:
+                raise ConfigurationError("with torchrun, a Python command is [python, script, *args]")
+            python, program = command[0], list(command[1:])
+            torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        else:  # any other program: torchrun starts it as it is
+            python, program = options.get("torchrun_python") or "python3", list(command)
+            torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--no-python"]
         if nodes == 1:
             launch = _in_container(container, shlex.join([*torchrun, "--standalone", *program]), workdir)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -26,18 +26,6 @@ def check_name(value: str, field: str) -> str:
 class _Spec(BaseModel):
     # Unknown keys are errors: a typo in a parameter must not be silently ignored.
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class HyperParameters(_Spec):
-    """What the example training job accepts (``workload/train.py`` reads them from ``HPARAMS``)."""
-
-    epochs: int = Field(20, ge=1, le=10_000, description="Passes over the training data.")
-    lr: float = Field(0.05, gt=0, le=10, description="Learning rate.")
-    batch_size: int = Field(64, ge=1, le=65_536, description="Rows per optimizer step, per process.")
-    hidden: int = Field(128, ge=1, le=65_536, description="Width of the hidden layer.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability of the hidden layer.")
-    seed: int = Field(0, ge=0, description="Random seed: the same seed gives the same model.")
-    optimizer: Literal["sgd", "adam"] = Field("sgd", description="Optimizer.")
 
 
 class Resources(_Spec):
@@ -67,31 +55,37 @@ class Resources(_Spec):
 
 
 class TrainingSpec(_Spec):
-    """One training run of the example workload."""
+    """One training run of a workload; what is left empty comes from the workload's definition."""
 
-    experiment: str = Field("gpuferry", description="MLflow experiment the run is logged to.")
-    model_name: str = Field("digits-mlp", description="Registered model name in the MLflow registry.")
-    hyperparameters: HyperParameters = Field(default_factory=HyperParameters)
-    resources: Resources = Field(default_factory=Resources)
-    checkpoint_every: int = Field(50, ge=1, description="Save a checkpoint every this many optimizer steps.")
+    experiment: str | None = Field(None, description="MLflow experiment the run is logged to (None: the workload's name).")
+    model_name: str | None = Field(None, description="Registered model name in the MLflow registry (None: the workload's name).")
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Hyperparameters, checked against the workload's JSON Schema; what is left out takes its default.",
+    )
+    resources: Resources | None = Field(None, description="Resources of the job (None: the workload's defaults).")
+    checkpoint_every: int | None = Field(
+        None, ge=1, description="Save a checkpoint every this many optimizer steps (None: the workload's setting)."
+    )
 
     @field_validator("experiment", "model_name")
     @classmethod
-    def _names(cls, value: str, info: Any) -> str:
-        return check_name(value, info.field_name)
+    def _names(cls, value: str | None, info: Any) -> str | None:
+        return None if value is None else check_name(value, info.field_name)
 
 
 class SweepGrid(_Spec):
     """The configurations a sweep trains: every combination of ``values``, plus ``configurations``.
 
-    Each configuration overrides the sweep's base hyperparameters (``TrainingSpec.hyperparameters``).
+    Each configuration overrides the sweep's base hyperparameters (``TrainingSpec.hyperparameters``); the
+    names are checked against the workload's schema when the sweep starts.
     """
 
-    values: dict[str, list[int | float | str]] = Field(
+    values: dict[str, list[Any]] = Field(
         default_factory=dict,
         description="Hyperparameter name -> the values to try; the sweep trains every combination.",
     )
-    configurations: list[dict[str, int | float | str]] = Field(
+    configurations: list[dict[str, Any]] = Field(
         default_factory=list, description="Explicit configurations (partial hyperparameters), trained as well."
     )
     max_configurations: int = Field(
@@ -100,18 +94,11 @@ class SweepGrid(_Spec):
 
     @model_validator(mode="after")
     def _valid(self) -> SweepGrid:
-        valid = list(HyperParameters.model_fields)
         for name, values in self.values.items():
-            if name not in valid:
-                raise ValueError(f"values[{name!r}]: not a hyperparameter; use one of: {', '.join(valid)}")
             if not values:
                 raise ValueError(f"values[{name!r}] is empty: give at least one value (or drop the key)")
             if len({repr(v) for v in values}) != len(values):
                 raise ValueError(f"values[{name!r}] lists a value twice: {values}")
-        for index, override in enumerate(self.configurations):
-            unknown = sorted(set(override) - set(valid))
-            if unknown:
-                raise ValueError(f"configurations[{index}]: {', '.join(unknown)} not hyperparameters; use: {', '.join(valid)}")
         if self.size == 0:
             raise ValueError("the sweep is empty: give values (a grid) or configurations")
         if self.size > self.max_configurations:
@@ -119,7 +106,6 @@ class SweepGrid(_Spec):
                 f"the sweep has {self.size} configurations, more than max_configurations={self.max_configurations}: "
                 "trim values, or raise max_configurations"
             )
-        self.expand(HyperParameters())  # every configuration valid on its own (the base is re-checked later)
         return self
 
     @property
@@ -128,22 +114,6 @@ class SweepGrid(_Spec):
         for values in self.values.values():
             product *= len(values)
         return (product if self.values else 0) + len(self.configurations)
-
-    def expand(self, base: HyperParameters) -> list[HyperParameters]:
-        """The configurations in order (grid first, row-major in the order of ``values``), each on ``base``."""
-        import itertools
-
-        names = list(self.values)
-        overrides = [dict(zip(names, combo)) for combo in itertools.product(*self.values.values())] if names else []
-        overrides += [dict(c) for c in self.configurations]
-        out = []
-        for index, override in enumerate(overrides):
-            try:
-                out.append(HyperParameters.model_validate({**base.model_dump(), **override}))
-            except ValidationError as exc:
-                problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
-                raise ValueError(f"configuration {index} {override}: {problems}") from None
-        return out
 
 
 MIG_PROFILES = (
@@ -157,7 +127,9 @@ MIG_PROFILES = (
 class ServingSpec(_Spec):
     """How the inference service runs."""
 
-    service_name: str = Field("digits", description="Name of the service (Kubernetes Deployment, local process).")
+    service_name: str | None = Field(
+        None, description="Name of the service (Kubernetes Deployment, local process); None: the workload's."
+    )
     replicas: int = Field(1, ge=1, le=1000, description="Serving replicas (Kubernetes).")
     gpus: int = Field(0, ge=0, le=16, description="Whole GPUs per replica (0: CPU).")
     mig_profile: str | None = Field(
@@ -169,15 +141,23 @@ class ServingSpec(_Spec):
     ready_timeout_seconds: float = Field(
         120, gt=0, description="How long a new version may take to become ready before the deploy fails."
     )
-    smoke_request: dict[str, Any] = Field(
-        default_factory=lambda: {"inputs": [[0.0] * 64, [1.0] * 64]},
-        description="A /predict body sent to a new version before traffic moves to it.",
+    smoke_request: dict[str, Any] | None = Field(
+        None,
+        description="The request a new version must answer before traffic moves to it (None: the model's own "
+        "serving input example, else the workload's serve.input_example).",
     )
 
     @field_validator("service_name")
     @classmethod
-    def _service_name(cls, value: str) -> str:
-        return check_name(value, "service_name")
+    def _service_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_name(value, "service_name")
+
+    @property
+    def service(self) -> str:
+        """The service's name; set by the flow (from the workload) before a backend sees the spec."""
+        if not self.service_name:
+            raise ValueError("service_name is not set: the flow fills it in from the workload before deploying")
+        return self.service_name
 
     @field_validator("mig_profile")
     @classmethod
@@ -196,8 +176,10 @@ class ServingSpec(_Spec):
 class PromotionPolicy(_Spec):
     """When a new model version becomes the champion (and gets deployed)."""
 
-    metric: str = Field("val_accuracy", description="Validation metric logged by the training run.")
-    direction: Literal["maximize", "minimize"] = Field("maximize", description="Which way is better.")
+    metric: str | None = Field(None, description="Validation metric logged by the training run (None: the workload's).")
+    direction: Literal["maximize", "minimize"] | None = Field(
+        None, description="Which way is better (None: the workload's)."
+    )
     min_improvement: float = Field(0.0, ge=0, description="How much better than the champion it must be.")
     alias: str = Field("champion", description="Registry alias that marks the version in production.")
 
@@ -207,6 +189,8 @@ class PromotionPolicy(_Spec):
         return check_name(value, "alias")
 
     def beats(self, candidate: float, champion: float | None) -> bool:
+        if self.metric is None or self.direction is None:
+            raise ValueError("the promotion metric and direction are not set: the flow fills them in from the workload")
         if champion is None:
             return True
         if self.direction == "maximize":
@@ -247,8 +231,19 @@ class ImageRef(_Record):
     builder: str
     content_tag: str = Field(description="Hash of the build context, Dockerfile and build args.")
     reference: str | None = Field(None, description="image@sha256:... pinned by digest; None: no image.")
+    workdir: str | None = Field(None, description="Where the workload's code is inside the image (None: its WORKDIR).")
     built: bool = False
     note: str = ""
+
+
+class CodeRef(_Record):
+    """A workload's code: its directory here and the same files as one content-addressed archive."""
+
+    root: str = Field(description="The workload's directory on this machine (holds gpuferry.yaml).")
+    archive: str = Field(description="A .tar.gz of the workload's files, named by its sha256.")
+    sha256: str = Field(description="sha256 of the archive: the code's identity.")
+    files: int = 0
+    size_bytes: int = 0
 
 
 class TrainingJob(_Record):
@@ -256,9 +251,15 @@ class TrainingJob(_Record):
 
     key: str = Field(description="Deterministic key (flow run + step): a resubmit adopts the job that has it.")
     workdir: str = Field(description="Directory the job owns: checkpoints, progress, logs.")
+    command: list[str] = Field(description="argv of the job, run from the workload's directory (no shell).")
     env: dict[str, str] = Field(default_factory=dict)
+    secrets: dict[str, str] = Field(
+        default_factory=dict, description="Variable -> Prefect Secret block name; the backend delivers the values."
+    )
     resources: Resources = Field(default_factory=Resources)
     image: ImageRef | None = None
+    code: CodeRef | None = Field(None, description="The workload's code (runs without an image need it).")
+    python: str | None = Field(None, description="Interpreter for a leading `python` without an image (None: the backend's).")
 
 
 class JobHandle(_Record):
@@ -342,6 +343,22 @@ class ModelVersionRef(_Record):
     champion_value: float | None = None
 
 
+class ServerSpec(_Record):
+    """The process that serves a model: gpuferry's MLflow model server (``command`` None) or the workload's own."""
+
+    command: list[str] | None = Field(None, description="argv of the workload's own server (None: runtime/serve.py).")
+    port: int = Field(8080, description="Port the server listens on inside its container (PORT).")
+    health_path: str = "/healthz"
+    readiness_path: str = "/readyz"
+    prediction_path: str = "/invocations"
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = Field(None, description="Where the command runs: the workload's directory (local) or in the image.")
+
+    @property
+    def mlflow_server(self) -> bool:
+        return self.command is None
+
+
 class Endpoint(_Record):
     service: str
     url: str
@@ -368,7 +385,7 @@ class SweepResult(_Record):
     parent_run_id: str
     child_run_ids: list[str]
     best_index: int
-    best_hyperparameters: HyperParameters
+    best_hyperparameters: dict[str, Any]
     completed: int
     failed: int
     gpu_hours: float

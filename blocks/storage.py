@@ -2,7 +2,7 @@
 
 A stored checkpoint is a set of files plus ``MANIFEST.json`` (path, size and sha256 of each file),
 written last: readers trust only checkpoints that have one. The format is written down once, in
-``workload/contract.py``, which the inference server reads too. A file whose sha256 already matches
+``runtime/contract.py``, which the inference server reads too. A file whose sha256 already matches
 what is stored is not sent again, so storing an unchanged checkpoint moves 0 bytes and an
 interrupted upload resumes where it stopped. The checkpoint's identity is the sha256 of its
 manifest.
@@ -134,7 +134,7 @@ def write_manifest(local_dir: str | Path) -> str:
 
 
 def parse_manifest(raw: bytes, where: str) -> dict:
-    """A stored manifest, checked (``workload.contract.parse_manifest``); ``ChecksumMismatch`` when it is not."""
+    """A stored manifest, checked (``runtime.contract.parse_manifest``); ``ChecksumMismatch`` when it is not."""
     try:
         return contract.parse_manifest(raw, where)
     except contract.ManifestError as exc:
@@ -172,6 +172,29 @@ class CheckpointStore(Block, ABC):
     @abstractmethod
     def get(self, uri: str, dest: str | Path) -> Path:
         """Fetch the checkpoint at ``uri`` into ``dest``, verifying every file against its manifest."""
+
+    @abstractmethod
+    def read_manifest(self, uri: str) -> dict:
+        """The stored checkpoint's manifest; ``ChecksumMismatch`` when it has none (its upload did not finish)."""
+
+    @abstractmethod
+    def _read_bytes(self, uri: str, path: str) -> bytes | None:
+        """The stored bytes of one file of the checkpoint (None when absent), unchecked."""
+
+    def read_file(self, uri: str, path: str) -> bytes | None:
+        """One file of a stored checkpoint (``path`` relative to it), checked against the manifest; None when
+        the manifest does not list it."""
+        entry = next((e for e in self.read_manifest(uri)["files"] if e["path"] == path), None)
+        if entry is None:
+            return None
+        data = self._read_bytes(uri, path)
+        actual = hashlib.sha256(data or b"").hexdigest()
+        if data is None or actual != entry["sha256"]:
+            raise ChecksumMismatch(
+                f"{uri}/{path}: sha256 {actual if data is not None else '(missing)'} but the manifest says "
+                f"{entry['sha256']}: the stored checkpoint is corrupt; store it again"
+            )
+        return data
 
     @staticmethod
     def check_checkpoint_name(name: str) -> str:
@@ -212,6 +235,15 @@ class LocalCheckpointStore(CheckpointStore):
         tmp.write_bytes(raw)
         os.replace(tmp, target / MANIFEST)  # last: the checkpoint now exists
         return checkpoint_ref(target.as_uri(), raw, manifest, moved)
+
+    def read_manifest(self, uri: str) -> dict:
+        return read_manifest(local_path(uri))
+
+    def _read_bytes(self, uri: str, path: str) -> bytes | None:
+        try:
+            return (local_path(uri) / path).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def get(self, uri: str, dest: str | Path) -> Path:
         source = local_path(uri)

@@ -154,8 +154,10 @@ class MlflowTracking(Block):
 
     # ---- registry ----
 
-    def register(self, model_name: str, run_id: str, checkpoint: CheckpointRef, metric: str, value: float) -> str:
-        """A new version of ``model_name`` whose source is the stored checkpoint; idempotent per run."""
+    def register(self, model_name: str, run_id: str, checkpoint: CheckpointRef, metric: str, value: float,
+                 tags: dict[str, str] | None = None) -> str:  # fmt: skip
+        """A new version of ``model_name`` whose source is the stored checkpoint (an MLflow model with its
+        manifest); idempotent per run. ``tags`` go on the version too (how it is served, which code made it)."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -171,6 +173,7 @@ class MlflowTracking(Block):
             source=checkpoint.uri,
             run_id=run_id,
             tags={
+                **(tags or {}),
                 "checkpoint_uri": checkpoint.uri,
                 "checkpoint_sha256": checkpoint.sha256,
                 "checkpoint_size_bytes": str(checkpoint.size_bytes),
@@ -202,6 +205,9 @@ class MlflowTracking(Block):
 
     def model_source(self, model_name: str, version: str) -> str:
         return self.client.get_model_version(model_name, version).source
+
+    def version_tags(self, model_name: str, version: str) -> dict[str, str]:
+        return dict(self.client.get_model_version(model_name, version).tags)
 
     def tag_version(self, model_name: str, version: str, tags: dict[str, str]) -> None:
         for key, value in tags.items():

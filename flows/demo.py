@@ -1,7 +1,12 @@
-"""``make demo``: the whole pipeline on the embedded stack, then a prediction from the endpoint."""
+"""``make demo``: the whole pipeline on the embedded stack for one workload, then a request to its endpoint.
+
+    python -m flows.demo WORKLOAD        # train, store, register and serve WORKLOAD (a directory with gpuferry.yaml)
+    python -m flows.demo stop WORKLOAD   # stop the server it left running
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -12,36 +17,41 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import httpx  # noqa: E402
 
 from blocks.home import gpuferry_home  # noqa: E402
-from blocks.specs import ServingSpec  # noqa: E402
+from blocks.workload import load_workload  # noqa: E402
 from flows.retrain import load_stack, retrain  # noqa: E402
-from workload.data import load_digits_split  # noqa: E402
+
+USAGE = "usage: python -m flows.demo [stop] WORKLOAD"
 
 
-def main() -> int:
-    outcome = retrain()
-    x_test, y_test = load_digits_split()["test"]
+def main(workload: str) -> int:
+    outcome = retrain(workload=workload)
+    v = outcome.model_version
     lines = [
         "",
         "gpuferry demo: done",
+        f"  workload:     {workload}",
         f"  MLflow run:   {outcome.run_url}",
-        f"  model:        {outcome.model_version.name} v{outcome.model_version.version} "
-        f"({outcome.model_version.metric}={outcome.model_version.value:.4f}, "
-        f"{'promoted to champion' if outcome.model_version.promoted else 'not promoted'})",
+        f"  model:        {v.name} v{v.version} ({v.metric}={v.value:.4f}, "
+        f"{'promoted to champion' if v.promoted else 'not promoted'})",
         f"  checkpoint:   {outcome.checkpoint.uri}",
         f"                sha256 {outcome.checkpoint.sha256}",
     ]
-    serving = load_stack(None).serving.current(ServingSpec().service_name)
+    service = load_workload(workload).definition.service_name
+    stack = load_stack(None)
+    serving = stack.serving.current(service)
     if serving is not None:
-        response = httpx.post(f"{serving['url']}/predict", json={"inputs": x_test.tolist()}, timeout=60)
+        from tasks.upload import model_serving_example
+
+        example = model_serving_example.fn(stack.storage, serving["model_uri"])
+        response = httpx.post(f"{serving['url']}/invocations", json=example, timeout=60)
         response.raise_for_status()
-        predictions = response.json()["predictions"]
-        accuracy = sum(int(p == y) for p, y in zip(predictions, y_test.tolist(), strict=True)) / len(y_test)
+        answer = json.dumps(response.json()["predictions"])
         lines += [
-            f"  endpoint:     {serving['url']}/predict (serving v{serving['version']}"
+            f"  endpoint:     {serving['url']}/invocations (serving v{serving['version']}"
             f"{'' if outcome.deployed else ', the champion: this run did not beat it'})",
-            f"                answered {len(predictions)} held-out digits, accuracy {accuracy:.3f}",
+            f"                the model's own input example → {answer[:100]}{'…' if len(answer) > 100 else ''}",
             f"                try: curl -s {serving['url']}/metrics | head",
-            "  stop it:      make demo-stop",
+            f"  stop it:      make demo-stop DEMO_WORKLOAD={workload}",
         ]
     else:
         lines.append("  endpoint:     none is serving (the new version did not beat the champion: force_deploy=true)")
@@ -50,11 +60,17 @@ def main() -> int:
     return 0
 
 
-def stop() -> int:
-    stopped = load_stack(None).serving.undeploy(ServingSpec().service_name)
-    print("stopped the demo's inference server" if stopped else "no demo inference server was running")
+def stop(workload: str) -> int:
+    service = load_workload(workload).definition.service_name
+    stopped = load_stack(None).serving.undeploy(service)
+    print(f"stopped the demo's inference server ({service})" if stopped else f"no {service} server was running")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(stop() if sys.argv[1:] == ["stop"] else main())
+    args = sys.argv[1:]
+    if args[:1] == ["stop"] and len(args) == 2:
+        sys.exit(stop(args[1]))
+    if len(args) == 1 and args[0] != "stop":
+        sys.exit(main(args[0]))
+    sys.exit(USAGE)

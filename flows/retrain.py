@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 from typing import Literal
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.exceptions import Pause
 from prefect.runtime import flow_run
 
 from blocks.errors import ConfigurationError
+from blocks.plan import RunPlan
 from blocks.provision import NodeRequirements
-from blocks.specs import ImageRef, PipelineResult, PromotionPolicy, ServingSpec, TrainingJob, TrainingSpec
+from blocks.specs import ImageRef, PipelineResult, PromotionPolicy, ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from flows.ship import ship
+from runtime import contract
 from tasks.build import build_image
 from tasks.deploy import serving_preflight
 from tasks.provision import provision_nodes, release_nodes
 from tasks.track import finish_run, run_metrics, start_run
 from tasks.train import train, train_suspending
-from runtime import contract
+from tasks.workload import load, plan
 
 
 @flow(name="retrain", log_prints=True)
 def retrain(
+    workload: str,
     training: TrainingSpec = TrainingSpec(),
     serving: ServingSpec = ServingSpec(),
     promotion: PromotionPolicy = PromotionPolicy(),
@@ -37,7 +39,9 @@ def retrain(
     """Train the workload, store and register the model, and serve it if it beats the champion.
 
     Args:
-        training: what to train and on what resources.
+        workload: the directory holding the workload's gpuferry.yaml, or git+URL@REF#subdirectory=PATH.
+        training: hyperparameters (checked against the workload's schema) and resources; empty fields come
+            from the workload.
         serving: how the inference service runs.
         promotion: when the new version replaces the champion (only a promoted version is deployed).
         stack: name of a saved ``Stack`` block choosing the backend of each step (empty: embedded).
@@ -46,40 +50,42 @@ def retrain(
             ``suspend`` suspends the run (no process) until deployments/job_watcher.py resumes it.
     """
     blocks = load_stack(stack)
-    preflight(blocks, training, serving)
-    serving_preflight(blocks.serving, serving)  # before nodes are acquired and days of training start
+    work = load(workload)
+    run = plan(work, training, serving, promotion)
+    preflight(blocks, run)
+    serving_preflight(blocks.serving, run.serving)  # before nodes are acquired and days of training start
     run_key = f"{flow_run.get_id() or 'local'}"
     suspended = False
 
     nodes = provision_nodes(
-        blocks.provider, training.resources.nodes, NodeRequirements(gpus=training.resources.gpus_per_node), run_key
+        blocks.provider, run.resources.nodes, NodeRequirements(gpus=run.resources.gpus_per_node), run_key
     )
     try:
-        image = build_image(blocks.images)
+        image = build_image(blocks.images, work)
         run_id = start_run(
-            blocks.tracking, training.experiment, f"retrain-{flow_run.get_name() or run_key}",
-            params=run_params(training), tags=run_tags(blocks, image, run_key),
+            blocks.tracking, run.experiment, f"retrain-{flow_run.get_name() or run_key}",
+            params=run.params(), tags=run_tags(blocks, image, run_key, run),
         )  # fmt: skip
         try:
-            job = TrainingJob(
-                key=f"{run_key}-train", workdir=blocks.compute.job_workdir(f"{run_key}-train"),
-                env=training_env(training, blocks.tracking.tracking_uri, run_id),
-                resources=training.resources, image=image if image.reference else None,
+            job = run.job(
+                f"{run_key}-train", blocks.compute.job_workdir(f"{run_key}-train"), image,
+                env={contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri, contract.MLFLOW_RUN_ID: run_id},
             )  # fmt: skip
-            timeout = training.resources.time_limit_minutes * 60
+            timeout = run.resources.time_limit_minutes * 60
             if wait == "suspend":
                 result = train_suspending(blocks.compute, job, stack=stack or "", timeout_seconds=timeout)
             else:
                 result = train(blocks.compute, job, timeout_seconds=timeout)
 
             metrics = run_metrics(blocks.tracking, run_id)
-            if promotion.metric not in metrics:
+            metric = run.promotion.metric
+            if metric not in metrics:
                 raise ConfigurationError(
-                    f"promotion.metric={promotion.metric!r} was not logged by the run; it logged: {sorted(metrics)}"
+                    f"promotion.metric={metric!r} was not logged by the run; it logged: {sorted(metrics)}"
                 )
             checkpoint, version, endpoint = ship(
-                blocks, model_name=training.model_name, run_id=run_id, trained=result, promotion=promotion,
-                value=metrics[promotion.metric], serving=serving, image=image, force_deploy=force_deploy,
+                blocks, run, run_id=run_id, trained=result, value=metrics[metric], image=image,
+                force_deploy=force_deploy,
             )  # fmt: skip
         except Pause:  # suspended while the job runs: the run, its nodes and its job carry on
             suspended = True
@@ -108,14 +114,18 @@ def load_stack(name: str | None) -> Stack:
     return Stack.embedded() if not name else Stack.load(name)
 
 
-def preflight(blocks: Stack, training: TrainingSpec, serving: ServingSpec) -> None:
+def preflight(blocks: Stack, run: RunPlan) -> None:
     """Every check that needs no outside call, before anything is acquired or submitted (the serving
     backend's checks against its cluster follow: ``serving_preflight``)."""
-    blocks.compute.validate_job(
-        TrainingJob(key="preflight", workdir="/nonexistent", resources=training.resources, image=preflight_image(blocks))
-    )
+    image = preflight_image(blocks, run)
+    blocks.compute.validate_job(run.job("preflight", "/nonexistent", image, env={}))
     check_images_for_serving(blocks)
-    blocks.serving.validate(serving)
+    if blocks.images.produces_image and run.workload.definition.image is None:
+        raise ConfigurationError(
+            f"stack.images ({type(blocks.images).__name__}) builds the workload's image, but {run.workload.root}/"
+            "gpuferry.yaml has no image section: add one (dockerfile, base + requirements, or prebuilt)"
+        )
+    blocks.serving.validate(run.serving)
 
 
 def check_images_for_serving(blocks: Stack) -> None:
@@ -128,41 +138,28 @@ def check_images_for_serving(blocks: Stack) -> None:
         )
 
 
-def preflight_image(blocks: Stack) -> ImageRef | None:
+def preflight_image(blocks: Stack, run: RunPlan) -> ImageRef | None:
     """A stand-in for the image the build step will pin, when the stack builds one: the job then runs
-    inside it, so that path is checked (a container runtime, not the cluster's code_dir, is needed)."""
+    inside it, so that path is checked (a container runtime, not shipped code, is needed)."""
     if not blocks.images.produces_image:
         return None
-    return ImageRef(builder="preflight", content_tag="preflight", reference=f"preflight/image@sha256:{'0' * 64}")
+    return ImageRef(builder="preflight", content_tag="preflight", reference=f"preflight/image@sha256:{'0' * 64}",
+                    workdir=run.workload.image_workdir())  # fmt: skip
 
 
-def run_params(training: TrainingSpec) -> dict[str, object]:
-    params: dict[str, object] = dict(training.hyperparameters.model_dump())
-    params.update({f"resources.{k}": v for k, v in training.resources.model_dump().items()})
-    params["checkpoint_every"] = training.checkpoint_every
-    return params
-
-
-def run_tags(blocks: Stack, image: ImageRef, run_key: str) -> dict[str, str]:
+def run_tags(blocks: Stack, image: ImageRef, run_key: str, run: RunPlan) -> dict[str, str]:
     tags = {f"backend.{step}": slug for step, slug in blocks.backends().items()}
+    tags.update(run.workload.run_tags())
     tags.update({
-        "git_sha": git_sha(), "prefect.flow_run_id": run_key,
+        "gpuferry.git_sha": git_sha(), "prefect.flow_run_id": run_key,
         "image": image.reference or image.note, "image.content_tag": image.content_tag,
         "image.built": str(image.built).lower(), "image.note": image.note,
     })  # fmt: skip
     return tags
 
 
-def training_env(training: TrainingSpec, tracking_uri: str, run_id: str) -> dict[str, str]:
-    return {
-        contract.HPARAMS: json.dumps(training.hyperparameters.model_dump()),
-        contract.CHECKPOINT_EVERY: str(training.checkpoint_every),
-        contract.MLFLOW_TRACKING_URI: tracking_uri,
-        contract.MLFLOW_RUN_ID: run_id,
-    }
-
-
 def git_sha() -> str:
+    """The commit of gpuferry itself (the workload's own commit is tagged separately)."""
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10, check=True

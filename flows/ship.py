@@ -15,15 +15,14 @@ from typing import NamedTuple
 
 from prefect import get_run_logger
 
+from blocks.plan import RunPlan, server_of
 from blocks.serving import DeployOutcome, Release
-from blocks.specs import (
-    CheckpointRef, Endpoint, ImageRef, JobResult, ModelVersionRef, PromotionPolicy, ServingSpec, SweepTaskResult,
-)  # fmt: skip
+from blocks.specs import CheckpointRef, Endpoint, ImageRef, JobResult, ModelVersionRef, ServingSpec, SweepTaskResult
 from blocks.stack import Stack
+from runtime import contract
 from tasks.deploy import deploy
 from tasks.track import log_run, record_deploy, register_model
-from tasks.upload import upload_checkpoint
-from runtime import contract
+from tasks.upload import check_model, serving_example, upload_checkpoint
 
 
 class Shipped(NamedTuple):
@@ -34,38 +33,45 @@ class Shipped(NamedTuple):
 
 def ship(
     blocks: Stack,
+    run: RunPlan,
     *,
-    model_name: str,
     run_id: str,
     trained: JobResult | SweepTaskResult,
-    promotion: PromotionPolicy,
     value: float,
-    serving: ServingSpec,
     image: ImageRef,
     force_deploy: bool = False,
     runs: Sequence[str] = (),
 ) -> Shipped:
-    """Store the model ``trained`` in run ``run_id``, register it, and serve it when promoted (or forced).
+    """Store the MLflow model ``trained`` wrote in run ``run_id``, register it, and serve it when promoted (or
+    forced).
 
     ``value`` is the run's ``promotion.metric``; ``runs`` are other runs that record the deploy's outcome.
     """
-    final_dir = Path(trained.checkpoint_dir) / contract.FINAL_DIRNAME
-    checkpoint = upload_checkpoint(blocks.storage, str(final_dir), f"{model_name}/{run_id}")
+    final_dir = str(Path(trained.checkpoint_dir) / contract.FINAL_DIRNAME)
+    model = check_model(final_dir)
+    run.check_model(model, final_dir)  # before anything is stored or registered
+    checkpoint = upload_checkpoint(blocks.storage, final_dir, f"{run.model_name}/{run_id}")
     log_run(
         blocks.tracking, run_id,
         metrics={"gpu_hours": trained.gpu_hours, "cpu_hours": trained.cpu_hours, "requeues": trained.requeues,
                  "train_wall_seconds": trained.wall_seconds},
         tags={"checkpoint_uri": checkpoint.uri, "checkpoint_sha256": checkpoint.sha256,
-              "checkpoint_size_bytes": str(checkpoint.size_bytes)},
+              "checkpoint_size_bytes": str(checkpoint.size_bytes), "mlflow_model.flavors": ",".join(model.flavors)},
     )  # fmt: skip
-    version = register_model(blocks.tracking, run_id, model_name, checkpoint, promotion, value)
+    version = register_model(blocks.tracking, run_id, run.model_name, checkpoint, run.promotion, value,
+                             run.version_tags(image))  # fmt: skip
     endpoint = None
     if version.promoted or force_deploy:
+        smoke = run.serving.smoke_request
+        if smoke is None and model.serving_example:
+            smoke = serving_example(blocks.storage, checkpoint.uri, model.serving_example)
         release = Release(
             model_name=version.name, version=version.version, model_uri=checkpoint.uri,
-            image=image if image.reference else None,
+            image=image if image.reference else None, server=server_of(run.workload, image),
+            checkpoint_sha256=checkpoint.sha256,
         )  # fmt: skip
-        endpoint = deploy_and_record(blocks, serving, release, runs)
+        spec = run.serving.model_copy(update={"smoke_request": smoke or run.workload.definition.serve.input_example})
+        endpoint = deploy_and_record(blocks, spec, release, runs)
     else:
         get_run_logger().info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
     return Shipped(checkpoint, version, endpoint)

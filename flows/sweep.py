@@ -20,21 +20,21 @@ from prefect.runtime import flow_run
 
 from blocks.errors import ConfigurationError, JobFailed
 from blocks.provision import NodeRequirements
-from blocks.specs import (
-    PipelineResult, PromotionPolicy, ServingSpec, SweepGrid, SweepResult, TrainingJob, TrainingSpec,
-)  # fmt: skip
-from flows.retrain import load_stack, preflight, report, run_params, run_tags
+from blocks.specs import PipelineResult, PromotionPolicy, ServingSpec, SweepGrid, SweepResult, TrainingSpec
+from flows.retrain import load_stack, preflight, report, run_tags
 from flows.ship import ship
+from runtime import contract
 from tasks.build import build_image
 from tasks.deploy import serving_preflight
 from tasks.provision import provision_nodes, release_nodes
 from tasks.sweep import child_metrics, mark_children, train_sweep
 from tasks.track import finish_run, log_run, start_run
-from runtime import contract
+from tasks.workload import load, plan
 
 
 @flow(name="sweep", log_prints=True)
 def sweep(
+    workload: str,
     grid: SweepGrid,
     training: TrainingSpec = TrainingSpec(),
     serving: ServingSpec = ServingSpec(),
@@ -46,7 +46,8 @@ def sweep(
     """Train every configuration of ``grid`` as one job array and ship the best one.
 
     Args:
-        grid: the configurations (each overrides ``training.hyperparameters``).
+        workload: the directory holding the workload's gpuferry.yaml, or git+URL@REF#subdirectory=PATH.
+        grid: the configurations (each overrides ``training.hyperparameters``; any declared hyperparameter).
         training: the base hyperparameters and the resources of EACH configuration.
         serving: how the inference service runs.
         promotion: the metric that picks the best configuration, and when it replaces the champion.
@@ -55,10 +56,9 @@ def sweep(
         force_deploy: deploy the best version even when it is not promoted.
     """
     blocks = load_stack(stack)
-    try:
-        configurations = grid.expand(training.hyperparameters)
-    except ValueError as exc:
-        raise ConfigurationError(f"grid: {exc}") from None
+    work = load(workload)
+    run = plan(work, training, serving, promotion)
+    configurations = work.definition.schema.expand_grid(run.hyperparameters, grid.values, grid.configurations)
     if not hasattr(blocks.compute, "submit_sweep"):
         raise ConfigurationError(
             f"the stack's compute backend ({blocks.compute.backend_name}) has no job arrays, which a sweep needs: "
@@ -66,31 +66,28 @@ def sweep(
         )
     if parallelism is not None and parallelism < 1:
         raise ConfigurationError(f"parallelism={parallelism}: give a positive number, or None for no limit")
-    preflight(blocks, training, serving)
-    serving_preflight(blocks.serving, serving)  # before nodes are acquired and the array is submitted
+    preflight(blocks, run)
+    serving_preflight(blocks.serving, run.serving)  # before nodes are acquired and the array is submitted
     run_key = f"{flow_run.get_id() or 'local'}"
     logger = get_run_logger()
 
     nodes = provision_nodes(
-        blocks.provider, training.resources.nodes, NodeRequirements(gpus=training.resources.gpus_per_node), run_key
+        blocks.provider, run.resources.nodes, NodeRequirements(gpus=run.resources.gpus_per_node), run_key
     )
     try:
-        image = build_image(blocks.images)
-        params = {k: v for k, v in run_params(training).items() if k not in grid.values}
+        image = build_image(blocks.images, work)
+        params = {k: v for k, v in run.params().items() if k not in grid.values}
         params.update({"sweep.configurations": len(configurations), "sweep.grid": json.dumps(grid.values)})
         parent = start_run(
-            blocks.tracking, training.experiment, f"sweep-{flow_run.get_name() or run_key}", params=params,
-            tags={**run_tags(blocks, image, run_key), "gpuferry.sweep": "true"},
+            blocks.tracking, run.experiment, f"sweep-{flow_run.get_name() or run_key}", params=params,
+            tags={**run_tags(blocks, image, run_key, run), "gpuferry.sweep": "true"},
         )  # fmt: skip
         children: list[str] = []
         try:
             key = f"{run_key}-sweep"
-            job = TrainingJob(
-                key=key, workdir=blocks.compute.job_workdir(key), resources=training.resources,
-                env={contract.CHECKPOINT_EVERY: str(training.checkpoint_every),
-                     contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri},
-                image=image if image.reference else None,
-            )  # fmt: skip
+            job = run.job(key, blocks.compute.job_workdir(key), image,
+                          env={contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri})  # fmt: skip
+            job = job.model_copy(update={"env": {k: v for k, v in job.env.items() if k != contract.HPARAMS}})
             children, array = train_sweep(blocks.compute, job, configurations, blocks.tracking, parent,
                                           parallelism=parallelism)  # fmt: skip
 
@@ -98,7 +95,8 @@ def sweep(
             if failed:
                 mark_children(blocks.tracking, failed, "FAILED")
             metrics = child_metrics(blocks.tracking, parent)
-            scored = [(metrics.get(children[t.index], {}).get(promotion.metric), t) for t in array.completed]
+            metric = run.promotion.metric
+            scored = [(metrics.get(children[t.index], {}).get(metric), t) for t in array.completed]
             scored = [(value, t) for value, t in scored if value is not None]
             if not scored:
                 if not array.completed:
@@ -107,24 +105,25 @@ def sweep(
                                     f"{first.reason}", state=first.state, exit_code=first.exit_code)  # fmt: skip
                 logged = sorted({m for c in array.completed for m in metrics.get(children[c.index], {})})
                 raise ConfigurationError(
-                    f"promotion.metric={promotion.metric!r} was not logged by any configuration; they logged: {logged}"
+                    f"promotion.metric={metric!r} was not logged by any configuration; they logged: {logged}"
                 )
-            pick = max if promotion.direction == "maximize" else min
+            pick = max if run.promotion.direction == "maximize" else min
             value, best = pick(scored, key=lambda pair: pair[0])
             best_run = children[best.index]
-            logger.info("best configuration %d (%s=%.4f): %s", best.index, promotion.metric, value,
-                        configurations[best.index].model_dump())  # fmt: skip
+            logger.info("best configuration %d (%s=%.4f): %s", best.index, metric, value,
+                        configurations[best.index])  # fmt: skip
             log_run(
                 blocks.tracking, parent,
-                metrics={"gpu_hours": array.gpu_hours, "cpu_hours": array.cpu_hours, f"best_{promotion.metric}": value,
+                metrics={"gpu_hours": array.gpu_hours, "cpu_hours": array.cpu_hours, f"best_{metric}": value,
                          "completed_configurations": len(array.completed), "failed_configurations": len(failed),
                          "requeues": sum(t.requeues for t in array.tasks)},
                 tags={"best_child_run_id": best_run, "best_index": str(best.index)},
             )  # fmt: skip
 
+            best_run_plan = run.model_copy(update={"hyperparameters": configurations[best.index]})
             checkpoint, version, endpoint = ship(
-                blocks, model_name=training.model_name, run_id=best_run, trained=best, promotion=promotion,
-                value=value, serving=serving, image=image, force_deploy=force_deploy, runs=[parent],
+                blocks, best_run_plan, run_id=best_run, trained=best, value=value, image=image,
+                force_deploy=force_deploy, runs=[parent],
             )  # fmt: skip
         except BaseException:
             mark_children(blocks.tracking, children or list(child_metrics(blocks.tracking, parent)), "FAILED")
@@ -141,8 +140,8 @@ def sweep(
     report(pipeline)
     create_table_artifact(
         key="sweep-configurations",
-        table=[{"index": t.index, "state": t.status.state, promotion.metric: metrics.get(children[t.index], {}).get(promotion.metric),
-                **configurations[t.index].model_dump()} for t in array.tasks[:1000]],  # fmt: skip
+        table=[{"index": t.index, "state": t.status.state, metric: metrics.get(children[t.index], {}).get(metric),
+                **configurations[t.index]} for t in array.tasks[:1000]],  # fmt: skip
         description="Every configuration of the sweep and how it did",
     )
     return SweepResult(

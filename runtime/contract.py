@@ -1,9 +1,11 @@
-"""The environment contract between gpuferry and a workload, written down once.
+"""The contract between gpuferry and a workload, written down once.
 
-A workload (the training job or the inference server) never imports gpuferry: every
-compute backend (local processes, Slurm, Kubernetes) hands it these variables, and it
-reports back only through the files and exit codes named here. gpuferry reads the
-names from this module; the workload reads them from its environment.
+A workload (the training job or its own inference server) never imports gpuferry: every
+compute backend (local processes, Slurm, containers) hands it these variables, and it
+reports back only through the files and exit codes named here, and through the MLflow
+model it saves. gpuferry reads the names from this module; the workload reads them from
+its environment. What the workload is (its command, image, hyperparameters' JSON Schema,
+promotion metric, server) is declared in its own ``gpuferry.yaml``.
 
 Training job
 ------------
@@ -13,7 +15,8 @@ Training job
                         temporary name, then rename) and, when finished, ``final/``.
                         A restarted job resumes from the newest ``step-*`` directory.
 ``CHECKPOINT_EVERY``    Save a checkpoint every this many optimizer steps.
-``HPARAMS``             JSON object of hyperparameters (see ``workload/train.py``).
+``HPARAMS``             JSON object of hyperparameters, checked against the schema the
+                        workload's gpuferry.yaml declares, its defaults filled in.
 ``PROGRESS_FILE``       JSON file the job rewrites atomically while it runs:
                         ``{"step", "total_steps", "epoch", "metrics": {...}}``.
 ``MLFLOW_TRACKING_URI`` Where to log. With ``MLFLOW_RUN_ID`` set the job logs into the
@@ -30,8 +33,13 @@ Exit codes of the training job:
 anything else            failed — unless ``CHECKPOINT_DIR/PREEMPTED`` exists: under torchrun the
                          launcher exits 1 when a worker exits 75, so rank 0 leaves that marker.
 
-The ``final/`` directory holds ``model.pt`` (a dict with ``state_dict`` and ``config``,
-the architecture) and ``metrics.json`` (the final validation metrics).
+``final/`` is an MLflow model directory, any flavour (``mlflow.<flavour>.save_model(model,
+f"{CHECKPOINT_DIR}/final", input_example=...)``): an ``MLmodel`` file and the flavour's
+files. gpuferry checks that ``MLmodel`` is there and readable before it stores or
+registers anything; a job that wrote none fails saying so. Its serving input example
+(written by MLflow when the model is saved with ``input_example``) is the request a new
+version must answer before traffic moves to it. The job's metrics go to MLflow (the
+promotion metric among them).
 
 Inference server
 ----------------
@@ -73,8 +81,6 @@ LOCAL_RANK = "LOCAL_RANK"
 
 FINAL_DIRNAME = "final"
 CHECKPOINT_PREFIX = "step-"
-MODEL_FILENAME = "model.pt"
-METRICS_FILENAME = "metrics.json"
 
 EXIT_OK = 0
 EXIT_PREEMPTED = 75
@@ -89,9 +95,8 @@ PORT = "PORT"
 MAX_BATCH_SIZE = "MAX_BATCH_SIZE"
 MAX_BATCH_WAIT_MS = "MAX_BATCH_WAIT_MS"
 MAX_QUEUE = "MAX_QUEUE"
-
-# The validation metric the training job logs, and which way is better.
-VALIDATION_METRIC = "val_accuracy"
+# The sha256 of the checkpoint's manifest as the model version records it: the server refuses another.
+MODEL_SHA256 = "MODEL_SHA256"
 
 
 # Checkpoint manifest (the format above; gpuferry's stores write it, the inference server checks it)

@@ -19,8 +19,9 @@
 #
 # Base images (cached outside the repo, built once per machine):
 #   BASE_IMAGE       Debian bookworm (debootstrap minbase) + python3 + a venv at /opt/venv holding torch
-#                    (CPU) and workload/requirements.txt, installed from wheels the host downloads: the
-#                    workload Dockerfile's `pip install` then finds everything satisfied and needs no network.
+#                    (CPU), runtime/requirements.txt (gpuferry's model server) and every bundled example's
+#                    requirements.txt, installed from wheels the host downloads: an example's `pip install`
+#                    then finds everything satisfied and needs no network.
 #                    Saved as $GPUFERRY_CACHE/images/gpuferry-base-<key>.oci.tar; the key hashes the
 #                    recipe version and the requirements, so editing requirements.txt builds a new one.
 #   TINY_BASE_IMAGE  busybox (static) from scratch: a shell for small test builds, 2 MB.
@@ -213,9 +214,15 @@ debian_mirror() {
 
 image_exists() { podman image exists "$1"; }
 
+# What the base image installs (torch aside): gpuferry's model server and the bundled examples.
+base_requirements() {
+  cat "$ROOT/runtime/requirements.txt" "$ROOT"/examples/*/requirements.txt \
+    | grep -vE '^[[:space:]]*(#|$)' | grep -vE '^[[:space:]]*torch([^a-zA-Z0-9_.-]|$)' | sort -u
+}
+
 base_key() {
   local torch_wheel=$1
-  { echo "recipe $BASE_RECIPE"; cat "$ROOT/workload/requirements.txt"; basename "${torch_wheel:-torch}"; } \
+  { echo "recipe $BASE_RECIPE"; base_requirements; basename "${torch_wheel:-torch}"; } \
     | sha256sum | cut -c1-12
 }
 
@@ -246,17 +253,17 @@ build_base() {
   "${in_root[@]}" /usr/bin/python3 -m venv /opt/venv
   # Wheels come from the host's pip (it reaches the package index and the local CPU torch wheel);
   # the image's own pip installs them offline.
-  grep -vE '^[[:space:]]*torch([^a-zA-Z0-9_.-]|$)' "$ROOT/workload/requirements.txt" >"$rootfs/tmp/requirements.txt"
+  base_requirements >"$rootfs/tmp/requirements.txt"
   echo "${wheel:-torch}" | sed 's|^/opt/wheels/|/tmp/wheels/|' >>"$rootfs/tmp/requirements.txt"
   mkdir -p "$rootfs/tmp/wheels"
   local pip=("$ROOT/.venv/bin/python" -m pip)
   [[ -x $ROOT/.venv/bin/python ]] || pip=(python3 -m pip)
   "${pip[@]}" download --only-binary=:all: -q -d "$rootfs/tmp/wheels" \
-    -r <(grep -vE '^[[:space:]]*torch([^a-zA-Z0-9_.-]|$)' "$ROOT/workload/requirements.txt") ${wheel:+"$wheel"}
+    -r <(base_requirements) ${wheel:+"$wheel"}
   log "wheels downloaded ($((SECONDS - started))s)"
   "${in_root[@]}" /opt/venv/bin/pip install -q --no-index --no-cache-dir --disable-pip-version-check \
     --find-links /tmp/wheels -r /tmp/requirements.txt
-  "${in_root[@]}" /opt/venv/bin/python -c "import torch, numpy, sklearn, uvicorn, starlette, boto3"
+  "${in_root[@]}" /opt/venv/bin/python -c "import torch, numpy, pandas, sklearn, uvicorn, boto3, mlflow.pyfunc"
   umount -l "$rootfs/proc"
   rm -rf "$rootfs/tmp/"* "$rootfs/var/lib/apt/lists/"* "$rootfs/var/cache/apt/"*.bin \
          "$rootfs/var/cache/apt/archives/"*.deb "$rootfs"/usr/share/{doc,man,locale,info}/*

@@ -6,12 +6,13 @@ from prefect import get_run_logger, task
 
 from blocks.images import ImageBuilder
 from blocks.specs import ImageRef
+from blocks.workload import Workload
 from tasks.retry import retry_options
 
 
 @task(name="build-image", **retry_options(retries=3))
-def build_image(builder: ImageBuilder) -> ImageRef:
-    image = builder.build()
+def build_image(builder: ImageBuilder, workload: Workload) -> ImageRef:
+    image = builder.build(workload)
     logger = get_run_logger()
     if image.reference is None:
         logger.info("image: %s (content tag %s)", image.note, image.content_tag)

@@ -19,7 +19,7 @@ def serving_preflight(serving: ServingBackend, spec: ServingSpec) -> None:
 @task(name="deploy", **retry_options(retries=3))
 def deploy(serving: ServingBackend, spec: ServingSpec, release: Release) -> Endpoint:
     """Bring up the new version; traffic moves only once it is ready and answered a smoke prediction."""
-    key = f"deploy-{spec.service_name.lower()}"
+    key = f"deploy-{spec.service.lower()}"
     try:
         endpoint = serving.deploy(spec, release)
     except Exception as exc:

@@ -15,3 +15,9 @@ def resolve_version(tracking: MlflowTracking, model_name: str, version: str | No
     how = f"v{resolved}" if version else f"alias {alias!r} → v{resolved}"
     get_run_logger().info("%s %s: checkpoint %s", model_name, how, source)
     return resolved, source
+
+
+@task(name="version-tags", **retry_options())
+def version_tags(tracking: MlflowTracking, model_name: str, version: str) -> dict[str, str]:
+    """The version's tags: how gpuferry serves it (service, server, image), which code made it."""
+    return tracking.version_tags(model_name, version)

@@ -10,13 +10,14 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.exceptions import TerminationSignal
 
 from blocks.compute import ComputeBackend
 from blocks.errors import ConfigurationError
-from blocks.specs import HyperParameters, JobHandle, SweepJobResult, SweepTaskResult, TrainingJob
+from blocks.specs import JobHandle, SweepJobResult, SweepTaskResult, TrainingJob
 from blocks.tracking import MlflowTracking
 from tasks.retry import is_transient, retry_options
 from runtime import contract
@@ -75,7 +76,7 @@ def _lower_own_priority(by: int) -> None:
 
 
 def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict[int, str],
-                          make: dict[Future[str], int], configurations: Sequence[HyperParameters]) -> None:  # fmt: skip
+                          make: dict[Future[str], int], configurations: Sequence[dict[str, Any]]) -> None:  # fmt: skip
     """Release the held array's tasks as their child runs come, in parts that double: a part goes
     once the tasks whose run exists and that are still held number at least ``FIRST_RELEASE`` and
     at least as many as all the parts before; once every run exists, the rest goes as the whole
@@ -93,7 +94,7 @@ def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict
     """
 
     def settings(index: int) -> dict[str, str]:
-        return {contract.HPARAMS: json.dumps(configurations[index].model_dump()), contract.MLFLOW_RUN_ID: runs[index]}
+        return {contract.HPARAMS: json.dumps(configurations[index]), contract.MLFLOW_RUN_ID: runs[index]}
 
     ready = sorted(runs)  # adopted by a retry: their tasks may have run already
     released, left = 0, len(make)
@@ -137,7 +138,7 @@ def _cancel_array(compute: ComputeBackend, job: TrainingJob, handle: JobHandle |
 # the array and the runs instead of making others.
 @task(name="train-sweep", **retry_options(retries=3))
 def train_sweep(
-    compute: ComputeBackend, job: TrainingJob, configurations: Sequence[HyperParameters], tracking: MlflowTracking,
+    compute: ComputeBackend, job: TrainingJob, configurations: Sequence[dict[str, Any]], tracking: MlflowTracking,
     parent_run_id: str, parallelism: int | None = None, timeout_seconds: float | None = None,
     run_workers: int | None = None,
 ) -> tuple[list[str], SweepJobResult]:  # fmt: skip
@@ -172,7 +173,7 @@ def train_sweep(
 
     def make_run(index: int) -> str:
         tags = {PARENT_TAG: parent_run_id, SWEEP_INDEX_TAG: str(index),
-                "gpuferry.hparams": json.dumps(configurations[index].model_dump(), sort_keys=True)}  # fmt: skip
+                "gpuferry.hparams": json.dumps(configurations[index], sort_keys=True)}  # fmt: skip
         attempt = 0
         while True:
             attempt += 1

@@ -40,10 +40,12 @@ def register_model(
     checkpoint: CheckpointRef,
     policy: PromotionPolicy,
     value: float,
+    version_tags: dict[str, str] | None = None,
 ) -> ModelVersionRef:
     """Register the checkpoint as a new version; move the alias to it only if it beats the champion."""
     logger = get_run_logger()
-    version = tracking.register(model_name, run_id, checkpoint, policy.metric, value)
+    assert policy.metric is not None  # filled in from the workload (blocks/plan.py)
+    version = tracking.register(model_name, run_id, checkpoint, policy.metric, value, version_tags)
     champion = tracking.version_by_alias(model_name, policy.alias)
     champion_value = None
     if champion is not None and champion != version:

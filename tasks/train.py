@@ -13,6 +13,7 @@ from prefect.exceptions import TerminationSignal
 from blocks.compute import ComputeBackend
 from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
 from tasks.retry import retry_options
+from tasks.waiting import register_wait
 
 
 def _progress_fraction(progress: dict[str, Any]) -> float:
@@ -97,7 +98,6 @@ def train_suspending(
     """
     from prefect.flow_runs import suspend_flow_run
 
-    from deployments.job_watcher import register_wait
 
     handle = submit_training(compute, job)
     limit = int(timeout_seconds + 3600) if timeout_seconds else 30 * 24 * 3600

@@ -1,14 +1,28 @@
-"""Store the trained checkpoint."""
+"""Store the trained model: checked to be an MLflow model first, then stored with its manifest."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 
+from blocks.mlflow_model import MLMODEL, ModelInfo, NoModel, check_mlflow_model, parse_serving_example, serving_example_path
 from blocks.specs import CheckpointRef
 from blocks.storage import CheckpointStore
 from tasks.retry import retry_options
+
+
+@task(name="check-model")
+def check_model(local_dir: str) -> ModelInfo:
+    """The MLflow model the job wrote (``NoModel`` when there is none: nothing is stored or registered)."""
+    info = check_mlflow_model(local_dir)
+    get_run_logger().info(
+        "MLflow model in %s: flavours %s, %s, %s", local_dir, ", ".join(info.flavors),
+        "with a signature" if info.signature else "no signature",
+        f"serving example {info.serving_example}" if info.serving_example else "no serving input example",
+    )  # fmt: skip
+    return info
 
 
 @task(name="upload-checkpoint", **retry_options(retries=4))
@@ -20,3 +34,23 @@ def upload_checkpoint(store: CheckpointStore, local_dir: str, name: str) -> Chec
         ref.uri, ref.files, ref.size_bytes, ref.bytes_uploaded, ref.sha256,
     )
     return ref
+
+
+@task(name="read-serving-example", **retry_options(retries=3))
+def serving_example(store: CheckpointStore, uri: str, path: str) -> dict[str, Any]:
+    """The model's own serving input example, read back from storage (checked against the manifest)."""
+    raw = store.read_file(uri, path)
+    if raw is None:
+        raise NoModel(f"{uri}: the manifest does not list {path}, which the model's MLmodel names")
+    return parse_serving_example(raw, f"{uri}/{path}")
+
+
+@task(name="model-serving-example", **retry_options(retries=3))
+def model_serving_example(store: CheckpointStore, uri: str) -> dict[str, Any] | None:
+    """The serving input example of the MLflow model stored at ``uri`` (None when it has none)."""
+    mlmodel = store.read_file(uri, MLMODEL)
+    path = serving_example_path(mlmodel) if mlmodel is not None else None
+    if path is None:
+        return None
+    raw = store.read_file(uri, path)
+    return None if raw is None else parse_serving_example(raw, f"{uri}/{path}")

@@ -67,8 +67,8 @@ def k8s_namespace(k8s: dict[str, str]) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def workload_builder(k8s: dict[str, str]) -> DockerImageBuilder:
-    """A DockerImageBuilder of the real workload/ image on the registry stack, for pods the kubelet
-    stand-in really runs with podman (skipped when it only simulates them)."""
+    """A DockerImageBuilder on the registry stack (its base image), for the example workloads' images that
+    the kubelet stand-in really runs with podman (skipped when it only simulates them)."""
     if k8s.get("K8S_KUBELET_MODE") != "podman":
         message = "the kubelet stand-in runs in fake mode: `make registry-up`, then `make k8s-up` again"
         if os.environ.get("GPUFERRY_REQUIRE_STACKS") == "1":
@@ -78,7 +78,6 @@ def workload_builder(k8s: dict[str, str]) -> DockerImageBuilder:
     from prefect_docker.host import DockerHost
 
     from blocks.docker_image import DockerImageBuilder
-    from blocks.images import WORKLOAD_DIR
     from tests.stacks import stack_env
 
     reg = stack_env("registry")
@@ -88,7 +87,7 @@ def workload_builder(k8s: dict[str, str]) -> DockerImageBuilder:
             username=reg["REGISTRY_USER"], password=Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
             registry_url=f"http://{reg['REGISTRY_URL']}",
         ),
-        repository="gpuferry-test/workload", context=str(WORKLOAD_DIR), build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
+        repository="gpuferry-test/workload", build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
     )  # fmt: skip
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from blocks.compute import LocalProcesses
 from blocks.errors import ConfigurationError, JobFailed
-from blocks.specs import Resources, TrainingJob
+from blocks.launch import launch_command
+from blocks.specs import CodeRef, Resources, TrainingJob
 
 # A stand-in job: each start appends to starts.txt, then behaves as BEHAVIOUR (a list, one per start) says.
 FAKE_JOB = textwrap.dedent(
@@ -35,6 +36,8 @@ FAKE_JOB = textwrap.dedent(
     if behaviour == "oom": os.kill(os.getpid(), signal.SIGKILL)
     if behaviour == "launcher-preempted":  # what torchrun reports when a worker stopped for preemption
         (ckpt / "PREEMPTED").write_text("1"); sys.exit(1)
+    if behaviour == "env":  # what the job's environment holds
+        (ckpt / "env.json").write_text(json.dumps(dict(os.environ), sort_keys=True)); sys.exit(0)
     (ckpt / "PREEMPTED").unlink(missing_ok=True)
     sys.exit(int(behaviour))
     """
@@ -45,14 +48,16 @@ FAKE_JOB = textwrap.dedent(
 def backend(tmp_path: Path) -> LocalProcesses:
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "job.py").write_text(FAKE_JOB)
-    return LocalProcesses(code_dir=str(tmp_path / "code"), entrypoint="job.py", workdir_root=str(tmp_path / "jobs"),
-                          poll_interval_max=0.2)  # fmt: skip
+    return LocalProcesses(workdir_root=str(tmp_path / "jobs"), poll_interval_max=0.2)
 
 
-def job(backend: LocalProcesses, key: str, *behaviour: str, **resources: int) -> TrainingJob:
+def job(backend: LocalProcesses, key: str, *behaviour: str, secrets: dict[str, str] | None = None,
+        **resources: int) -> TrainingJob:  # fmt: skip
+    code = Path(backend.workdir_root).parent / "code"
     return TrainingJob(
-        key=key, workdir=backend.job_workdir(key), env={"BEHAVIOUR": json.dumps(list(behaviour))},
-        resources=Resources(**resources),
+        key=key, workdir=backend.job_workdir(key), command=["python", "job.py"],
+        env={"BEHAVIOUR": json.dumps(list(behaviour))}, secrets=secrets or {}, resources=Resources(**resources),
+        code=CodeRef(root=str(code), archive=str(code / "unused.tar.gz"), sha256="0" * 64),
     )  # fmt: skip
 
 
@@ -155,5 +160,47 @@ def test_rejects_what_it_cannot_run(backend: LocalProcesses) -> None:
     with pytest.raises(ConfigurationError, match="resources.nodes=2"):
         backend.submit(job(backend, "multi", "0", nodes=2))
     assert not Path(backend.job_workdir("multi")).exists()
-    with pytest.raises(ConfigurationError, match="entrypoint .* does not exist"):
-        backend.model_copy(update={"entrypoint": "missing.py"}).validate_job(job(backend, "x", "0"))
+    with pytest.raises(ConfigurationError, match="no workload directory on this machine"):
+        backend.validate_job(job(backend, "x", "0").model_copy(update={"code": None}))
+
+
+def test_the_job_gets_the_contract_and_its_own_variables_not_this_processs(
+    backend: LocalProcesses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted-aws-secret")
+    monkeypatch.setenv("PREFECT_API_KEY", "planted-prefect-key")
+    handle = backend.submit(job(backend, "env", "env"))
+    assert backend.watch(handle, timeout_seconds=120).state == "COMPLETED"
+    env = json.loads((Path(handle.workdir) / "checkpoints" / "env.json").read_text())
+    assert env["CHECKPOINT_DIR"] == str(Path(handle.workdir) / "checkpoints") and "BEHAVIOUR" in env
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "PREFECT_API_KEY" not in env and "PYTHONPATH" not in env
+    assert env["PATH"] == os.environ["PATH"]
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_secrets_come_from_prefect_secret_blocks(backend: LocalProcesses) -> None:
+    from prefect.blocks.system import Secret
+
+    Secret(value="s3cr3t-value").save("local-job-token", overwrite=True)
+    handle = backend.submit(job(backend, "secret", "env", secrets={"HF_TOKEN": "local-job-token"}))
+    assert backend.watch(handle, timeout_seconds=120).state == "COMPLETED"
+    env = json.loads((Path(handle.workdir) / "checkpoints" / "env.json").read_text())
+    assert env["HF_TOKEN"] == "s3cr3t-value"
+    assert "s3cr3t-value" not in (Path(handle.workdir) / "job.json").read_text()
+    with pytest.raises(ConfigurationError, match="names the Prefect Secret block 'no-such-secret', which does not exist"):
+        backend.submit(job(backend, "nosecret", "env", secrets={"HF_TOKEN": "no-such-secret"}))
+
+
+@pytest.mark.parametrize(
+    ("command", "processes", "expected"),
+    [
+        (["python", "train.py", "--x"], 1, ["/py", "train.py", "--x"]),
+        (["python", "train.py"], 2, ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]),
+        (["/venv/bin/python3.11", "t.py"], 2,
+         ["/venv/bin/python3.11", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "t.py"]),
+        (["bash", "run.sh"], 4,
+         ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--no-python", "bash", "run.sh"]),
+    ],
+)
+def test_launch_command(command: list[str], processes: int, expected: list[str]) -> None:
+    assert launch_command(command, "/py", processes) == expected

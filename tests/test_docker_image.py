@@ -1,7 +1,8 @@
 """DockerImageBuilder against the registry stack (`make registry-up`): podman's Docker API + docker-registry.
 
-Small build contexts in tmp_path (on the stack's busybox base) cover tagging, caching and errors; the
-real workload/ context (on the stack's Debian + torch base) is built, pushed and run under podman.
+Small workloads in tmp_path (on the stack's busybox base) cover tagging, caching and errors; the bundled
+examples (on the stack's Debian + Python base) are built, pushed and run under podman: the regressor's
+generated image trains with its own train.py, then serves what it trained with gpuferry's model server.
 """
 
 from __future__ import annotations
@@ -18,17 +19,16 @@ from pathlib import Path
 import docker
 import httpx
 import pytest
-import torch
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
 from blocks.docker_image import MANIFEST_TYPES, DockerImageBuilder, ImageBuildFailed, _classify_push_error
 from blocks.errors import ConfigurationError, TransientError
-from blocks.images import WORKLOAD_DIR
 from blocks.storage import write_manifest
+from blocks.workload import Workload, load_workload
 from tasks.retry import is_transient
+from tests.examples import DIABETES, DIGITS
 from tests.stacks import stack_env
-from workload.model import N_FEATURES, build_model
 
 pytestmark = pytest.mark.integration
 
@@ -57,16 +57,24 @@ def credentials(stack: dict[str, str], password: str | None = None) -> DockerReg
     )
 
 
-def builder(stack: dict[str, str], context: Path | str, repository: str, **kwargs: object) -> DockerImageBuilder:
+def builder(stack: dict[str, str], repository: str, **kwargs: object) -> DockerImageBuilder:
     fields: dict[str, object] = {
         "docker_host": DockerHost(base_url=stack["DOCKER_HOST"]),
         "credentials": credentials(stack),
         "repository": repository,
-        "context": str(context),
         "build_args": {"BASE": stack["TINY_BASE_IMAGE"]},
     }
     fields.update(kwargs)
     return DockerImageBuilder(**fields)
+
+
+# A workload of the busybox base: no Python, so it names its own server (gpuferry's needs Python).
+TINY_WORKLOAD = "name: tiny\nimage: {dockerfile: Dockerfile}\ntrain: {command: [sh, -c, 'true']}\n" \
+    "promotion: {metric: m}\nserve: {command: [sh, -c, 'true'], port: 8080}\n"  # fmt: skip
+
+
+def tiny(context: Path) -> Workload:
+    return load_workload(str(context))
 
 
 def registry_manifest(stack: dict[str, str], repository: str, reference: str) -> httpx.Response:
@@ -98,16 +106,17 @@ def context(tmp_path: Path) -> Path:
     (ctx / "app.txt").write_text(f"run {uuid.uuid4()}\n")  # a tag no earlier run has pushed
     (ctx / "notes.log").write_text("ignored\n")
     (ctx / ".dockerignore").write_text("*.log\n")
+    (ctx / "gpuferry.yaml").write_text(TINY_WORKLOAD)
     return ctx
 
 
 def test_build_push_and_digest_read_back(stack: dict[str, str], engine: docker.DockerClient, context: Path,
                                          repository: str) -> None:  # fmt: skip
-    b = builder(stack, context, repository)
-    image = b.build()
+    b = builder(stack, repository)
+    image = b.build(tiny(context))
 
     assert image.built
-    assert image.content_tag == b.tag()
+    assert image.content_tag == b.context(tiny(context)).tag
     name, _, digest = image.reference.partition("@")
     assert name == f"{stack['REGISTRY_URL']}/{repository}"
     by_tag = registry_manifest(stack, repository, image.content_tag)
@@ -119,13 +128,13 @@ def test_build_push_and_digest_read_back(stack: dict[str, str], engine: docker.D
 
 
 def test_unchanged_context_is_not_rebuilt(stack: dict[str, str], context: Path, repository: str) -> None:
-    first = builder(stack, context, repository).build()
+    first = builder(stack, repository).build(tiny(context))
     assert first.built
     (context / "notes.log").write_text("changed, but .dockerignore'd\n")
 
     # No engine at all: a rebuild attempt would fail.
     started = time.monotonic()
-    again = builder(stack, context, repository, docker_host=DEAD_ENGINE).build()
+    again = builder(stack, repository, docker_host=DEAD_ENGINE).build(tiny(context))
     elapsed = time.monotonic() - started
 
     assert not again.built
@@ -136,10 +145,10 @@ def test_unchanged_context_is_not_rebuilt(stack: dict[str, str], context: Path, 
 
 
 def test_one_changed_file_gives_a_new_tag(stack: dict[str, str], context: Path, repository: str) -> None:
-    first = builder(stack, context, repository).build()
+    first = builder(stack, repository).build(tiny(context))
     (context / "app.txt").write_text((context / "app.txt").read_text() + "one more line\n")
 
-    second = builder(stack, context, repository).build()
+    second = builder(stack, repository).build(tiny(context))
 
     assert second.built
     assert second.content_tag != first.content_tag
@@ -155,30 +164,31 @@ def test_failing_step_is_named_with_the_log_tail(stack: dict[str, str], context:
         "RUN echo about-to-fail-on-purpose && exit 3\nRUN echo never-reached\n"
     )
     with pytest.raises(ImageBuildFailed) as caught:
-        builder(stack, context, repository).build()
+        builder(stack, repository).build(tiny(context))
 
     error = caught.value
-    assert error.step == "STEP 3/4: RUN echo about-to-fail-on-purpose && exit 3"
-    assert "image build failed at STEP 3/4: RUN echo about-to-fail-on-purpose && exit 3" in str(error)
+    # Four steps of the Dockerfile, then the two gpuferry adds (its runtime, PYTHONPATH).
+    assert error.step == "STEP 3/6: RUN echo about-to-fail-on-purpose && exit 3"
+    assert "image build failed at STEP 3/6: RUN echo about-to-fail-on-purpose && exit 3" in str(error)
     assert "exit status 3" in str(error)
     assert "about-to-fail-on-purpose" in error.log_tail.splitlines()[-1]
     assert "never-reached" not in error.log_tail
     assert not is_transient(error)
-    assert registry_manifest(stack, repository, builder(stack, context, repository).tag()).status_code == 404
+    assert registry_manifest(stack, repository, builder(stack, repository).context(tiny(context)).tag).status_code == 404
 
 
 def test_unknown_instruction_is_named(stack: dict[str, str], context: Path, repository: str) -> None:
     (context / "Dockerfile").write_text("ARG BASE\nFROM ${BASE}\nFROBNICATE /app\n")
-    with pytest.raises(ImageBuildFailed, match=r"(?s)at STEP 2/2: FROBNICATE.*Unknown instruction"):
-        builder(stack, context, repository).build()
+    with pytest.raises(ImageBuildFailed, match=r"(?s)at STEP 2/4: FROBNICATE.*Unknown instruction"):
+        builder(stack, repository).build(tiny(context))
 
 
 def test_wrong_password_is_a_clear_error_before_any_build(stack: dict[str, str], context: Path,
                                                            repository: str) -> None:  # fmt: skip
     wrong = "not-the-password-" + uuid.uuid4().hex[:6]
-    b = builder(stack, context, repository, credentials=credentials(stack, wrong), docker_host=DEAD_ENGINE)
+    b = builder(stack, repository, credentials=credentials(stack, wrong), docker_host=DEAD_ENGINE)
     with pytest.raises(ConfigurationError, match="refused the credentials of user") as caught:
-        b.build()
+        b.build(tiny(context))
     assert "credentials.password" in str(caught.value)
     assert wrong not in str(caught.value)
     assert not is_transient(caught.value)
@@ -190,7 +200,7 @@ def test_unreachable_registry_is_transient(stack: dict[str, str], context: Path,
         port = s.getsockname()[1]
     creds = DockerRegistryCredentials(username="u", password="p", registry_url=f"http://127.0.0.1:{port}")
     with pytest.raises(TransientError, match="is unreachable") as caught:
-        builder(stack, context, repository, credentials=creds, docker_host=DEAD_ENGINE).build()
+        builder(stack, repository, credentials=creds, docker_host=DEAD_ENGINE).build(tiny(context))
     assert is_transient(caught.value)
 
 
@@ -215,7 +225,7 @@ def test_registry_5xx_is_transient(stack: dict[str, str], context: Path, reposit
             username="u", password="p", registry_url=f"http://127.0.0.1:{server.server_address[1]}"
         )
         with pytest.raises(TransientError, match="answered HTTP 503") as caught:
-            builder(stack, context, repository, credentials=creds, docker_host=DEAD_ENGINE).build()
+            builder(stack, repository, credentials=creds, docker_host=DEAD_ENGINE).build(tiny(context))
         assert is_transient(caught.value)
     finally:
         server.shutdown()
@@ -237,7 +247,7 @@ def test_push_errors_are_classified() -> None:
 
 def test_bad_repository_is_rejected_naming_the_field(stack: dict[str, str], context: Path) -> None:
     with pytest.raises(ValueError, match="repository='Team/Workload:1' is not a valid repository path"):
-        builder(stack, context, "Team/Workload:1")
+        builder(stack, "Team/Workload:1")
 
 
 def _free_port() -> int:
@@ -246,35 +256,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_workload_image_runs_and_answers(stack: dict[str, str], engine: docker.DockerClient, tmp_path: Path) -> None:
-    if not (WORKLOAD_DIR / "serve.py").exists():
-        pytest.fail("workload/serve.py is missing")
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    config = {"hidden": 16, "dropout": 0.0}
-    torch.manual_seed(0)
-    torch.save({"state_dict": build_model(config).state_dict(), "config": config}, model_dir / "model.pt")
-    write_manifest(model_dir)  # the server serves only a checkpoint with a manifest
-    model_dir.chmod(0o755)
-    (model_dir / "model.pt").chmod(0o644)
+def _wait_exit(container: object, timeout: float = 600) -> int:
+    return int(container.wait(timeout=timeout)["StatusCode"])  # type: ignore[attr-defined]
 
-    b = builder(stack, WORKLOAD_DIR, "gpuferry-test/workload", build_args={"BASE_IMAGE": stack["BASE_IMAGE"]})
-    image = b.build()
-    assert image.reference and "@sha256:" in image.reference
 
-    # Run exactly the pinned reference: pull it by digest (the layers are local, so this is quick).
+def test_an_example_image_trains_then_serves_what_it_trained(stack: dict[str, str], engine: docker.DockerClient,
+                                                             tmp_path: Path) -> None:  # fmt: skip
+    """The regressor's generated image (base + requirements): its train.py writes an MLflow model in the
+    container, and gpuferry's model server, added at build time, serves it from the same image."""
+    workload = load_workload(str(DIABETES))
+    b = builder(stack, "gpuferry-test/diabetes", build_args={"BASE_IMAGE": stack["BASE_IMAGE"]})
+    image = b.build(workload)
+    assert image.reference and "@sha256:" in image.reference and image.workdir == "/workload"
     auth = {"username": stack["REGISTRY_USER"], "password": stack["REGISTRY_PASSWORD"]}
-    pulled = engine.images.pull(image.reference, auth_config=auth)
+    pulled = engine.images.pull(image.reference, auth_config=auth)  # exactly the pinned reference
     assert pulled.id == engine.images.get(f"{b.image_name()}:{image.content_tag}").id
+
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    out.chmod(0o777)
+    trainer = engine.containers.run(
+        image.reference, ["python", "train.py"], detach=True, working_dir=image.workdir,
+        environment={"CHECKPOINT_DIR": "/ckpt", "HPARAMS": json.dumps({"alpha": 0.05})},
+        volumes={str(out): {"bind": "/ckpt", "mode": "rw"}},
+    )  # fmt: skip
+    try:
+        assert _wait_exit(trainer) == 0, trainer.logs().decode()[-3000:]
+    finally:
+        trainer.remove(force=True)
+    model = out / "final"
+    write_manifest(model)  # the server serves only a checkpoint with a manifest
+    for path in [model, *model.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
     port = _free_port()
     container = engine.containers.run(
-        image.reference,
-        detach=True,
-        environment={"MODEL_URI": "file:///model/model.pt", "WARMUP_ITERATIONS": "1"},
-        volumes={str(model_dir): {"bind": "/model", "mode": "ro"}},
-        ports={"8080/tcp": ("127.0.0.1", port)},
-    )
+        image.reference, ["python", "-m", "runtime.serve"], detach=True,
+        environment={"MODEL_URI": "file:///model", "HOST": "0.0.0.0", "WARMUP_ITERATIONS": "1"},
+        volumes={str(model): {"bind": "/model", "mode": "ro"}}, ports={"8080/tcp": ("127.0.0.1", port)},
+    )  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -290,14 +310,17 @@ def test_workload_image_runs_and_answers(stack: dict[str, str], engine: docker.D
                 pass
             time.sleep(0.5)
         assert ready is not None and ready.status_code == 200, container.logs().decode()[-3000:]
-        assert ready.json()["model"]["config"]["hidden"] == 16, ready.text
-
-        rows = [[float(i % 16) for i in range(N_FEATURES)], [0.0] * N_FEATURES]
-        answer = httpx.post(f"{base}/predict", content=json.dumps({"inputs": rows}), timeout=30)
+        example = json.loads((model / "serving_input_example.json").read_text())
+        answer = httpx.post(f"{base}/invocations", json=example, timeout=30)
         assert answer.status_code == 200, answer.text
-        body = answer.json()
-        assert len(body["predictions"]) == 2
-        assert all(0 <= p < 10 for p in body["predictions"])
-        assert all(abs(sum(p) - 1) < 1e-4 for p in body["probabilities"])
+        assert len(answer.json()["predictions"]) == len(example["dataframe_split"]["data"])
     finally:
         container.remove(force=True)
+
+
+def test_the_digits_image_from_its_own_dockerfile(stack: dict[str, str]) -> None:
+    """The digits example's own Dockerfile builds on the stack's base, gpuferry's check included."""
+    image = builder(stack, "gpuferry-test/digits", build_args={"BASE_IMAGE": stack["BASE_IMAGE"]}).build(
+        load_workload(str(DIGITS))
+    )
+    assert image.reference and image.workdir == "/workload"

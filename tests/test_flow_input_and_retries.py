@@ -12,6 +12,7 @@ from blocks.specs import CheckpointRef, Resources, ServingSpec, TrainingSpec
 from blocks.storage import LocalCheckpointStore
 from flows.retrain import retrain
 from tasks.upload import upload_checkpoint
+from tests.examples import DIGITS
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -22,9 +23,12 @@ def _side_effects(home: Path) -> list[str]:
 
 def test_invalid_parameter_rejected_naming_the_field(gpuferry_home: Path) -> None:
     before = _side_effects(gpuferry_home)
-    with pytest.raises(Exception) as info:
-        retrain(training={"hyperparameters": {"lr": -1}})
-    assert "lr" in str(info.value) and "greater than 0" in str(info.value)
+    with pytest.raises(ConfigurationError) as info:
+        retrain(workload=str(DIGITS), training={"hyperparameters": {"lr": -1}})
+    assert "hyperparameters.lr: -1 is less than or equal to the minimum of 0" in str(info.value)
+    assert _side_effects(gpuferry_home) == before
+    with pytest.raises(Exception, match="resources.nodes"):  # pydantic, before the flow runs at all
+        retrain(workload=str(DIGITS), training={"resources": {"nodes": 0}})
     assert _side_effects(gpuferry_home) == before
 
 
@@ -38,7 +42,7 @@ def test_invalid_parameter_rejected_naming_the_field(gpuferry_home: Path) -> Non
 def test_backend_preflight_before_anything_runs(gpuferry_home: Path, kwargs: dict, message: str) -> None:
     before = _side_effects(gpuferry_home)
     with pytest.raises(ConfigurationError, match=message):
-        retrain(**kwargs)
+        retrain(workload=str(DIGITS), **kwargs)
     assert _side_effects(gpuferry_home) == before  # no job dir, no MLflow run, no checkpoint
 
 
@@ -108,10 +112,14 @@ def test_saved_stack_is_loaded_by_name(tmp_path: Path) -> None:
 
 def test_container_serving_needs_a_stack_that_builds_an_image(gpuferry_home: Path) -> None:
     from blocks.kubernetes import KubernetesCluster
+    from blocks.plan import plan_run
+    from blocks.specs import PromotionPolicy
     from blocks.stack import Stack
+    from blocks.workload import load_workload
     from flows.retrain import preflight
 
     blocks = Stack.embedded()
     blocks.serving = KubernetesCluster(namespace="serving")
+    run = plan_run(load_workload(str(DIGITS)), TrainingSpec(), ServingSpec(), PromotionPolicy())
     with pytest.raises(ConfigurationError, match=r"stack.images \(CurrentEnvironment\) builds none.*DockerImageBuilder"):
-        preflight(blocks, TrainingSpec(), ServingSpec())
+        preflight(blocks, run)

@@ -18,7 +18,7 @@ from blocks import k8s_rollout as r
 from blocks.errors import ConfigurationError
 from blocks.kubernetes import KubernetesCluster
 from blocks.serving import Release
-from blocks.specs import ImageRef, ServingSpec
+from blocks.specs import ImageRef, ServerSpec, ServingSpec
 
 GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "registry.example.com/gpuferry/serve@sha256:" + "ab" * 32
@@ -74,13 +74,13 @@ def test_whole_gpus_limits_toleration_and_env() -> None:
 
 
 def test_time_sliced_resource_name() -> None:
-    dep = build(ServingSpec(gpus=1), gpu_resource="nvidia.com/gpu.shared")["deployment"]
+    dep = build(ServingSpec(service_name="digits", gpus=1), gpu_resource="nvidia.com/gpu.shared")["deployment"]
     limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu.shared"] == "1" and "nvidia.com/gpu" not in limits
 
 
 def test_mig_profile_resource() -> None:
-    dep = build(ServingSpec(mig_profile="3g.40gb"))["deployment"]
+    dep = build(ServingSpec(service_name="digits", mig_profile="3g.40gb"))["deployment"]
     limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"memory": "2Gi", "nvidia.com/mig-3g.40gb": "1"}
 
@@ -103,19 +103,36 @@ def test_probes_labels_annotations_and_service() -> None:
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
 
+def test_the_workloads_own_server_brings_its_command_port_and_probes() -> None:
+    server = ServerSpec(command=["python", "serve.py", "--fast"], port=9000, health_path="/live",
+                        readiness_path="/ready", prediction_path="/v1/predict", env={"MODE": "prod"},
+                        workdir="/workload")  # fmt: skip
+    dep = m.build_manifests(ServingSpec(service_name="house"), model_name="house", version="2", model_uri="s3://m/2",
+                            image=IMAGE, opts=m.options(), server=server, checkpoint_sha256="c" * 64)["deployment"]  # fmt: skip
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python", "serve.py", "--fast"] and container["workingDir"] == "/workload"
+    assert container["ports"] == [{"name": "http", "containerPort": 9000, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == container["startupProbe"]["httpGet"]["path"] == "/live"
+    env = env_of(dep)
+    assert env["PORT"] == "9000" and env["MODE"] == "prod" and env["MODEL_SHA256"] == "c" * 64
+    mlflow = build(ServingSpec(service_name="digits"))["deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert mlflow["command"] == ["python", "-m", "runtime.serve"] and "workingDir" not in mlflow
+
+
 def test_hpa_owns_replicas() -> None:
-    dep = build(ServingSpec(replicas=2), autoscale_max_replicas=4)["deployment"]
+    dep = build(ServingSpec(service_name="digits", replicas=2), autoscale_max_replicas=4)["deployment"]
     assert "replicas" not in dep["spec"]
 
 
 def test_no_image_is_a_clear_error() -> None:
     with pytest.raises(ConfigurationError, match="Kubernetes needs an image"):
-        build(ServingSpec(), image=None)
+        build(ServingSpec(service_name="digits"), image=None)
 
 
 def test_image_must_be_pinned_by_digest() -> None:
     with pytest.raises(ConfigurationError, match="not pinned by digest"):
-        build(ServingSpec(), image="registry.example.com/gpuferry/serve:latest")
+        build(ServingSpec(service_name="digits"), image="registry.example.com/gpuferry/serve:latest")
 
 
 def test_unknown_option_lists_valid_ones() -> None:
@@ -141,13 +158,13 @@ def test_mig_profile_typo_rejected_by_the_spec() -> None:
 def test_block_validate_rejects_bad_input_without_a_cluster() -> None:
     # No kubeconfig and not in a pod: any API call would fail; validate makes none.
     block = KubernetesCluster(memory_limit="2Gi")
-    block.validate(ServingSpec(mig_profile="1g.10gb"))
+    block.validate(ServingSpec(service_name="digits", mig_profile="1g.10gb"))
     with pytest.raises(ConfigurationError, match="not a MIG profile"):
-        block.validate(ServingSpec.model_construct(**{**ServingSpec().model_dump(), "mig_profile": "1g.10g"}))
+        block.validate(ServingSpec.model_construct(**{**ServingSpec(service_name="digits").model_dump(), "mig_profile": "1g.10g"}))
     with pytest.raises(ConfigurationError, match="autoscale_max_replicas=1 is below replicas=2"):
-        KubernetesCluster(autoscale_max_replicas=1).validate(ServingSpec(replicas=2))
+        KubernetesCluster(autoscale_max_replicas=1).validate(ServingSpec(service_name="digits", replicas=2))
     with pytest.raises(ConfigurationError, match="memory_request"):
-        KubernetesCluster(memory_request="lots").validate(ServingSpec())
+        KubernetesCluster(memory_request="lots").validate(ServingSpec(service_name="digits"))
 
 
 def test_deploy_without_image_fails_before_any_call() -> None:
@@ -155,7 +172,7 @@ def test_deploy_without_image_fails_before_any_call() -> None:
     release = Release(model_name="digits-mlp", version="1", model_uri="s3://m/1",
                       image=ImageRef(builder="current-environment", content_tag="x"))  # fmt: skip
     with pytest.raises(ConfigurationError, match="Kubernetes needs an image"):
-        block.deploy(ServingSpec(), release)
+        block.deploy(ServingSpec(service_name="digits"), release)
 
 
 def test_service_name_must_fit_a_dns_label() -> None:

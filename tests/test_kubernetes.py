@@ -45,6 +45,9 @@ def release(version: str, image: str = GOOD) -> Release:
     )  # fmt: skip
 
 
+SMOKE = {"inputs": [[0.0, 0.0, 0.0]]}
+
+
 def admin(k8s: dict[str, str], **fields: Any) -> KubernetesCluster:
     return KubernetesCluster(kubeconfig=SecretStr(Path(k8s["KUBECONFIG"]).read_text()), **fields)
 
@@ -182,12 +185,13 @@ def test_no_node_offers_the_gpu_resource(k8s: dict[str, str], k8s_namespace: str
     # Nothing was applied.
     assert block._api().get_or_none(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits") is None
     with pytest.raises(ConfigurationError, match="node_selector"):
-        cluster(k8s, k8s_namespace, node_selector={"pool": "a100"}).deploy(ServingSpec(gpus=1), release("1"))
+        cluster(k8s, k8s_namespace, node_selector={"pool": "a100"}).deploy(ServingSpec(service_name="digits", gpus=1),
+                                                                            release("1"))  # fmt: skip
 
 
 def test_mig_typo_fails_before_any_call(k8s: dict[str, str], k8s_namespace: str) -> None:
     block = cluster(k8s, k8s_namespace)
-    typo = ServingSpec.model_construct(**{**ServingSpec().model_dump(), "mig_profile": "1g.10g"})
+    typo = ServingSpec.model_construct(**{**ServingSpec(service_name="digits").model_dump(), "mig_profile": "1g.10g"})
     api = block._api()
     before = api.attempts
     with pytest.raises(ConfigurationError, match="'1g.10g' is not a MIG profile"):
@@ -197,7 +201,7 @@ def test_mig_typo_fails_before_any_call(k8s: dict[str, str], k8s_namespace: str)
 
 def test_missing_namespace_is_a_clear_error(k8s: dict[str, str]) -> None:
     with pytest.raises(ConfigurationError, match="namespace='nope-404' does not exist"):
-        cluster(k8s, "nope-404").deploy(ServingSpec(), release("1"))
+        cluster(k8s, "nope-404").deploy(ServingSpec(service_name="digits"), release("1"))
 
 
 # ---- server-side apply conflict ---------------------------------------------------------------------
@@ -320,25 +324,36 @@ def test_api_5xx_and_timeouts_are_retried(k8s: dict[str, str], k8s_namespace: st
 
 @pytest.fixture(scope="module")
 def workload_image(workload_builder: DockerImageBuilder) -> str:
-    reference = workload_builder.build().reference
+    from blocks.workload import load_workload
+    from tests.examples import DIGITS
+
+    reference = workload_builder.build(load_workload(str(DIGITS))).reference
     assert reference and "@sha256:" in reference
     return reference
 
 
-def _model_dir(tmp_path: Path, hidden: int) -> Path:
-    import torch
+def _model_dir(tmp_path: Path, scale: int) -> Path:
+    """An MLflow model (scikit-learn) that answers ``scale`` × the sum of its three inputs."""
+    import mlflow.sklearn
+    import numpy as np
+    from sklearn.linear_model import LinearRegression
 
     from blocks.storage import write_manifest
-    from workload.model import build_model
 
-    path = tmp_path / f"model-{hidden}"
-    path.mkdir()
-    config = {"hidden": hidden, "dropout": 0.0}
-    torch.manual_seed(0)
-    torch.save({"state_dict": build_model(config).state_dict(), "config": config}, path / "model.pt")
+    path = tmp_path / f"model-{scale}"
+    x = np.eye(3)
+    mlflow.sklearn.save_model(LinearRegression().fit(x, x.sum(axis=1) * scale), str(path), input_example=x[:2],
+                              pip_requirements=["scikit-learn"])  # fmt: skip
     write_manifest(path)  # the server serves only a checkpoint with a manifest
-    path.chmod(0o755)
+    for p in [path, *path.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
     return path
+
+
+def _answer(url: str) -> float:
+    answer = httpx.post(f"{url}/invocations", json={"inputs": [[1.0, 1.0, 1.0]]}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return float(answer.json()["predictions"][0])
 
 
 def _server_url(block: KubernetesCluster, name: str) -> str:
@@ -352,37 +367,35 @@ def test_real_server_rollout_and_crash_rollback(
     models = tmp_path / "models"
     models.mkdir()
     models.chmod(0o755)
-    for hidden in (16, 24):
-        _model_dir(models, hidden)
+    for scale in (1, 2):
+        _model_dir(models, scale)
     block = cluster(k8s, k8s_namespace, host_path_mounts={str(models): "/models"}, env={"WARMUP_ITERATIONS": "1"},
                     memory_limit=None, rollout_timeout_seconds=180)  # fmt: skip
-    spec = ServingSpec(service_name="digits", replicas=1, ready_timeout_seconds=120)
+    spec = ServingSpec(service_name="digits", replicas=1, ready_timeout_seconds=120, smoke_request=SMOKE)
 
-    def rel(version: str, hidden: int) -> Release:
-        return Release(model_name="digits-mlp", version=version, model_uri=f"file:///models/model-{hidden}/model.pt",
+    def rel(version: str, scale: int) -> Release:
+        return Release(model_name="digits-mlp", version=version, model_uri=f"file:///models/model-{scale}",
                        image=ImageRef(builder="docker", content_tag="t", reference=workload_image, built=True))  # fmt: skip
 
-    block.deploy(spec, rel("1", 16))
+    block.deploy(spec, rel("1", 1))
     url = _server_url(block, "digits")
-    ready = httpx.get(f"{url}/readyz", timeout=10)
-    assert ready.status_code == 200 and ready.json()["model"]["config"]["hidden"] == 16
+    assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+    assert _answer(url) == pytest.approx(3.0)
 
-    block.deploy(spec, rel("2", 24))  # rolling: v2 becomes ready (its real /readyz) before v1 goes
+    block.deploy(spec, rel("2", 2))  # rolling: v2 becomes ready (its real /readyz) before v1 goes
     url = _server_url(block, "digits")
-    assert httpx.get(f"{url}/readyz", timeout=10).json()["model"]["config"]["hidden"] == 24
-    answer = httpx.post(f"{url}/predict", json={"inputs": [[0.0] * 64]}, timeout=30)
-    assert answer.status_code == 200 and len(answer.json()["predictions"]) == 1
+    assert _answer(url) == pytest.approx(6.0)
 
     # v3's server exits at start (a setting it rejects): CrashLoopBackOff → back to v2, still serving.
     crashing = cluster(k8s, k8s_namespace, host_path_mounts={str(models): "/models"},
                        env={"WARMUP_ITERATIONS": "1", "MAX_QUEUE": "0"}, memory_limit=None,
                        rollout_timeout_seconds=180)  # fmt: skip
     with pytest.raises(RolledBack) as failed:
-        crashing.deploy(spec, rel("3", 16))
+        crashing.deploy(spec, rel("3", 1))
     assert failed.value.reason == "CrashLoopBackOff" and failed.value.rolled_back_to == "2"
     assert "exit code 2" in str(failed.value)
     url = _server_url(block, "digits")
-    assert httpx.get(f"{url}/readyz", timeout=10).json()["model"]["config"]["hidden"] == 24
+    assert _answer(url) == pytest.approx(6.0)
     assert block.current("digits")["version"] == "2"
     block.undeploy("digits")
 

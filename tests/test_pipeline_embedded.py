@@ -1,9 +1,12 @@
-"""The whole retrain pipeline on the embedded stack, under one Prefect test server.
+"""The whole retrain pipeline on the embedded stack, under one Prefect test server, for both bundled examples.
 
-Three runs, as a team would see them: a weak first model becomes champion and is served; a better
-one replaces it (the old server process is gone); a worse one is registered but neither promoted
-nor deployed. Then a deploy that fails (its smoke prediction is refused): the flow fails and MLflow
-says why; and a serving backend that cannot serve stops the run before anything trains.
+The digits MLP (PyTorch, maximising accuracy), three runs as a team would see them: a weak first model becomes
+champion and is served; a better one replaces it (the old server process is gone); a worse one is registered
+but neither promoted nor deployed. The diabetes regressor (scikit-learn, minimising RMSE) through exactly the
+same code: a bad model does not replace a good one. Then what must fail does, before anything is wasted: a
+deploy whose smoke request the model refuses (the flow fails and MLflow says why), hyperparameters the
+workload's schema refuses (nothing runs), a job that writes no MLflow model (nothing is registered), and a
+serving backend that cannot serve (nothing trains).
 """
 
 from __future__ import annotations
@@ -13,19 +16,21 @@ import uuid
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from mlflow import MlflowClient
 from prefect.artifacts import Artifact
 
 from blocks._proc import alive
 from blocks.errors import ConfigurationError, DeployFailed
+from blocks.mlflow_model import NoModel
 from blocks.serving import LocalServing
-from blocks.specs import HyperParameters, PipelineResult, ServingSpec, TrainingSpec
+from blocks.specs import PipelineResult, ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.storage import MANIFEST, local_path, verify_checkpoint
 from flows.deploy_model import deploy_model
 from flows.retrain import retrain
-from workload.data import load_digits_split
+from tests.examples import DIABETES, DIGITS, example_module
 
 pytestmark = [pytest.mark.embedded, pytest.mark.usefixtures("prefect_server")]
 
@@ -33,29 +38,30 @@ pytestmark = [pytest.mark.embedded, pytest.mark.usefixtures("prefect_server")]
 MIN_TEST_ACCURACY = 0.92
 
 
-def spec(**hyperparameters: float) -> TrainingSpec:
-    return TrainingSpec(model_name="digits-e2e", hyperparameters=HyperParameters(**hyperparameters), checkpoint_every=20)
+def digits(**hyperparameters: float) -> TrainingSpec:
+    return TrainingSpec(model_name="digits-e2e", hyperparameters=hyperparameters, checkpoint_every=20)
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, PipelineResult | dict]:
     stack = Stack.embedded()
     out: dict[str, PipelineResult | dict] = {}
-    out["weak"] = retrain(training=spec(epochs=1, lr=0.01))
+    out["weak"] = retrain(workload=str(DIGITS), training=digits(epochs=1, lr=0.01))
     out["weak_server"] = stack.serving.current("digits") or {}
-    out["good"] = retrain(training=spec(epochs=15, lr=0.05))
+    out["good"] = retrain(workload=str(DIGITS), training=digits(epochs=15, lr=0.05))
     out["good_server"] = stack.serving.current("digits") or {}
-    out["worse"] = retrain(training=spec(epochs=1, lr=0.005))
+    out["worse"] = retrain(workload=str(DIGITS), training=digits(epochs=1, lr=0.005))
     out["after_worse_server"] = stack.serving.current("digits") or {}
     yield out
     stack.serving.undeploy("digits")
 
 
 def test_champion_alias_follows_the_better_model(runs: dict) -> None:
-    weak, good, worse = runs["weak"], runs["good"], runs["worse"]
+    weak, good = runs["weak"], runs["good"]
     assert weak.model_version.promoted and weak.deployed
     assert good.model_version.promoted and good.deployed
     assert good.model_version.value > weak.model_version.value
+    assert good.model_version.metric == "val_accuracy"  # the workload's promotion metric
     client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
     champion = client.get_model_version_by_alias("digits-e2e", "champion")
     assert str(champion.version) == good.model_version.version
@@ -74,7 +80,7 @@ def test_worse_model_registered_but_not_promoted_nor_deployed(runs: dict) -> Non
     assert runs["after_worse_server"]["pid"] == runs["good_server"]["pid"]
 
 
-def test_checkpoint_sha256_matches_the_recorded_one(runs: dict) -> None:
+def test_the_stored_model_is_the_mlflow_model_with_its_manifest(runs: dict) -> None:
     good = runs["good"]
     root = local_path(good.checkpoint.uri)
     assert hashlib.sha256((root / MANIFEST).read_bytes()).hexdigest() == good.checkpoint.sha256
@@ -83,21 +89,30 @@ def test_checkpoint_sha256_matches_the_recorded_one(runs: dict) -> None:
     run = client.get_run(good.run_id)
     assert run.data.tags["checkpoint_sha256"] == good.checkpoint.sha256
     assert run.data.tags["checkpoint_uri"] == good.checkpoint.uri
+    assert run.data.tags["mlflow_model.flavors"] == "python_function,pytorch"
     version = client.get_model_version("digits-e2e", good.model_version.version)
     assert version.tags["checkpoint_sha256"] == good.checkpoint.sha256
-    assert (root / "model.pt").is_file()
+    assert {"MLmodel", "serving_input_example.json", MANIFEST} <= {p.name for p in root.iterdir()}
+    assert Path(root).parent.name == "digits-e2e"
+    # Plain MLflow loads the registered version: the stored checkpoint is an MLflow model.
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(good.checkpoint.uri)
+    assert np.asarray(model.predict(np.zeros((3, 64), dtype=np.float32))).shape == (3, 10)
 
 
-def test_run_records_params_metrics_and_backends(runs: dict) -> None:
+def test_run_records_params_metrics_the_workload_and_its_code(runs: dict) -> None:
     good = runs["good"]
     run = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri).get_run(good.run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.params["epochs"] == "15" and run.data.params["resources.nodes"] == "1"
+    assert run.data.params["epochs"] == "15" and run.data.params["optimizer"] == "sgd"  # a schema default
+    assert run.data.params["resources.nodes"] == "1"
     assert run.data.metrics["val_accuracy"] == pytest.approx(good.model_version.value)
-    assert run.data.tags["backend.compute"] == "gpuferry-local-processes"
-    assert run.data.tags["backend.images"] == "gpuferry-current-environment"
-    assert run.data.tags["image"].startswith("no image: runs from the current environment")
-    assert "git_sha" in run.data.tags
+    tags = run.data.tags
+    assert tags["backend.compute"] == "gpuferry-local-processes"
+    assert tags["image"].startswith("no image: runs from the current environment")
+    assert tags["gpuferry.workload"] == "digits-mlp" and tags["gpuferry.workload.source"] == str(DIGITS)
+    assert len(tags["gpuferry.workload.code_sha256"]) == 64 and tags["gpuferry.workload.commit"] != "none"
 
 
 def test_deploy_outcome_recorded_on_the_run_and_the_version(runs: dict) -> None:
@@ -111,18 +126,19 @@ def test_deploy_outcome_recorded_on_the_run_and_the_version(runs: dict) -> None:
         assert tags["deploy.previous_version"] == runs["weak"].model_version.version
         assert tags["deploy.backend"] == "gpuferry-local-serving"
         assert not any(k in tags for k in ("deploy.reason", "deploy.rolled_back_to"))
+    version_tags = client.get_model_version("digits-e2e", good.model_version.version).tags
+    assert version_tags["gpuferry.service"] == "digits"  # the workload's service name, recorded for deploy-model
     # Not deployed: nothing recorded.
     assert not any(k.startswith("deploy.") for k in client.get_run(worse.run_id).data.tags)
 
 
 def test_endpoint_classifies_held_out_digits(runs: dict) -> None:
     server = runs["good_server"]
-    x_test, y_test = load_digits_split()["test"]
-    response = httpx.post(f"{server['url']}/predict", json={"inputs": x_test.tolist()}, timeout=60)
-    assert response.status_code == 200
-    predictions = response.json()["predictions"]
-    accuracy = sum(int(p == y) for p, y in zip(predictions, y_test.tolist(), strict=True)) / len(y_test)
-    assert accuracy >= MIN_TEST_ACCURACY
+    x_test, y_test = example_module(DIGITS, "data").load_digits_split()["test"]
+    response = httpx.post(f"{server['url']}/invocations", json={"inputs": x_test.tolist()}, timeout=60)
+    assert response.status_code == 200, response.text
+    predicted = np.asarray(response.json()["predictions"]).argmax(axis=1)
+    assert (predicted == y_test).mean() >= MIN_TEST_ACCURACY
 
 
 def test_previous_server_gone_after_new_version_ready(runs: dict) -> None:
@@ -143,18 +159,36 @@ def test_artifacts_written(runs: dict) -> None:
     assert {"retrain-summary", "final-metrics", "training-progress", "node-inventory"} <= keys
 
 
-def test_job_directory_holds_the_trained_model(runs: dict) -> None:
-    good = runs["good"]
-    stored = sorted(p.name for p in local_path(good.checkpoint.uri).iterdir())
-    assert stored == [MANIFEST, "metrics.json", "model.pt"]
-    assert Path(local_path(good.checkpoint.uri)).parent.name == "digits-e2e"
+def test_the_regressor_runs_through_the_same_paths_and_minimises_rmse() -> None:
+    stack = Stack.embedded()
+    try:
+        good = retrain(workload=str(DIABETES), training=TrainingSpec(model_name="diabetes-e2e",
+                                                                      hyperparameters={"alpha": 0.01}))  # fmt: skip
+        bad = retrain(workload=str(DIABETES), training=TrainingSpec(model_name="diabetes-e2e",
+                                                                     hyperparameters={"alpha": 50.0}))  # fmt: skip
+        assert good.model_version.metric == "val_rmse" and good.model_version.promoted and good.deployed
+        assert bad.model_version.value > good.model_version.value  # a larger RMSE: worse
+        assert not bad.model_version.promoted and not bad.deployed
+        server = stack.serving.current("diabetes")
+        assert server is not None and server["version"] == good.model_version.version
+        x = example_module(DIABETES, "train").load_diabetes(as_frame=True).data.head(5)
+        body = {"dataframe_split": {"columns": list(x.columns), "data": x.values.tolist()}}
+        response = httpx.post(f"{server['url']}/invocations", json=body, timeout=60)
+        assert response.status_code == 200 and len(response.json()["predictions"]) == 5
+        missing = {"dataframe_split": {"columns": list(x.columns)[1:], "data": x.values[:, 1:].tolist()}}
+        refused = httpx.post(f"{server['url']}/invocations", json=missing, timeout=60)
+        assert refused.status_code == 422 and "age" in refused.text  # the column the signature wants
+        assert stack.serving.current("digits-e2e") is None  # two models, two services
+    finally:
+        stack.serving.undeploy("diabetes")
 
 
 def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serves_it() -> None:
-    # The smoke prediction sends 3 features where the model takes 64: the new server answers 422.
+    # The smoke request sends 3 features where the model takes 64: the new server answers 422.
     serving = ServingSpec(service_name="digits-refused", smoke_request={"inputs": [[0.0, 1.0, 2.0]]})
-    with pytest.raises(DeployFailed, match="smoke test: /predict answered 422"):
-        retrain(training=TrainingSpec(model_name="digits-e2e-refused", hyperparameters=HyperParameters(epochs=1)),
+    with pytest.raises(DeployFailed, match="smoke test: /invocations answered 422"):
+        retrain(workload=str(DIGITS), training=TrainingSpec(model_name="digits-e2e-refused",
+                                                             hyperparameters={"epochs": 1}),
                 serving=serving, force_deploy=True)  # fmt: skip
     client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
     (version,) = client.search_model_versions("name = 'digits-e2e-refused'")
@@ -163,14 +197,15 @@ def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serv
     for tags in (run.data.tags, version.tags):
         assert tags["deploy.status"] == "failed"
         assert tags["deploy.version"] == tags["deploy.failed_version"] == str(version.version)
-        assert tags["deploy.reason"].startswith("DeployFailed: smoke test: /predict answered 422")
+        assert tags["deploy.reason"].startswith("DeployFailed: smoke test: /invocations answered 422")
         assert "422" in tags["deploy.message"] and "deploy.endpoint" not in tags
     assert Stack.embedded().serving.current("digits-refused") is None  # nothing serves the refused version
     artifact = Artifact.get("deploy-digits-refused")  # the newest of that key
     assert artifact and "**digits-e2e-refused v1 not deployed**" in str(artifact.data)
 
-    # deploy-model serves the same version with a working smoke request: the record is replaced, on the
-    # version and on its source run (deploy-model has no run of its own), and the failure's fields go.
+    # deploy-model serves the same version with its own input example as the smoke request: the record is
+    # replaced, on the version and on its source run (deploy-model has no run of its own), and the failure's
+    # fields go.
     endpoint = deploy_model(model_name="digits-e2e-refused", version=str(version.version),
                             serving=ServingSpec(service_name="digits-refused"))  # fmt: skip
     try:
@@ -182,6 +217,36 @@ def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serv
         Stack.embedded().serving.undeploy("digits-refused")
 
 
+def test_hyperparameters_the_schema_refuses_stop_the_run_before_anything_runs() -> None:
+    experiment = f"schema-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ConfigurationError) as info:
+        retrain(workload=str(DIGITS), training=TrainingSpec(experiment=experiment,
+                                                             hyperparameters={"lr": 0, "epochz": 3}))  # fmt: skip
+    message = str(info.value)
+    assert "hyperparameters.lr: 0 is less than or equal to the minimum of 0" in message
+    assert "hyperparameters.epochz: not a declared hyperparameter; valid: epochs, lr, batch_size" in message
+    client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
+    assert client.get_experiment_by_name(experiment) is None  # no run was started
+
+
+def test_a_job_that_writes_no_mlflow_model_registers_nothing(tmp_path: Path) -> None:
+    (tmp_path / "gpuferry.yaml").write_text(
+        "name: no-model-e2e\ntrain: {command: [python, train.py]}\npromotion: {metric: score}\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "import os, pathlib, mlflow\n"
+        "with mlflow.start_run(): mlflow.log_metric('score', 1.0)\n"
+        "final = pathlib.Path(os.environ['CHECKPOINT_DIR'], 'final'); final.mkdir(parents=True)\n"
+        "(final / 'weights.bin').write_bytes(b'not an MLflow model')\n"
+    )
+    with pytest.raises(NoModel, match=r"holds no MLflow model \(no MLmodel file; found: weights.bin\): save an MLflow"):
+        retrain(workload=str(tmp_path))
+    client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
+    assert client.search_model_versions("name = 'no-model-e2e'") == []
+    (run,) = client.search_runs([client.get_experiment_by_name("no-model-e2e").experiment_id])
+    assert run.info.status == "FAILED"
+
+
 def test_serving_preflight_stops_the_run_before_anything_trains() -> None:
     name = f"stack-bad-serving-{uuid.uuid4().hex[:8]}"
     stack = Stack.embedded()
@@ -191,7 +256,8 @@ def test_serving_preflight_stops_the_run_before_anything_trains() -> None:
     jobs = Path(stack.compute.job_workdir("x")).parent
     before = set(jobs.iterdir()) if jobs.exists() else set()
     with pytest.raises(ConfigurationError, match="python='/nonexistent/bin/python3': no such executable"):
-        retrain(training=TrainingSpec(model_name="digits-e2e-preflight", experiment=experiment), stack=name)
+        retrain(workload=str(DIGITS), training=TrainingSpec(model_name="digits-e2e-preflight", experiment=experiment),
+                stack=name)  # fmt: skip
     client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
     assert client.get_experiment_by_name(experiment) is None  # no run was started
     assert (set(jobs.iterdir()) if jobs.exists() else set()) == before  # no job was submitted

@@ -16,9 +16,10 @@ from pydantic import SecretStr
 
 from blocks.provision import ClusterManaged
 from blocks.slurm import SlurmCluster
-from blocks.specs import HyperParameters, Resources, TrainingSpec
+from blocks.specs import Resources, TrainingSpec
 from blocks.stack import Stack
 from flows.retrain import retrain
+from tests.examples import DIGITS
 from tests.stacks import stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
@@ -34,7 +35,7 @@ def slurm_stack(env: dict[str, str]) -> Stack:
         private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
         known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
         workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"pipeline-{uuid.uuid4().hex[:8]}"),
-        partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
+        partition=env["SLURM_PARTITION"], python=sys.executable,
     )  # fmt: skip
     return stack
 
@@ -43,8 +44,9 @@ def test_retrain_trains_on_slurm() -> None:
     env = stack_env("slurm")
     slurm_stack(env).save("slurm-pipeline-test", overwrite=True)
     outcome = retrain(
+        workload=str(DIGITS),
         training=TrainingSpec(
-            model_name="digits-slurm", hyperparameters=HyperParameters(epochs=3), resources=Resources(mem_gb=2, gpus_per_node=1)
+            model_name="digits-slurm", hyperparameters={"epochs": 3}, resources=Resources(mem_gb=2, gpus_per_node=1)
         ),
         stack="slurm-pipeline-test",
         force_deploy=True,

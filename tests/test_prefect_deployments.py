@@ -20,8 +20,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+import numpy as np
 import pytest
-import torch
 
 from blocks._proc import free_port
 from blocks.storage import write_manifest
@@ -30,8 +30,6 @@ from deployments.poll_registry import RegistryPoller
 from deployments.webhook import sign
 from tests.private_worker import wait_until
 from tests.stacks import stack_env
-from runtime import contract
-from workload.model import build_model
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +103,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             finish_runs(w)
             from blocks.serving import LocalServing
 
-            LocalServing(state_dir=str(w.serving_dir)).undeploy("digits")
+            LocalServing(state_dir=str(w.serving_dir)).undeploy(w.model)
             from mlflow import MlflowClient
 
             MlflowClient(w.tracking_uri).delete_registered_model(w.model)
@@ -140,8 +138,11 @@ def save_stack(w: World) -> None:
 
 
 def register_versions(w: World, count: int) -> None:
-    """``count`` versions whose sources are real checkpoints in their run's (local) artifact directory."""
+    """``count`` versions whose sources are real checkpoints (MLflow models with their manifest) in their run's
+    (local) artifact directory, registered without gpuferry (no tags saying how they are served)."""
+    import mlflow.sklearn
     from mlflow import MlflowClient
+    from sklearn.linear_model import LinearRegression
 
     client = MlflowClient(w.tracking_uri)
     experiment = client.create_experiment(f"gpuferry-test-{w.uid}", artifact_location=(w.tmp / "artifacts").as_uri())
@@ -150,10 +151,9 @@ def register_versions(w: World, count: int) -> None:
         run = client.create_run(experiment)
         source = f"{run.info.artifact_uri}/checkpoint"
         path = Path(urlparse(source).path)
-        path.mkdir(parents=True)
-        torch.manual_seed(i)
-        model = build_model({"hidden": 16})
-        torch.save({"state_dict": model.state_dict(), "config": {"hidden": 16}}, path / contract.MODEL_FILENAME)
+        x = np.random.default_rng(i).normal(size=(8, 3))
+        model = LinearRegression().fit(x, x @ np.array([1.0, 2.0, float(i)]))
+        mlflow.sklearn.save_model(model, str(path), input_example=x[:2], pip_requirements=["scikit-learn"])
         write_manifest(path)  # the server serves only a checkpoint with a manifest
         client.create_model_version(w.model, source=source, run_id=run.info.run_id)
         client.set_terminated(run.info.run_id)
@@ -242,7 +242,7 @@ def wait_completed(w: World, run_id: Any) -> Any:
 def serving(w: World) -> dict | None:
     from blocks.serving import LocalServing
 
-    return LocalServing(state_dir=str(w.serving_dir)).current("digits")
+    return LocalServing(state_dir=str(w.serving_dir)).current(w.model)  # the model's name: no service recorded
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -269,7 +269,7 @@ def test_weekly_retrain_is_scheduled_for_the_next_monday_3am(world: World) -> No
     with world.client() as client:
         dep = client.read_deployment_by_name("retrain/weekly")
         assert dep.work_pool_name == "gpuferry"
-        assert dep.parameters["training"]["model_name"] == "digits-mlp"
+        assert dep.parameters["workload"] == "examples/digits"
         assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in dep.schedules] == [("0 3 * * 1", "UTC", True)]
         # Ask the scheduler for the runs now instead of waiting for its next loop.
         response = client.request("POST", "/deployments/{id}/schedule", path_params={"id": dep.id}, json={})
@@ -309,8 +309,8 @@ def test_alias_set_in_mlflow_deploys_that_version(world: World) -> None:
           f"{time.monotonic() - set_at:.2f} s")  # fmt: skip
     current = serving(world)
     assert current is not None and current["version"] == "1" and current["model_name"] == world.model
-    answer = httpx.post(f"{current['url']}/predict", json={"inputs": [[0.5] * 64]}, timeout=30)
-    assert answer.status_code == 200 and len(answer.json()["predictions"]) == 1
+    answer = httpx.post(f"{current['url']}/invocations", json={"inputs": [[0.5, 0.5, 0.5]]}, timeout=30)
+    assert answer.status_code == 200 and answer.json()["predictions"] == [pytest.approx(1.5, abs=1e-6)]
 
 
 def test_forged_and_stale_webhooks_are_rejected(world: World) -> None:
@@ -374,5 +374,5 @@ def test_duplicates_and_both_bridges_deploy_once(world: World) -> None:
     # The repeated v1 run either found v1 serving (nothing changed) or ran after v3 and found the alias
     # moved on (stale: nothing deployed); either way v3 serves, deployed once.
     assert after is not None and after["version"] == "3" and after["pid"] != before["pid"]
-    started = sorted(p.name.rsplit("-", 1)[0] for p in world.serving_dir.glob("digits-v*.log"))
-    assert started == ["digits-v1", "digits-v3"]  # one server process per version ever started
+    started = sorted(p.name.rsplit("-", 1)[0] for p in world.serving_dir.glob(f"{world.model}-v*.log"))
+    assert started == [f"{world.model}-v1", f"{world.model}-v3"]  # one server process per version ever started

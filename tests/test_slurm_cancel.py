@@ -28,11 +28,14 @@ from tests.test_slurm_cluster import REPO, cluster, env, wait_for  # noqa: F401 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
 FLOW = textwrap.dedent('''
+    from pathlib import Path
+
     from prefect import flow
     from prefect.runtime import flow_run
 
     from blocks.slurm import SlurmCluster
     from blocks.specs import Resources, TrainingJob
+    from blocks.workload import code_archive
     from tasks.train import train
 
 
@@ -40,21 +43,24 @@ FLOW = textwrap.dedent('''
     def long_job(block: str) -> None:
         compute = SlurmCluster.load(block)
         key = f"{flow_run.get_id()}-train"
-        train(compute, TrainingJob(key=key, workdir=compute.job_workdir(key), resources=Resources(time_limit_minutes=10)))
+        code = code_archive(Path(__file__).resolve().parent / "code")
+        train(compute, TrainingJob(key=key, workdir=compute.job_workdir(key), command=["bash", "long.sh"], code=code,
+                                   resources=Resources(time_limit_minutes=10)))
 
 
     if __name__ == "__main__":
         long_job.serve(name="cancel-probe", limit=1)
 ''')
 
-# Stands in for a long training run: the block runs `<python> <code_dir>/<entrypoint>`.
+# Stands in for a long training run (the job's command, shipped with its code).
 LONG = 'for i in $(seq 1 600); do echo "tick $i"; sleep 1; done\n'
 
 
 def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
     (tmp_path / "serve_probe.py").write_text(FLOW)
-    (tmp_path / "long.sh").write_text(LONG)
-    block = cluster.model_copy(update={"python": "bash", "code_dir": str(tmp_path), "entrypoint": "long.sh"})
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "long.sh").write_text(LONG)
+    block = cluster
     block.save("slurm-cancel-probe", overwrite=True)
 
     runner_env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO),

@@ -16,7 +16,9 @@ from pydantic import SecretStr, ValidationError
 
 from blocks.errors import ConfigurationError, JobFailed
 from blocks.slurm import SlurmCluster
-from blocks.specs import HyperParameters, Resources, TrainingJob
+from blocks.mlflow_model import check_mlflow_model
+from blocks.specs import Resources, TrainingJob
+from tests.examples import DIGITS, JOBS, code_of
 from tests.stacks import stack_env
 from runtime import contract
 
@@ -45,7 +47,7 @@ def cluster(env: dict[str, str]) -> SlurmCluster:
         private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
         known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
         workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"tests-{uuid.uuid4().hex[:8]}"),
-        partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
+        partition=env["SLURM_PARTITION"], python=sys.executable,
         poll_interval_start=0.3, poll_interval_max=2.0,
     )  # fmt: skip
     yield c
@@ -131,9 +133,9 @@ def test_array_of_100_tasks(cluster: SlurmCluster, env: dict[str, str]) -> None:
 
 def test_submit_twice_makes_one_job(cluster: SlurmCluster, env: dict[str, str]) -> None:
     k = key("twice")
-    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), env={contract.HPARAMS: "{}"},
-                      resources=Resources(time_limit_minutes=5))  # fmt: skip
-    sleeper = cluster.model_copy(update={"entrypoint": "-c", "python": "sleep"})  # `sleep -c` fails fast: fine
+    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["sleep", "-c"], code=code_of(JOBS),
+                      resources=Resources(time_limit_minutes=5))  # `sleep -c` fails fast: fine  # fmt: skip
+    sleeper = cluster
     first = sleeper.submit(job)
     second = sleeper.submit(job)  # a retried submit task, the first job still known to the controller
     assert second == first
@@ -149,13 +151,14 @@ def test_submit_twice_makes_one_job(cluster: SlurmCluster, env: dict[str, str]) 
 def test_bad_input_is_refused_before_anything_is_submitted(cluster: SlurmCluster, env: dict[str, str]) -> None:
     k = key("nopart")
     with pytest.raises(ConfigurationError, match=f"partition 'nosuch' does not exist.*{cluster.partition}"):
-        cluster.submit(TrainingJob(key=k, workdir=cluster.job_workdir(k), resources=Resources(partition="nosuch")))
+        cluster.submit(TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["true"], code=code_of(JOBS),
+                                   resources=Resources(partition="nosuch")))  # fmt: skip
     with pytest.raises(ConfigurationError, match="partition 'nosuch' does not exist"):
         tiny(cluster, k, partition="nosuch")
     with pytest.raises(ConfigurationError, match="job key"):
         tiny(cluster, "x;touch /tmp/pwned")
     with pytest.raises(ConfigurationError, match="job key"):
-        cluster.submit(TrainingJob(key="$(id)", workdir=cluster.job_workdir("x")))
+        cluster.submit(TrainingJob(key="$(id)", workdir=cluster.job_workdir("x"), command=["true"], code=code_of(JOBS)))
     with pytest.raises(ValidationError, match="partition"):
         Resources(partition="gpu;id")
     with pytest.raises(ValidationError, match="gpus_per_node"):
@@ -199,20 +202,26 @@ def test_failed_job_carries_exit_code_and_log_tail(cluster: SlurmCluster) -> Non
 
 
 def test_trains_the_real_workload(cluster: SlurmCluster) -> None:
+    """The digits example's code shipped to the cluster (once: a second job finds it there) and run from it."""
     k = key("train")
-    hparams = HyperParameters(epochs=2, batch_size=128).model_dump()
-    job = TrainingJob(key=k, workdir=cluster.job_workdir(k),
-                      env={contract.HPARAMS: json.dumps(hparams), "OMP_NUM_THREADS": "1"},
+    code = code_of(DIGITS)
+    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["python", "train.py"], code=code,
+                      env={contract.HPARAMS: json.dumps({"epochs": 2, "batch_size": 128}), "OMP_NUM_THREADS": "1"},
                       resources=Resources(cpus_per_task=1, time_limit_minutes=10, mem_gb=2))  # fmt: skip
     handle = cluster.submit(job)
     progress: list[dict] = []
-    status = cluster.watch(handle, on_progress=progress.append, timeout_seconds=240)
+    status = cluster.watch(handle, on_progress=progress.append, timeout_seconds=300)
     result = cluster.result(handle, status)
-    final = Path(result.checkpoint_dir) / contract.FINAL_DIRNAME
-    assert (final / contract.MODEL_FILENAME).is_file()
-    metrics = json.loads((final / contract.METRICS_FILENAME).read_text())
-    assert metrics[contract.VALIDATION_METRIC] > 0.5
+    model = check_mlflow_model(Path(result.checkpoint_dir) / contract.FINAL_DIRNAME)
+    assert "pytorch" in model.flavors and model.serving_example
     assert progress and progress[-1]["step"] == progress[-1]["total_steps"]
+    assert progress[-1]["metrics"]["val_accuracy"] > 0.5
+    shipped = Path(cluster.code_dir(code.sha256))
+    assert (shipped / "train.py").read_bytes() == (DIGITS / "train.py").read_bytes()
+    assert (shipped / ".complete").exists()
+    again = cluster.model_copy()  # another block (no memory of what it shipped) finds the code there
+    before = shipped.stat().st_mtime_ns
+    assert again.ship_code(job) == str(shipped) and shipped.stat().st_mtime_ns == before
 
 
 def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]) -> None:
@@ -231,8 +240,9 @@ def test_two_node_torchrun_all_reduce(cluster: SlurmCluster, env: dict[str, str]
     """The generated torchrun line for real: 2 nodes, rendezvous on the first one, gloo all_reduce."""
     k = key("ddp")
     workdir = cluster.job_workdir(k)
-    ddp = cluster.model_copy(update={"entrypoint": "tests/jobs/allreduce.py"})
-    job = TrainingJob(key=k, workdir=workdir, env={"ALLREDUCE_OUT": workdir, "OMP_NUM_THREADS": "1"},
+    ddp = cluster
+    job = TrainingJob(key=k, workdir=workdir, command=["python", "allreduce.py"], code=code_of(JOBS),
+                      env={"ALLREDUCE_OUT": workdir, "OMP_NUM_THREADS": "1"},
                       resources=Resources(nodes=2, processes_per_node=1, mem_gb=1.5, time_limit_minutes=5))  # fmt: skip
     handle = ddp.submit(job)
     output: list[str] = []

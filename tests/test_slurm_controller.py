@@ -15,6 +15,7 @@ from blocks.errors import TransientError
 from blocks.slurm import SlurmCluster
 from blocks.specs import Resources, TrainingJob
 from tasks.train import train
+from tests.examples import JOBS, code_of
 from tests.test_slurm_cluster import REPO, cluster, env, jobs_named, key, slurm, wait_for  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -86,10 +87,11 @@ def test_job_survives_a_controller_restart_while_watched(watcher: SlurmCluster, 
 
 @pytest.mark.usefixtures("prefect_server")
 def test_submit_is_retried_until_the_controller_is_back(watcher: SlurmCluster, env: dict[str, str]) -> None:  # noqa: F811
-    # `true` ignores its arguments: a job that succeeds at once (this is about the submit, not training).
-    compute = watcher.model_copy(update={"python": "true", "code_dir": str(REPO)})
+    # `true`: a job that succeeds at once (this is about the submit, not training).
+    compute = watcher.model_copy()
     k = key("down")
-    job = TrainingJob(key=k, workdir=compute.job_workdir(k), resources=Resources(time_limit_minutes=5))
+    job = TrainingJob(key=k, workdir=compute.job_workdir(k), command=["true"], code=code_of(JOBS),
+                      resources=Resources(time_limit_minutes=5))  # fmt: skip
     submit_failed = record_failures(compute, "run")
     controller("stop")
     drill = Drill(None, submit_failed)  # starts it again once a submit has failed on it

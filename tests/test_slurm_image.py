@@ -28,7 +28,8 @@ from blocks.errors import ConfigurationError, JobFailed
 from blocks.s3 import S3CheckpointStore
 from blocks.slurm import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME, SlurmCluster
 from blocks.slurm_script import Container, sbatch_script
-from blocks.specs import ImageRef, Resources, TrainingJob
+from blocks.mlflow_model import check_mlflow_model
+from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob
 from tests.stacks import stack_env
 from tests.test_slurm_script import check_golden
 
@@ -40,8 +41,8 @@ PASSWORD = "pull-secret-" + "x" * 8
 
 def cluster(**fields: object) -> SlurmCluster:
     values: dict[str, object] = dict(
-        host="login.example", user="alice", workdir_root="/shared/jobs", code_dir="/code",
-        python="/opt/venv/bin/python", account="research",
+        host="login.example", user="alice", workdir_root="/shared/jobs", python="/opt/venv/bin/python",
+        account="research",
         registry_credentials=DockerRegistryCredentials(
             username="puller", password=PASSWORD, registry_url="https://registry.example:5000"
         ),
@@ -52,9 +53,10 @@ def cluster(**fields: object) -> SlurmCluster:
 
 def job(reference: str = IMAGE, **resources: object) -> TrainingJob:
     return TrainingJob(
-        key="run-7-train", workdir="/shared/jobs/run-7-train", env={"HPARAMS": '{"epochs": 2}'},
-        resources=Resources(**resources),
-        image=ImageRef(builder="docker", content_tag="abc", reference=reference),
+        key="run-7-train", workdir="/shared/jobs/run-7-train", command=["python", "train.py"],
+        env={"HPARAMS": '{"epochs": 2}'}, resources=Resources(**resources),
+        image=ImageRef(builder="docker", content_tag="abc", reference=reference, workdir="/workload"),
+        code=CodeRef(root="/home/alice/models", archive="/tmp/code.tar.gz", sha256="cd" * 32),
     )  # fmt: skip
 
 
@@ -140,12 +142,18 @@ def test_bad_container_values_are_refused() -> None:
         cluster(container_runtime="pyxis", registry_credentials=spaced)._container_files(job())
 
 
-def test_job_without_image_still_needs_code_dir_but_one_with_an_image_does_not() -> None:
-    c = cluster(container_runtime="podman", code_dir=None)
-    with pytest.raises(ConfigurationError, match="code_dir is not set"):
-        c.validate_job(job(reference=""))
+def test_a_job_in_an_image_runs_from_the_images_code_one_without_from_the_shipped_code() -> None:
+    c = cluster(container_runtime="podman")
+    with pytest.raises(ConfigurationError, match="neither an image nor the workload's code"):
+        c.validate_job(job(reference="").model_copy(update={"code": None}))
     text = c._script_for_job(job())
-    assert "in_image python /app/workload/train.py &" in text and "/code" not in text
+    assert "in_image python train.py &" in text and "--workdir=/workload" in text and ".code" not in text
+    assert "cd /shared/jobs/run-7-train || exit 1" in text
+    shipped = c._script_for_job(job(reference="").model_copy(update={"image": None}))
+    assert f"cd /shared/jobs/.code/{'cd' * 12} || exit 1" in shipped and "/opt/venv/bin/python train.py &" in shipped
+    with pytest.raises(ConfigurationError, match="container.workdir=None.*declare image.workdir"):
+        cluster(container_runtime="apptainer")._script_for_job(
+            job().model_copy(update={"image": ImageRef(builder="d", content_tag="a", reference=IMAGE)}))
 
 
 # ---- runtime detection on the login node (local=True, stand-in commands on PATH) ------------------------
@@ -202,8 +210,8 @@ def test_podman_launch_passes_env_by_name_and_numbers_the_gpus(tmp_path: Path) -
     secret_file = workdir / ".secret.env"
     secret_file.write_text("API_TOKEN='tok en $x'\n")
     container = Container(image=IMAGE, runtime="podman", auth_file=str(workdir / REGISTRY_AUTH_NAME),
-                          env_names=("API_TOKEN",))  # fmt: skip
-    text = sbatch_script(["python", "/app/workload/train.py", "--flag", "a b"], workdir=str(workdir),
+                          env_names=("API_TOKEN",), workdir="/workload")  # fmt: skip
+    text = sbatch_script(["python", "train.py", "--flag", "a b"], workdir=str(workdir),
                          env={"HPARAMS": '{"lr": 0.1}'}, secret_env_file=str(secret_file), container=container)  # fmt: skip
     script = tmp_path / "job.sbatch"
     script.write_text(text)
@@ -214,9 +222,9 @@ def test_podman_launch_passes_env_by_name_and_numbers_the_gpus(tmp_path: Path) -
     seen = json.loads(record.read_text())
     argv = seen["argv"]
     assert argv[:4] == ["run", "--rm", "--network=host", "--pull=missing"]
-    assert argv[-5:] == [IMAGE, "python", "/app/workload/train.py", "--flag", "a b"]
+    assert argv[-5:] == [IMAGE, "python", "train.py", "--flag", "a b"]
     assert f"--authfile={workdir / REGISTRY_AUTH_NAME}" in argv
-    assert f"--volume={workdir}:{workdir}" in argv and f"--workdir={workdir}" in argv
+    assert f"--volume={workdir}:{workdir}" in argv and "--workdir=/workload" in argv
     assert {"--env=HPARAMS", "--env=API_TOKEN", "--env=SLURM_*"} <= set(argv)
     # Allocated GPUs 2 and 3 as CDI devices, seen as 0 and 1 inside.
     assert ["--device=nvidia.com/gpu=2", "--device=nvidia.com/gpu=3"] == [a for a in argv if a.startswith("--device")]
@@ -236,7 +244,7 @@ names = ("HPARAMS", "CHECKPOINT_DIR", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "S
          "CONTAINERS_CONF")
 with open(out + ".tmp", "w") as f:
     json.dump({
-        "marker": open("/app/workload/IMAGE_MARKER").read(),
+        "marker": open("/workload/IMAGE_MARKER").read(),
         "containerenv": os.path.exists("/run/.containerenv"),
         "python": sys.executable,
         "cwd": os.getcwd(),
@@ -262,29 +270,29 @@ def _credentials(stacks: dict[str, str], password: str | None = None) -> DockerR
 
 
 @pytest.fixture(scope="module")
-def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageRef, str, object]]:
+def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageRef, str, object, Path]]:
     """The workload image plus a marker only it has, built on the stack's base, pushed, and NOT kept locally."""
     import docker
     from prefect_docker.host import DockerHost
 
     from blocks.docker_image import DockerImageBuilder
-    from blocks.images import WORKLOAD_DIR
+    from blocks.workload import load_workload
+    from tests.examples import DIGITS
 
-    context = tmp_path_factory.mktemp("image") / "workload"
-    shutil.copytree(WORKLOAD_DIR, context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    context = tmp_path_factory.mktemp("image") / "digits"
+    shutil.copytree(DIGITS, context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     marker = f"gpuferry-image-{uuid.uuid4().hex}"
     (context / "IMAGE_MARKER").write_text(marker)
     (context / "probe.py").write_text(PROBE)
     builder = DockerImageBuilder(
         docker_host=DockerHost(base_url=stacks["DOCKER_HOST"]), credentials=_credentials(stacks),
-        repository=f"gpuferry-test/slurm-{uuid.uuid4().hex[:8]}", context=str(context),
-        build_args={"BASE_IMAGE": stacks["BASE_IMAGE"]},
+        repository=f"gpuferry-test/slurm-{uuid.uuid4().hex[:8]}", build_args={"BASE_IMAGE": stacks["BASE_IMAGE"]},
     )  # fmt: skip
-    ref = builder.build()
+    ref = builder.build(load_workload(str(context)))
     assert ref.reference and "@sha256:" in ref.reference
     engine = docker.DockerClient(base_url=stacks["DOCKER_HOST"], timeout=300)
     engine.images.remove(f"{builder.image_name()}:{ref.content_tag}")  # the job must pull it, with the login
-    yield ref, marker, builder
+    yield ref, marker, builder, context
     for local in engine.images.list(name=builder.image_name()):
         engine.images.remove(local.id, force=True)
     engine.close()
@@ -307,17 +315,18 @@ def slurm(stacks: dict[str, str]) -> Iterator[SlurmCluster]:
     c.close()
 
 
-def _job(c: SlurmCluster, ref: ImageRef, name: str, **resources: object) -> TrainingJob:
+def _job(c: SlurmCluster, ref: ImageRef, name: str, command: tuple[str, ...] = ("python", "train.py"),
+         **resources: object) -> TrainingJob:  # fmt: skip
     key = f"t{uuid.uuid4().hex[:10]}-{name}"
     return TrainingJob(
-        key=key, workdir=c.job_workdir(key), image=ref,
+        key=key, workdir=c.job_workdir(key), image=ref, command=list(command),
         env={"HPARAMS": json.dumps({"epochs": 2, "hidden": 16}), "CHECKPOINT_EVERY": "5"},
         resources=Resources(time_limit_minutes=20, mem_gb=2, **resources),
     )  # fmt: skip
 
 
 @pytest.mark.integration
-def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
                                                                    stacks: dict[str, str]) -> None:  # fmt: skip
     wrong = "wrong-" + uuid.uuid4().hex[:8]
     c = slurm.model_copy(update={"registry_credentials": _credentials(stacks, wrong)})
@@ -332,12 +341,12 @@ def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmC
 
 
 @pytest.mark.integration
-def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
                                           stacks: dict[str, str]) -> None:  # fmt: skip
     ref, marker, _ = image
     assert slurm.job_container_runtime() == "podman"  # this srun has no --container-image
-    probe = slurm.model_copy(update={"container_entrypoint": "/app/workload/probe.py"})
-    job_ = _job(probe, ref, "probe", gpus_per_node=2)
+    probe = slurm
+    job_ = _job(probe, ref, "probe", ("python", "probe.py"), gpus_per_node=2)
     handle = probe.submit(job_)
     status = probe.watch(handle, timeout_seconds=600)
     log, _ = probe.read_log(handle)
@@ -345,7 +354,7 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
     seen = json.loads(Path(job_.workdir, "probe.json").read_text())
     assert seen["marker"] == marker  # a file only this image has
     assert seen["containerenv"] and seen["python"] == "/opt/venv/bin/python"  # podman's marker; the image's venv
-    assert seen["cwd"] == job_.workdir
+    assert seen["cwd"] == "/workload"  # the image's code, where the workload's command runs
     assert seen["env"]["HPARAMS"] == job_.env["HPARAMS"]
     assert seen["env"]["CHECKPOINT_DIR"] == f"{job_.workdir}/checkpoints"
     assert seen["env"]["SLURM_JOB_ID"] == handle.job_id
@@ -361,9 +370,9 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
 
 @pytest.mark.integration
 def test_sweep_array_tasks_get_their_own_settings_in_the_container(slurm: SlurmCluster,
-                                                                   image: tuple[ImageRef, str, object]) -> None:  # fmt: skip
-    probe = slurm.model_copy(update={"container_entrypoint": "/app/workload/probe.py"})
-    job_ = _job(probe, image[0], "sweep")
+                                                                   image: tuple[ImageRef, str, object, Path]) -> None:  # fmt: skip
+    probe = slurm
+    job_ = _job(probe, image[0], "sweep", ("python", "probe.py"))
     rates = (0.1, 0.2, 0.3)
     handle = probe.submit_sweep(job_, [{"HPARAMS": json.dumps({"lr": lr})} for lr in rates])
     status = probe.watch(handle, timeout_seconds=600)
@@ -379,7 +388,7 @@ def test_sweep_array_tasks_get_their_own_settings_in_the_container(slurm: SlurmC
 
 @pytest.mark.integration
 def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: SlurmCluster,
-                                                                       image: tuple[ImageRef, str, object]) -> None:  # fmt: skip
+                                                                       image: tuple[ImageRef, str, object, Path]) -> None:  # fmt: skip
     job_ = _job(slurm, image[0], "train")
     handle = slurm.submit(job_)
     assert slurm.submit(job_).job_id == handle.job_id  # idempotent as without an image
@@ -388,10 +397,8 @@ def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: S
     log, _ = slurm.read_log(handle)
     assert status.state == "COMPLETED", log[-3000:]
     result = slurm.result(handle, status)
-    final = Path(result.checkpoint_dir) / "final"
-    assert (final / "model.pt").stat().st_size > 0
-    metrics = json.loads((final / "metrics.json").read_text())
-    assert 0 <= metrics["val_accuracy"] <= 1
+    assert check_mlflow_model(Path(result.checkpoint_dir) / "final").pyfunc
+    assert 0 <= progress[-1]["metrics"]["val_accuracy"] <= 1
     assert sorted(p.name for p in Path(result.checkpoint_dir).glob("step-*"))  # periodic checkpoints too
     assert progress and progress[-1]["step"] == progress[-1]["total_steps"]
     assert result.cpu_hours > 0
@@ -401,7 +408,7 @@ def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: S
 
 @pytest.mark.integration
 def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm: SlurmCluster,
-                                                                          image: tuple[ImageRef, str, object],
+                                                                          image: tuple[ImageRef, str, object, Path],
                                                                           stacks: dict[str, str]) -> None:  # fmt: skip
     import re
     import time
@@ -424,11 +431,11 @@ def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm
     resumed = [int(m) for m in re.findall(r"resumed from step-\d+: step (\d+),", log)]
     assert len(saved) == 1 and resumed == saved, log[-3000:]  # podman proxied USR1; the requeued job resumed
     assert "requeueing job" in log
-    assert (Path(job_.workdir) / "checkpoints" / "final" / "model.pt").exists()
+    assert (Path(job_.workdir) / "checkpoints" / "final" / "MLmodel").exists()
 
 
 @pytest.mark.integration
-def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
                                            stacks: dict[str, str]) -> None:  # fmt: skip
     import time
 
@@ -461,7 +468,7 @@ def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[Ima
 
 
 @pytest.mark.integration
-def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[ImageRef, str, object]) -> None:
+def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path]) -> None:
     # Both "nodes" of the local cluster are this one host: torchrun tells its agents apart by hostname and
     # PID, and each container's launcher would be PID 1 on host "vm" (one participant, twice). Real nodes
     # differ by hostname; here the containers share the host's PID namespace instead.
@@ -472,12 +479,12 @@ def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[Image
     log, _ = c.read_log(handle)
     assert status.state == "COMPLETED", log[-3000:]
     assert "world size 2" in log, log[-3000:]
-    assert (Path(job_.workdir) / "checkpoints" / "final" / "model.pt").exists()
+    assert (Path(job_.workdir) / "checkpoints" / "final" / "MLmodel").exists()
 
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("prefect_server")
-def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, image: tuple[ImageRef, str, object],
+def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
                                                       stacks: dict[str, str], s3_store: S3CheckpointStore,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The whole pipeline with a Stack: DockerImageBuilder → SlurmCluster (podman) → S3 → MLflow server."""
@@ -485,13 +492,13 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
 
     from blocks.provision import ClusterManaged
     from blocks.serving import LocalServing
-    from blocks.specs import HyperParameters, TrainingSpec
+    from blocks.specs import TrainingSpec
     from blocks.stack import Stack
     from blocks.tracking import MlflowTracking
     from flows.retrain import retrain
 
     mlflow_env, s3_env = stack_env("mlflow"), stack_env("s3")
-    ref, _, builder = image
+    ref, _, builder, context = image
     bucket = s3_store.bucket.bucket_name  # a bucket of the test's own on the s3 stack, removed afterwards
     # The local inference server reads the s3:// checkpoint with boto3's own variables.
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
@@ -507,8 +514,9 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
     stack.save(name, overwrite=True)
     tag = uuid.uuid4().hex[:8]
     outcome = retrain(
+        workload=str(context),
         training=TrainingSpec(experiment=f"gpuferry-image-{tag}", model_name=f"digits-image-{tag}",
-                              hyperparameters=HyperParameters(epochs=3), resources=Resources(mem_gb=2)),
+                              hyperparameters={"epochs": 3}, resources=Resources(mem_gb=2)),
         stack=name,
     )  # fmt: skip
     try:

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from blocks.slurm import SlurmCluster
-from blocks.specs import HyperParameters, JobHandle, JobStatus, Resources, TrainingJob
+from blocks.mlflow_model import check_mlflow_model
+from blocks.specs import JobHandle, JobStatus, Resources, TrainingJob
+from tests.examples import DIGITS, code_of
 from tests.test_slurm_cluster import cluster, env, key, slurm, wait_for  # noqa: F401 - fixtures
 from runtime import contract
 
@@ -40,10 +42,9 @@ def test_preempted_training_is_requeued_and_resumes_from_its_checkpoint(
     low = cluster.model_copy(update={"qos": "normal", "additional_directives": on_n1})
     seen = recording_polls(low)
     k = key("low")
-    hparams = HyperParameters(epochs=100, batch_size=16)
     job = TrainingJob(
-        key=k, workdir=cluster.job_workdir(k),
-        env={contract.HPARAMS: json.dumps(hparams.model_dump()), contract.CHECKPOINT_EVERY: "25",
+        key=k, workdir=cluster.job_workdir(k), command=["python", "train.py"], code=code_of(DIGITS),
+        env={contract.HPARAMS: json.dumps({"epochs": 100, "batch_size": 16}), contract.CHECKPOINT_EVERY: "25",
              "OMP_NUM_THREADS": "1"},
         resources=Resources(gpus_per_node=gpus, mem_gb=1.5, time_limit_minutes=15),
     )  # fmt: skip
@@ -68,9 +69,9 @@ def test_preempted_training_is_requeued_and_resumes_from_its_checkpoint(
     assert f"finished: step {total}/{total}, trained {total - saved[0]} steps in this run" in log, log
     assert "requeueing job" not in log  # Slurm requeued it; the script did not requeue it again
 
-    final = Path(job.workdir) / "checkpoints" / contract.FINAL_DIRNAME
-    metrics = json.loads((final / contract.METRICS_FILENAME).read_text())
-    assert metrics["step"] == total and metrics[contract.VALIDATION_METRIC] > 0.9, metrics
+    assert check_mlflow_model(Path(job.workdir) / "checkpoints" / contract.FINAL_DIRNAME).pyfunc
+    final = low.read_progress(handle) or {}
+    assert final["step"] == total and final["val_accuracy"] > 0.9, final
 
     result = low.result(handle, status)
     assert result.requeues == 1

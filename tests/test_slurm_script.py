@@ -16,7 +16,7 @@ import pytest
 from blocks.errors import ConfigurationError
 from blocks.slurm import SlurmCluster, _sacct_exit, _wait_status_to_exit, map_state
 from blocks.slurm_script import SBATCH_OPTIONS, sbatch_script
-from blocks.specs import Resources, TrainingJob
+from blocks.specs import CodeRef, Resources, TrainingJob
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -44,6 +44,11 @@ CASES = {
         rdzv_port_span=100,
         output="/shared/jobs/ddp/job.log", requeue=False,
     ),
+    "torchrun_program": dict(  # a program that is not Python: torchrun starts it with --no-python
+        command=["bash", "launch.sh", "--epochs", "3"], workdir="/shared/jobs/prog", cwd="/shared/code/abc",
+        job_name="prog", torchrun_nproc_per_node=2, torchrun_python="/opt/venv/bin/python",
+        output="/shared/jobs/prog/job.log",
+    ),
 }
 
 
@@ -65,22 +70,31 @@ def test_golden_scripts(name: str) -> None:
 
 def training_cluster() -> SlurmCluster:
     return SlurmCluster(
-        host="login.example", user="alice", workdir_root="/shared/jobs", code_dir="/code",
-        python="/opt/venv/bin/python", account="research", qos="normal",
+        host="login.example", user="alice", workdir_root="/shared/jobs", python="/opt/venv/bin/python",
+        account="research", qos="normal",
     )  # fmt: skip
+
+
+CODE = CodeRef(root="/home/alice/models", archive="/tmp/code.tar.gz", sha256="ab" * 32)
+CODE_DIR = "/shared/jobs/.code/" + "ab" * 12  # where the cluster unpacks CODE
 
 
 def test_golden_training_job_script() -> None:
     job = TrainingJob(
-        key="run-42-train", workdir="/shared/jobs/run-42-train", env={"HPARAMS": '{"epochs": 2}'},
+        key="run-42-train", workdir="/shared/jobs/run-42-train", command=["python", "train.py", "--fast"],
+        env={"HPARAMS": '{"epochs": 2}'}, code=CODE,
         resources=Resources(nodes=2, processes_per_node=2, gpus_per_node=2, cpus_per_task=2, mem_gb=8,
                             time_limit_minutes=120, partition="gpu", max_requeues=2),
     )  # fmt: skip
     text = training_cluster()._script_for_job(job)
     check_golden("training_job", text)
     assert "--comment=gpuferry-key:run-42-train" in text and "--job-name=run-42-train" in text
+    assert f"cd {CODE_DIR} || exit 1" in text  # the job runs from the workload's code, shipped there
     single = training_cluster()._script_for_job(job.model_copy(update={"resources": Resources()}))
     assert "srun" not in single and "torch.distributed.run" not in single  # one process: run directly
+    assert "/opt/venv/bin/python train.py --fast &" in single
+    own = training_cluster()._script_for_job(job.model_copy(update={"python": "/envs/ml/bin/python"}))
+    assert "/envs/ml/bin/python -m torch.distributed.run" in own  # the workload's environment.python wins
 
 
 def test_unknown_option_lists_the_valid_ones() -> None:
@@ -247,8 +261,8 @@ def test_term_from_slurm_does_not_requeue_a_second_time(tmp_path: Path) -> None:
 
 def test_golden_sweep_array_script(tmp_path: Path) -> None:
     """A sweep: one array task per configuration, each exporting its entry of tasks.json."""
-    job = TrainingJob(key="run-42-sweep", workdir="/shared/jobs/run-42-sweep", env={"CHECKPOINT_EVERY": "20"},
-                      resources=Resources(gpus_per_node=1, mem_gb=2))  # fmt: skip
+    job = TrainingJob(key="run-42-sweep", workdir="/shared/jobs/run-42-sweep", command=["python", "train.py"],
+                      env={"CHECKPOINT_EVERY": "20"}, code=CODE, resources=Resources(gpus_per_node=1, mem_gb=2))  # fmt: skip
     text = training_cluster()._script_for_job(job, array_size=6, parallelism=2)
     check_golden("sweep_array", text)
     assert "#SBATCH --array=0-5%2" in text and "CHECKPOINT_DIR" not in text  # per task, from tasks/<i>.env
@@ -257,8 +271,8 @@ def test_golden_sweep_array_script(tmp_path: Path) -> None:
     (tmp_path / "tasks").mkdir()
     for i in range(6):
         (tmp_path / "tasks" / f"{i}.env").write_bytes(f"HPARAMS={hostile}{i}\0CHECKPOINT_DIR=/c/{i}\0".encode())
-    body = text.replace("/shared/jobs/run-42-sweep", str(tmp_path)).replace(
-        "/opt/venv/bin/python /code/workload/train.py",
+    body = text.replace("/shared/jobs/run-42-sweep", str(tmp_path)).replace(CODE_DIR, str(tmp_path)).replace(
+        "/opt/venv/bin/python train.py",
         f"{sys.executable} -c 'import json, os; print(json.dumps([os.environ[\"HPARAMS\"], os.environ[\"CHECKPOINT_DIR\"]]))'",
     )  # fmt: skip
     proc = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60, cwd=tmp_path,

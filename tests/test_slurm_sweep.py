@@ -15,9 +15,11 @@ from mlflow import MlflowClient
 from pydantic import SecretStr
 
 from blocks.slurm import SlurmCluster
-from blocks.specs import HyperParameters, Resources, ServingSpec, SweepGrid, TrainingSpec
+from blocks.specs import Resources, ServingSpec, SweepGrid, TrainingSpec
 from blocks.stack import Stack
+from blocks.workload import load_workload
 from flows.sweep import sweep
+from tests.examples import DIABETES, DIGITS, JOBS, code_of
 from tests.stacks import stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
@@ -31,7 +33,7 @@ def _cluster(env: dict[str, str], **options: object) -> SlurmCluster:
         private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
         known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
         workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"sweep-{uuid.uuid4().hex[:8]}"),
-        partition=env["SLURM_PARTITION"], python=sys.executable, code_dir=str(REPO),
+        partition=env["SLURM_PARTITION"], python=sys.executable,
         poll_interval_start=0.5, poll_interval_max=3.0, **options,
     )  # fmt: skip
 
@@ -51,8 +53,9 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
     stack.save("slurm-sweep-test", overwrite=True)
     grid = SweepGrid(values={"lr": [0.002, 0.1], "hidden": [8, 64]})
     outcome = sweep(
+        workload=str(DIGITS),
         grid=grid,
-        training=TrainingSpec(model_name="digits-sweep", hyperparameters=HyperParameters(epochs=2, batch_size=32),
+        training=TrainingSpec(model_name="digits-sweep", hyperparameters={"epochs": 2, "batch_size": 32},
                               resources=Resources(mem_gb=1, time_limit_minutes=10)),
         serving=ServingSpec(service_name="digits-sweep"),
         stack="slurm-sweep-test",
@@ -63,12 +66,13 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
         parent = client.get_run(outcome.parent_run_id)
         assert outcome.completed == 4 and outcome.failed == 0
         children = [client.get_run(r) for r in outcome.child_run_ids]
-        configs = grid.expand(HyperParameters(epochs=2, batch_size=32))
+        schema = load_workload(str(DIGITS)).definition.schema
+        configs = schema.expand_grid(schema.validate({"epochs": 2, "batch_size": 32}), grid.values, [])
         for child, hp in zip(children, configs, strict=True):
             assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
             assert child.info.status == "FINISHED"
             # The array task trained ITS configuration, into ITS run (the workload logged these).
-            assert {k: child.data.params[k] for k in ("lr", "hidden")} == {"lr": str(hp.lr), "hidden": str(hp.hidden)}
+            assert {k: child.data.params[k] for k in ("lr", "hidden")} == {"lr": str(hp["lr"]), "hidden": str(hp["hidden"])}
             assert "val_accuracy" in child.data.metrics
         accuracies = [c.data.metrics["val_accuracy"] for c in children]
         assert outcome.best_index == accuracies.index(max(accuracies))
@@ -105,9 +109,33 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
         assert parent.data.metrics["cpu_hours"] > 0
         best = client.get_run(outcome.child_run_ids[outcome.best_index])
         assert 0 < best.data.metrics["gpu_hours"] < gpu_hours
-        assert json.loads(best.data.tags["gpuferry.hparams"]) == outcome.best_hyperparameters.model_dump()
+        assert json.loads(best.data.tags["gpuferry.hparams"]) == outcome.best_hyperparameters
     finally:
         stack.serving.undeploy("digits-sweep")
+
+
+def test_a_sweep_of_the_regressors_own_hyperparameters_is_one_array() -> None:
+    """The scikit-learn example's alpha × l1_ratio on Slurm: the same flow, its schema, its metric (minimised)."""
+    env = stack_env("slurm")
+    stack = Stack.embedded()
+    stack.compute = _cluster(env)
+    stack.save("slurm-sweep-regressor", overwrite=True)
+    grid = SweepGrid(values={"alpha": [0.001, 1.0, 30.0], "l1_ratio": [0.2, 0.9]})
+    outcome = sweep(workload=str(DIABETES), grid=grid, stack="slurm-sweep-regressor",
+                    training=TrainingSpec(model_name="diabetes-sweep", resources=Resources(mem_gb=1)),
+                    serving=ServingSpec(service_name="diabetes-sweep"))  # fmt: skip
+    try:
+        client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+        assert outcome.completed == 6 and outcome.failed == 0
+        rmse = [client.get_run(r).data.metrics["val_rmse"] for r in outcome.child_run_ids]
+        assert outcome.best_index == rmse.index(min(rmse))  # minimise: the workload's direction
+        assert outcome.best_hyperparameters["alpha"] == 0.001 or rmse[outcome.best_index] == min(rmse)
+        assert outcome.pipeline.model_version.metric == "val_rmse" and outcome.pipeline.deployed
+        key = f"{client.get_run(outcome.parent_run_id).data.tags['prefect.flow_run_id']}-sweep"
+        rows = _slurm(env, "sacct", "-X", "-n", "-P", "-S", "now-1hour", f"--name={key}", "-o", "JobID,State")
+        assert len({r[0].split("_")[0] for r in rows}) == 1 and len(rows) == 6  # one array of six tasks
+    finally:
+        stack.serving.undeploy("diabetes-sweep")
 
 
 class _TrackingDown:
@@ -139,8 +167,9 @@ def test_a_sweep_that_fails_for_good_cancels_its_held_array(tmp_path: Path) -> N
     down = _TrackingDown(tracking.client)
     object.__setattr__(tracking, "client", down)  # the cached client: every child run fails to be made
     key = f"sweep-cancel-{uuid.uuid4().hex[:8]}"
-    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), resources=Resources(time_limit_minutes=5))
-    configurations = SweepGrid(values={"seed": [0, 1, 2, 3]}).expand(HyperParameters())
+    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), command=["true"], code=code_of(JOBS),
+                      resources=Resources(time_limit_minutes=5))  # fmt: skip
+    configurations = [{"seed": seed} for seed in range(4)]
 
     @flow
     def sweep_step() -> object:

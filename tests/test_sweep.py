@@ -8,28 +8,38 @@ import pytest
 from pydantic import ValidationError
 
 from blocks.errors import ConfigurationError
-from blocks.specs import HyperParameters, SweepGrid
+from blocks.hparams import HyperparameterSchema
+from blocks.specs import SweepGrid
 from blocks.stack import Stack
+from tests.examples import DIGITS
+
+
+SCHEMA = HyperparameterSchema({"type": "object", "properties": {
+    "lr": {"type": "number", "exclusiveMinimum": 0, "default": 0.05},
+    "hidden": {"type": "integer", "minimum": 1, "default": 128},
+    "seed": {"type": "integer", "minimum": 0, "default": 0},
+    "optimizer": {"enum": ["sgd", "adam"], "default": "sgd"},
+}})  # fmt: skip
+
+
+def expand(grid: SweepGrid, **base: object) -> list[dict]:
+    return SCHEMA.expand_grid(SCHEMA.validate(base), grid.values, grid.configurations)
 
 
 def test_grid_is_the_cartesian_product_on_the_base() -> None:
     grid = SweepGrid(values={"lr": [0.1, 0.01], "hidden": [16, 32, 64]}, configurations=[{"optimizer": "adam"}])
     assert grid.size == 7
-    configs = grid.expand(HyperParameters(epochs=3))
-    assert [(c.lr, c.hidden) for c in configs[:6]] == [(0.1, 16), (0.1, 32), (0.1, 64), (0.01, 16), (0.01, 32), (0.01, 64)]
-    assert configs[6] == HyperParameters(epochs=3, optimizer="adam")
-    assert all(c.epochs == 3 for c in configs)
+    configs = expand(grid, seed=3)
+    assert [(c["lr"], c["hidden"]) for c in configs[:6]] == [(0.1, 16), (0.1, 32), (0.1, 64), (0.01, 16), (0.01, 32), (0.01, 64)]
+    assert configs[6] == {"lr": 0.05, "hidden": 128, "seed": 3, "optimizer": "adam"}
+    assert all(c["seed"] == 3 for c in configs)
 
 
 @pytest.mark.parametrize(
     ("grid", "message"),
     [
-        ({"values": {"learning_rate": [0.1]}}, r"values\['learning_rate'\]: not a hyperparameter; use one of: epochs, lr"),
         ({"values": {"lr": []}}, r"values\['lr'\] is empty"),
         ({"values": {"lr": [0.1, 0.1]}}, r"values\['lr'\] lists a value twice"),
-        ({"values": {"lr": [0.1, -1.0]}}, r"configuration 1 \{'lr': -1.0\}.*lr"),
-        ({"configurations": [{"optimizer": "rmsprop"}]}, r"configuration 0 .*optimizer"),
-        ({"configurations": [{"depth": 3}]}, r"configurations\[0\]: depth not hyperparameters"),
         ({}, "the sweep is empty"),
         ({"values": {"lr": [0.1, 0.2], "seed": list(range(6))}, "max_configurations": 10},
          "12 configurations, more than max_configurations=10"),
@@ -40,11 +50,18 @@ def test_bad_grids_are_refused_naming_the_field(grid: dict, message: str) -> Non
         SweepGrid(**grid)
 
 
-def test_base_hyperparameters_are_checked_with_each_configuration() -> None:
-    grid = SweepGrid(values={"dropout": [0.0, 0.5]})
-    assert len(grid.expand(HyperParameters())) == 2
-    with pytest.raises(ValueError, match="configuration 0"):
-        SweepGrid(configurations=[{"lr": 20.0}])
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ({"values": {"learning_rate": [0.1]}}, r"grid: 'learning_rate' is not a declared hyperparameter of the workload; valid: lr, hidden, seed"),
+        ({"values": {"lr": [0.1, -1.0]}}, r"(?s)configuration 1 \{'lr': -1.0\}.*hyperparameters.lr"),
+        ({"configurations": [{"optimizer": "rmsprop"}]}, r"(?s)configuration 0 .*hyperparameters.optimizer"),
+        ({"configurations": [{"depth": 3}]}, r"grid: 'depth' is not a declared hyperparameter"),
+    ],
+)
+def test_grids_are_checked_against_the_workloads_schema(grid: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        expand(SweepGrid(**grid))
 
 
 @pytest.mark.usefixtures("prefect_server")
@@ -53,7 +70,7 @@ def test_embedded_stack_refuses_a_sweep_before_anything_runs() -> None:
 
     jobs = Stack.embedded().compute.job_workdir("x")
     with pytest.raises(ConfigurationError, match="no job arrays.*Slurm.*retrain"):
-        sweep(grid=SweepGrid(values={"lr": [0.1, 0.2]}))
+        sweep(workload=str(DIGITS), grid=SweepGrid(values={"lr": [0.1, 0.2]}))
     from pathlib import Path
 
     assert not any(Path(jobs).parent.glob("*-sweep"))  # nothing was submitted
@@ -123,8 +140,8 @@ def test_each_task_is_released_with_its_own_child_run(tmp_path: Path, monkeypatc
                               artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
     experiment = tracking.experiment_id("sweep-unit")
     parent = tracking.client.create_run(experiment, run_name="sweep-unit").info.run_id
-    configurations = SweepGrid(values={"seed": list(range(12))}).expand(HyperParameters())
-    job = TrainingJob(key="sweep-unit", workdir=str(tmp_path / "job"))
+    configurations = expand(SweepGrid(values={"seed": list(range(12))}))
+    job = TrainingJob(key="sweep-unit", workdir=str(tmp_path / "job"), command=["python", "train.py"])
     from prefect import flow
 
     @flow
@@ -173,7 +190,7 @@ def test_tasks_are_released_in_doubling_parts_then_the_whole_array() -> None:
 
     assert FIRST_RELEASE == 16
     size = 100
-    configurations = SweepGrid(values={"seed": list(range(size))}).expand(HyperParameters())
+    configurations = expand(SweepGrid(values={"seed": list(range(size))}))
     futures: list[Future[str]] = [Future() for _ in range(size)]
     backend = HeldArray()
     backend.size = size
@@ -222,8 +239,8 @@ def test_a_big_array_is_released_in_parts_then_whole(tmp_path: Path) -> None:
     tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                               artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
     parent = tracking.client.create_run(tracking.experiment_id("sweep-parts"), run_name="parts").info.run_id
-    configurations = SweepGrid(values={"seed": list(range(200))}).expand(HyperParameters())
-    job = TrainingJob(key="sweep-parts", workdir=str(tmp_path / "job"))
+    configurations = expand(SweepGrid(values={"seed": list(range(200))}))
+    job = TrainingJob(key="sweep-parts", workdir=str(tmp_path / "job"), command=["python", "train.py"])
 
     @flow
     def sweep_step(backend: HeldArray) -> tuple:  # type: ignore[type-arg]

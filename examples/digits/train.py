@@ -1,7 +1,9 @@
 """The example training job: the MLP of ``model.py`` on the digits split of ``data.py``.
 
-Everything comes from the environment described in ``contract.py``; run it as
-``python workload/train.py``, ``python -m workload.train`` or under torchrun.
+Everything comes from the environment gpuferry's contract describes (the variables, files and exit
+codes below); run it as ``python train.py`` from this directory, or under torchrun. It imports
+nothing of gpuferry. The trained model is saved as an MLflow model (``mlflow.pytorch``, with an input
+example) in ``$CHECKPOINT_DIR/final/``: that is what gpuferry stores, registers and serves.
 
 ``HPARAMS`` (a JSON object; every key is optional; an unknown key is an error):
 
@@ -44,11 +46,6 @@ from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any
 
-if __package__ in (None, ""):
-    # Run as a script, sys.path[0] is this directory: swap it for its parent so that
-    # the ``workload`` package imports and its modules don't shadow top-level names.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -56,9 +53,27 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from runtime import contract, data
-from workload import model as mlp
+import data
+import model as mlp
 
+
+class contract:  # noqa: N801 - a namespace of the contract's names, read like a module
+    """What gpuferry hands the job and reads back (its contract, written down in gpuferry's runtime/contract.py)."""
+
+    CHECKPOINT_DIR = "CHECKPOINT_DIR"
+    CHECKPOINT_EVERY = "CHECKPOINT_EVERY"
+    HPARAMS = "HPARAMS"
+    PROGRESS_FILE = "PROGRESS_FILE"
+    MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
+    RANK, WORLD_SIZE, LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    FINAL_DIRNAME = "final"  # the MLflow model, written last
+    CHECKPOINT_PREFIX = "step-"
+    PREEMPTED_MARKER = "PREEMPTED"
+    EXIT_OK = 0
+    EXIT_PREEMPTED = 75
+
+
+MODEL_FILENAME = "model.pt"
 TRAINING_STATE_FILENAME = "training_state.pt"
 TMP_PREFIX = ".tmp-"
 KEEP_CHECKPOINTS = 2
@@ -240,7 +255,7 @@ def checkpoint_dirs(root: Path) -> list[Path]:
     found = []
     for path in root.glob(contract.CHECKPOINT_PREFIX + "*"):
         suffix = path.name[len(contract.CHECKPOINT_PREFIX) :]
-        complete = (path / contract.MODEL_FILENAME).is_file() and (path / TRAINING_STATE_FILENAME).is_file()
+        complete = (path / MODEL_FILENAME).is_file() and (path / TRAINING_STATE_FILENAME).is_file()
         if suffix.isdigit() and complete:
             found.append((int(suffix), path))
     return [path for _, path in sorted(found)]
@@ -321,10 +336,38 @@ def save_checkpoint(
         "rng": rng,
     }
     target = root / f"{contract.CHECKPOINT_PREFIX}{pos.step:08d}"
-    files = {contract.MODEL_FILENAME: model_payload(net, hp), TRAINING_STATE_FILENAME: state}
+    files = {MODEL_FILENAME: model_payload(net, hp), TRAINING_STATE_FILENAME: state}
     write_dir_atomically(target, files)
     for stale in checkpoint_dirs(root)[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def save_mlflow_model(target: Path, net: nn.Module, example: np.ndarray) -> None:
+    """Save the trained network as an MLflow model at ``target``, atomically (absent or complete).
+
+    The served model answers class probabilities (a softmax on the logits), one row per input row.
+    The input example has two rows: a one-row example would export a fixed batch size of 1.
+    """
+    import mlflow.pytorch
+
+    served = nn.Sequential(net, nn.Softmax(dim=1)).cpu().eval()
+    tmp = _temporary_name(target)
+    # Naming the requirements spares MLflow inferring them (it loads the model in a subprocess for that).
+    requirements = [f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"]
+    mlflow.pytorch.save_model(served, str(tmp), input_example=example, pip_requirements=requirements)
+    for path in sorted(tmp.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if target.exists():
+        old = _temporary_name(target, "old-")
+        os.rename(target, old)
+    os.rename(tmp, target)
+    _fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def resume(
@@ -337,7 +380,7 @@ def resume(
     path = found[-1]
     # On the CPU: RNG states must stay there; the weights and the optimizer state are
     # copied to the parameters' device as they are loaded.
-    weights = torch.load(path / contract.MODEL_FILENAME, map_location="cpu", weights_only=True)
+    weights = torch.load(path / MODEL_FILENAME, map_location="cpu", weights_only=True)
     state = torch.load(path / TRAINING_STATE_FILENAME, map_location="cpu", weights_only=True)
     if state["hparams"] != asdict(hp):
         raise UsageError(
@@ -515,13 +558,7 @@ def train(hp: HParams, ranks: Ranks, stop: StopFlag) -> int:
                 "step": pos.step,
                 "epochs": hp.epochs,
             }
-            write_dir_atomically(
-                root / contract.FINAL_DIRNAME,
-                {
-                    contract.MODEL_FILENAME: model_payload(net, hp),
-                    contract.METRICS_FILENAME: json.dumps(final, indent=2).encode(),
-                },
-            )
+            save_mlflow_model(root / contract.FINAL_DIRNAME, net, tensors["val"][0][:2].cpu().numpy())
             # val_accuracy at this step is already the last epoch's value.
             tracker.log_metrics({"test_accuracy": test_accuracy}, step=pos.step)
             report(final)

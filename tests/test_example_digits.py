@@ -1,4 +1,5 @@
-"""workload/train.py, run as the backends run it: a subprocess configured by the environment."""
+"""The digits example's train.py, run as the backends run it: a subprocess configured by the environment,
+leaving an MLflow model in CHECKPOINT_DIR/final/."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from blocks.mlflow_model import check_mlflow_model
 from runtime import contract
-from workload.model import load_model_file
-from workload.train import TRAINING_STATE_FILENAME
+from tests.examples import DIGITS, example_module
 
-TRAIN = Path(__file__).resolve().parents[1] / "workload" / "train.py"
+TRAIN = DIGITS / "train.py"
+TRAINING_STATE_FILENAME = example_module(DIGITS, "train").TRAINING_STATE_FILENAME
+MODEL_FILENAME = "model.pt"  # the weights in each step-* checkpoint
 # Per job and per wait: far more than a job takes (10-20 s) even on a busy 2-core machine.
 DEADLINE_S = 300.0
 JOB_VARIABLES = {
@@ -160,17 +163,24 @@ def step_checkpoints(root: Path) -> list[int]:
     return sorted(int(m[1]) for p in root.iterdir() if (m := pattern.fullmatch(p.name)))
 
 
-def read_metrics(final: Path) -> dict[str, Any]:
-    return json.loads((final / contract.METRICS_FILENAME).read_text())
+def read_metrics(jobs: Jobs) -> dict[str, Any]:
+    """The final metrics the job reported (its last progress record)."""
+    return jobs.read_progress()["metrics"]
 
 
-def assert_same_model(final: Path, reference: Path) -> None:
+def final_model(final: Path) -> torch.nn.Module:
+    """The MLflow model the job saved, as the PyTorch module it holds."""
+    import mlflow.pytorch
+
+    return mlflow.pytorch.load_model(str(final))
+
+
+def assert_same_model(jobs: Jobs, reference: Jobs) -> None:
     """Resuming must reproduce the uninterrupted run exactly."""
-    got, _ = load_model_file(str(final / contract.MODEL_FILENAME))
-    want, _ = load_model_file(str(reference / contract.MODEL_FILENAME))
+    got, want = final_model(jobs.final), final_model(reference.final)
     for (name, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(a, b), f"{name} differs from the uninterrupted run"
-    assert read_metrics(final) == read_metrics(reference)
+    assert read_metrics(jobs) == read_metrics(reference)
 
 
 def resumed_step(log: str) -> int:
@@ -193,18 +203,24 @@ def test_trains_to_completion(default_run: tuple[Jobs, Job]) -> None:
     assert job.proc.returncode == contract.EXIT_OK, job.log
     assert len(re.findall(r"^epoch \d+/20 step \d+/400 train_loss=\S+ val_accuracy=\S+", job.log, re.M)) == 20
 
-    metrics = read_metrics(jobs.final)
+    metrics = read_metrics(jobs)
     assert metrics["step"] == TOTAL_STEPS and metrics["epochs"] == 20
     assert metrics["val_accuracy"] >= MIN_ACCURACY and metrics["test_accuracy"] >= MIN_ACCURACY
     assert 0 < metrics["val_loss"] < 0.5
 
-    model, config = load_model_file(str(jobs.final / contract.MODEL_FILENAME))
-    assert config == {"hidden": 128, "dropout": 0.0} and not model.training
-    assert model(torch.zeros(3, 64)).shape == (3, 10)
-    # final/ holds the weights of the last step.
-    last = torch.load(jobs.checkpoints / "step-00000400" / contract.MODEL_FILENAME, weights_only=True)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, last["state_dict"][name])
+    # final/ is an MLflow model (gpuferry's contract) with a serving input example, answering probabilities.
+    info = check_mlflow_model(jobs.final)
+    assert info.pyfunc and "pytorch" in info.flavors and info.signature and info.serving_example
+    import mlflow.pyfunc
+
+    probabilities = mlflow.pyfunc.load_model(str(jobs.final)).predict(torch.zeros(3, 64).numpy())
+    assert probabilities.shape == (3, 10) and abs(float(probabilities.sum()) - 3.0) < 1e-4
+    # It holds the weights of the last step.
+    model = final_model(jobs.final)
+    last = torch.load(jobs.checkpoints / "step-00000400" / MODEL_FILENAME, weights_only=True)
+    assert last["config"] == {"hidden": 128, "dropout": 0.0}
+    for name, value in last["state_dict"].items():
+        assert torch.equal(value, model.state_dict()[f"0.{name}"])  # the network inside (network, softmax)
 
     # The two newest checkpoints are kept, no temporaries are left, no ./mlruns appears.
     assert sorted(p.name for p in jobs.checkpoints.iterdir()) == ["final", "step-00000350", "step-00000400"]
@@ -231,7 +247,7 @@ def test_resumes_after_sigkill(jobs: Jobs, default_run: tuple[Jobs, Job]) -> Non
     assert f"finished: step {TOTAL_STEPS}/{TOTAL_STEPS}, trained {trained} steps in this run" in second.log
     assert jobs.read_progress()["step"] == TOTAL_STEPS
     assert not list(jobs.checkpoints.glob(".tmp-*"))
-    assert_same_model(jobs.final, default_run[0].final)
+    assert_same_model(jobs, default_run[0])
 
 
 def test_sigterm_then_rerun_logs_into_the_given_mlflow_run(jobs: Jobs, default_run: tuple[Jobs, Job]) -> None:
@@ -264,7 +280,7 @@ def test_sigterm_then_rerun_logs_into_the_given_mlflow_run(jobs: Jobs, default_r
     second = jobs.run({}, checkpoint_every=FREQUENT, extra_env=mlflow_env)
     assert second.proc.returncode == contract.EXIT_OK, second.log
     assert resumed_step(second.log) == saved
-    assert_same_model(jobs.final, default_run[0].final)
+    assert_same_model(jobs, default_run[0])
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -279,10 +295,10 @@ def test_sigterm_then_rerun_logs_into_the_given_mlflow_run(jobs: Jobs, default_r
     }
     assert run.data.tags["world_size"] == "1"
     # Each epoch is evaluated once, by whichever attempt finished it.
-    history = client.get_metric_history(run_id, contract.VALIDATION_METRIC)
+    history = client.get_metric_history(run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(20, TOTAL_STEPS + 1, 20))
-    assert max(history, key=lambda m: m.step).value == read_metrics(jobs.final)["val_accuracy"]
-    assert run.data.metrics["test_accuracy"] == read_metrics(jobs.final)["test_accuracy"]
+    assert max(history, key=lambda m: m.step).value == read_metrics(jobs)["val_accuracy"]
+    assert run.data.metrics["test_accuracy"] == read_metrics(jobs)["test_accuracy"]
     # Both attempts attached to the given run instead of creating their own.
     assert [r.info.run_id for r in client.search_runs([experiment_id, "0"])] == [run_id]
 
@@ -293,8 +309,8 @@ def test_two_process_torchrun(jobs: Jobs) -> None:
     assert "world size 2" in job.log
     assert len(re.findall(r"^epoch \d/3 ", job.log, re.M)) == 3  # only rank 0 logs
 
-    assert read_metrics(jobs.final)["step"] == 60
-    load_model_file(str(jobs.final / contract.MODEL_FILENAME))
+    assert read_metrics(jobs)["step"] == 60
+    assert check_mlflow_model(jobs.final).pyfunc
     assert step_checkpoints(jobs.checkpoints) == [49, 56]
     state = torch.load(jobs.checkpoints / "step-00000056" / TRAINING_STATE_FILENAME, weights_only=True)
     assert state["world_size"] == 2 and len(state["rng"]) == 2

@@ -1,0 +1,246 @@
+"""The workload definition: gpuferry.yaml read from a path or a git URL, checked with errors that name the file,
+the line and the field; hyperparameters checked against the workload's own JSON Schema; the code as one
+content-addressed archive."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from blocks.errors import ConfigurationError
+from blocks.hparams import HyperparameterSchema
+from blocks.plan import plan_run
+from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
+from blocks.workload import load_workload, parse_git_source
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+MINIMAL = """\
+name: house-prices
+train:
+  command: [python, train.py]
+hyperparameters:
+  type: object
+  properties:
+    alpha: {type: number, exclusiveMinimum: 0, default: 0.1}
+    l1_ratio: {type: number, minimum: 0, maximum: 1, default: 0.5}
+    solver: {enum: [cd, sgd], default: cd}
+    layers: {type: array, items: {type: integer, minimum: 1}, default: [8]}
+    extra: {type: object, properties: {depth: {type: integer, default: 3}}, default: {}}
+  required: [alpha]
+promotion: {metric: rmse, direction: minimize}
+"""
+
+
+def write(root: Path, text: str = MINIMAL, files: dict[str, str] | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "gpuferry.yaml").write_text(text)
+    for name, content in {"train.py": "print('train')\n", **(files or {})}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(content)
+    return root
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}  # fmt: skip
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+# ---- the file ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (("  command: [python, train.py]", "  comand: [python, train.py]"),
+         ["gpuferry.yaml:3: train.comand: unknown field; valid fields: command, env, secrets, resources",
+          "train.command: required field is missing"]),
+        (("promotion: {metric: rmse, direction: minimize}", "promotion: {metric: rmse, direction: down}"),
+         ["gpuferry.yaml:13: promotion.direction: Input should be 'maximize' or 'minimize'"]),
+        (("name: house-prices", "name: house prices; rm -rf /"), ["gpuferry.yaml:1: name: name='house prices; rm -rf /'"]),
+        (("name: house-prices", "name: house-prices\nimage: {dockerfile: Dockerfile, base: python:3.11}"),
+         ["gpuferry.yaml:2: image: give exactly one of image.dockerfile"]),
+        (("    alpha: {type: number, exclusiveMinimum: 0, default: 0.1}", "    alpha: {type: numbr}"),
+         ["hyperparameters.properties.alpha.type: not a valid JSON Schema"]),
+        (("    alpha: {type: number, exclusiveMinimum: 0, default: 0.1}", "    alpha: {type: number, minimum: 1, default: 0.1}"),
+         ["a declared default is not valid: hyperparameters.alpha: 0.1 is less than the minimum of 1"]),
+        (("  command: [python, train.py]", "  command: [python, train.py]\n  secrets: {HF_TOKEN: hf_token_value}"),
+         ["train.secrets: train.secrets['HF_TOKEN']='hf_token_value' must name a Prefect Secret block"]),
+        (("promotion: {metric: rmse, direction: minimize}", "promotion: {metric: rmse, direction: minimize}\n"
+          "serve: {health_path: /live}"), ["serve.health_path describe your own server: set serve.command too"]),
+        (("train:", "train: [oops"), ["not valid YAML"]),
+    ],
+)
+def test_a_bad_file_names_the_line_and_the_field(tmp_path: Path, edit: tuple[str, str], expected: list[str]) -> None:
+    root = write(tmp_path / "w", MINIMAL.replace(*edit))
+    with pytest.raises(ConfigurationError) as info:
+        load_workload(str(root))
+    message = str(info.value)
+    for part in expected:
+        assert part in message, message
+
+
+def test_no_file_says_how_to_make_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="gpuferry.yaml does not exist; write one"):
+        load_workload(str(tmp_path))
+    with pytest.raises(ConfigurationError, match="no such directory"):
+        load_workload(str(tmp_path / "missing"))
+
+
+def test_the_bundled_examples_load() -> None:
+    digits = load_workload(str(EXAMPLES / "digits"))
+    diabetes = load_workload(str(EXAMPLES / "diabetes" / "gpuferry.yaml"))
+    assert digits.definition.image.kind == "dockerfile" and digits.image_workdir() == "/workload"
+    assert diabetes.definition.image.kind == "generated" and diabetes.image_workdir() == "/workload"
+    assert digits.definition.schema.defaults["optimizer"] == "sgd"
+    assert diabetes.definition.promotion.direction == "minimize"
+    assert digits.commit == git(REPO, "rev-parse", "HEAD")
+
+
+# ---- hyperparameters -------------------------------------------------------------------------------
+
+
+def test_hyperparameters_take_defaults_and_refuse_unknown_keys_naming_the_valid_ones(tmp_path: Path) -> None:
+    schema = load_workload(str(write(tmp_path / "w"))).definition.schema
+    assert schema.validate({"alpha": 0.3}) == {
+        "alpha": 0.3, "l1_ratio": 0.5, "solver": "cd", "layers": [8], "extra": {"depth": 3},
+    }  # fmt: skip
+    with pytest.raises(ConfigurationError) as info:
+        schema.validate({"alpha": 0.3, "alhpa": 1, "extra": {"dpth": 2}})
+    message = str(info.value)
+    assert "hyperparameters.alhpa: not a declared hyperparameter; valid: alpha, l1_ratio, solver, layers, extra" in message
+    assert "hyperparameters.extra.dpth: not a declared hyperparameter; valid: depth" in message
+
+
+@pytest.mark.parametrize(
+    ("values", "problem"),
+    [
+        ({"alpha": 0}, "hyperparameters.alpha: 0 is less than or equal to the minimum of 0"),
+        ({"alpha": "0.1"}, "hyperparameters.alpha: '0.1' is not of type 'number'"),
+        ({"alpha": 0.1, "solver": "lbfgs"}, "hyperparameters.solver: 'lbfgs' is not one of ['cd', 'sgd']"),
+        ({"alpha": 0.1, "layers": [8, 0]}, "hyperparameters.layers[1]: 0 is less than the minimum of 1"),
+        ({"alpha": 0.1, "extra": {"depth": "3"}}, "hyperparameters.extra.depth: '3' is not of type 'integer'"),
+    ],
+)
+def test_bad_hyperparameters_name_the_field(tmp_path: Path, values: dict, problem: str) -> None:
+    schema = load_workload(str(write(tmp_path / "w"))).definition.schema
+    with pytest.raises(ConfigurationError) as info:
+        schema.validate(values)
+    assert problem in str(info.value)
+
+
+def test_required_without_default() -> None:
+    schema = HyperparameterSchema({"type": "object", "properties": {"lr": {"type": "number"}}, "required": ["lr"]})
+    with pytest.raises(ConfigurationError, match="hyperparameters: 'lr' is a required property"):
+        schema.validate({})
+
+
+def test_a_grid_takes_any_declared_hyperparameter_and_checks_each_configuration(tmp_path: Path) -> None:
+    schema = load_workload(str(write(tmp_path / "w"))).definition.schema
+    base = schema.validate({"alpha": 0.1})
+    grid = schema.expand_grid(base, {"alpha": [0.01, 0.1], "solver": ["cd", "sgd"]}, [{"l1_ratio": 1.0}])
+    assert [(c["alpha"], c["solver"], c["l1_ratio"]) for c in grid] == [
+        (0.01, "cd", 0.5), (0.01, "sgd", 0.5), (0.1, "cd", 0.5), (0.1, "sgd", 0.5), (0.1, "cd", 1.0),
+    ]  # fmt: skip
+    with pytest.raises(ConfigurationError, match="grid: 'lr' is not a declared hyperparameter of the workload; valid: alpha"):
+        schema.expand_grid(base, {"lr": [0.1]}, [])
+    with pytest.raises(ConfigurationError, match=r"(?s)grid: configuration 1 \{'alpha': -1\}: .*hyperparameters.alpha: -1"):
+        schema.expand_grid(base, {"alpha": [0.2, -1]}, [])
+
+
+def test_the_run_plan_fills_in_the_workload_and_checks_before_anything_runs(tmp_path: Path) -> None:
+    workload = load_workload(str(write(tmp_path / "w")))
+    run = plan_run(workload, TrainingSpec(hyperparameters={"alpha": 0.2}), ServingSpec(), PromotionPolicy())
+    assert (run.experiment, run.model_name, run.serving.service) == ("house-prices",) * 3
+    assert (run.promotion.metric, run.promotion.direction) == ("rmse", "minimize")
+    assert run.hyperparameters["alpha"] == 0.2 and run.hyperparameters["solver"] == "cd"
+    job = run.job("k", "/jobs/k", None, env={"MLFLOW_RUN_ID": "r"})
+    assert job.command == ["python", "train.py"] and job.code.root == str(tmp_path / "w")
+    assert '"alpha": 0.2' in job.env["HPARAMS"] and job.env["CHECKPOINT_EVERY"] == "50"
+    with pytest.raises(ConfigurationError, match=r"training.hyperparameters do not match the workload's schema"):
+        plan_run(workload, TrainingSpec(hyperparameters={"alpha": -1}), ServingSpec(), PromotionPolicy())
+
+
+# ---- git sources and the code archive ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "parsed"),
+    [
+        ("git+https://example.com/team/models.git@main#subdirectory=house", ("https://example.com/team/models.git", "main", "house")),
+        ("git+ssh://git@example.com/team/models.git", ("ssh://git@example.com/team/models.git", None, None)),
+        ("git+ssh://git@example.com/team/models.git@v1.2", ("ssh://git@example.com/team/models.git", "v1.2", None)),
+        ("git+file:///srv/models.git@0123abc", ("file:///srv/models.git", "0123abc", None)),
+    ],
+)
+def test_git_sources_in_pips_form(source: str, parsed: tuple) -> None:
+    assert parse_git_source(source) == parsed
+
+
+def test_git_source_errors() -> None:
+    with pytest.raises(ConfigurationError, match="only fragment understood is #subdirectory"):
+        parse_git_source("git+https://example.com/m.git#egg=x")
+    with pytest.raises(ConfigurationError, match="must be a relative path"):
+        parse_git_source("git+https://example.com/m.git#subdirectory=../etc")
+
+
+def test_a_workload_from_git_at_a_ref_records_its_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    write(repo / "models" / "house", files={"lib/util.py": "X = 1\n"})
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "first")
+    first = git(repo, "rev-parse", "HEAD")
+    git(repo, "tag", "v1")
+    (repo / "models" / "house" / "train.py").write_text("print('v2')\n")
+    git(repo, "commit", "-q", "-am", "second")
+    second = git(repo, "rev-parse", "HEAD")
+
+    at_tag = load_workload(f"git+file://{repo}@v1#subdirectory=models/house")
+    at_main = load_workload(f"git+file://{repo}@main#subdirectory=models/house")
+    assert (at_tag.commit, at_main.commit) == (first, second)
+    assert Path(at_tag.root, "train.py").read_text() == "print('train')\n"
+    assert Path(at_main.root, "train.py").read_text() == "print('v2')\n"
+    assert at_tag.code.sha256 != at_main.code.sha256 and not at_main.dirty
+    with tarfile.open(at_tag.code.archive) as tar:
+        assert sorted(tar.getnames()) == ["gpuferry.yaml", "lib/util.py", "train.py"]
+    with pytest.raises(ConfigurationError, match="has no branch, tag or commit 'nope'"):
+        load_workload(f"git+file://{repo}@nope")
+    with pytest.raises(ConfigurationError, match="cannot fetch"):
+        load_workload(f"git+file://{tmp_path}/no-such-repo.git")
+
+
+def test_the_code_archive_names_its_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
+    root = write(tmp_path / "w", files={"pkg/model.py": "W = 2\n", ".hidden/x": "no", "__pycache__/a.pyc": "no"})
+    first = load_workload(str(root)).code
+    os.utime(root / "train.py", (1, 1))  # timestamps do not count
+    assert load_workload(str(root)).code.sha256 == first.sha256
+    (root / "pkg" / "model.py").write_text("W = 3\n")
+    assert load_workload(str(root)).code.sha256 != first.sha256
+    with tarfile.open(first.archive) as tar:
+        assert sorted(tar.getnames()) == ["gpuferry.yaml", "pkg/model.py", "train.py"]
+        assert {m.mtime for m in tar.getmembers()} == {0}
+
+
+def test_a_local_workload_in_git_takes_what_git_would_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
+    root = write(tmp_path / "w", files={".gitignore": "data/\n", "data/big.bin": "x" * 100})
+    git(root, "init", "-q")
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "c")
+    clean = load_workload(str(root))
+    assert clean.commit == git(root, "rev-parse", "HEAD") and not clean.dirty
+    (root / "notes.txt").write_text("untracked, not ignored\n")
+    dirty = load_workload(str(root))
+    assert dirty.dirty
+    with tarfile.open(dirty.code.archive) as tar:
+        assert sorted(tar.getnames()) == [".gitignore", "gpuferry.yaml", "notes.txt", "train.py"]
+    assert dirty.run_tags()["gpuferry.workload.dirty"] == "true"
