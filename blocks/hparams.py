@@ -4,7 +4,8 @@ The workload file declares the schema (types, defaults, bounds, enums, required)
 checks the schema itself when the file is read, fills in the declared defaults, refuses a key the schema
 does not declare (naming the valid ones: a typo must not be ignored) and turns every violation into a line
 ``hyperparameters.NAME: what is wrong``. Objects are closed unless the schema says
-``additionalProperties``. Pure: no outside calls.
+``additionalProperties``. A whole number given where the schema declares a ``number`` becomes a float, so
+the job receives, and logs, the type it declared. Pure: no outside calls.
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ def _with_defaults(schema: Mapping[str, Any], value: Any) -> Any:
         if name in out:
             out[name] = _with_defaults(sub, out[name])
     return out
+
+
+def _normalized(schema: Mapping[str, Any], value: Any) -> Any:
+    """``value`` with integers where the schema declares a ``number`` made floats (``0`` → ``0.0``), at every
+    level: a form or a YAML file writes ``0`` for a float, and the job, casting to the declared type, would log
+    ``0.0`` to the MLflow run whose params already say ``0`` (MLflow refuses a changed param)."""
+    declared = schema.get("type")
+    if declared == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        return {k: _normalized(properties[k], v) if isinstance(properties.get(k), dict) else v for k, v in value.items()}
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_normalized(schema["items"], v) for v in value]
+    return value
 
 
 def _path(parts: Iterable[Any]) -> str:
@@ -108,7 +124,7 @@ class HyperparameterSchema:
         problems = self._problems(filled)
         if problems:
             raise ConfigurationError(f"{what} do not match the workload's schema:\n  " + "\n  ".join(problems))
-        return filled
+        return _normalized(self.schema, filled)
 
     def expand_grid(
         self, base: Mapping[str, Any], values: Mapping[str, list[Any]], configurations: list[Mapping[str, Any]]

@@ -61,6 +61,9 @@ def _hyperparameters(workload: Workload) -> tuple[dict[str, Any], dict[str, Any]
         definitions = {k: _rewrite_refs(v, key) for k, v in definitions.items()}
     if "properties" in schema:
         schema.setdefault("additionalProperties", False)
+        for position, sub in enumerate(schema["properties"].values()):  # the form keeps the file's order
+            if isinstance(sub, dict):
+                sub.setdefault("position", position)
     schema["title"] = f"Hyperparameters of {workload.name}"
     schema["description"] = (workload.definition.description + " " if workload.definition.description else "") + \
         "Declared in the workload's gpuferry.yaml; left out: its default."  # fmt: skip

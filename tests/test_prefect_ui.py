@@ -91,17 +91,21 @@ def screenshot_on_failure(page: Any, where: Path) -> Iterator[None]:
         raise
 
 
+SERVICES = ("digits", "diabetes")  # the examples' services, as their gpuferry.yaml names them
+
+
 @pytest.fixture
 def worker_serving(prefect: dict[str, str]) -> Iterator[None]:
-    """A run that gets promoted starts an inference server in the worker's home: stop the one this test started."""
+    """A run that gets promoted starts an inference server in the worker's home: stop the ones this test started."""
     from blocks.serving import LocalServing
 
     serving = LocalServing(state_dir=str(Path(prefect["GPUFERRY_WORKER_HOME"]) / "serving"), drain_seconds=5)
-    before = serving.current("digits")
+    before = {name: serving.current(name) for name in SERVICES}
     yield
-    after = serving.current("digits")
-    if after is not None and (before is None or after["pid"] != before["pid"]):
-        serving.undeploy("digits")
+    for name in SERVICES:
+        after = serving.current(name)
+        if after is not None and (before[name] is None or after["pid"] != before[name]["pid"]):
+            serving.undeploy(name)
 
 
 def state_badge(page: Any) -> str:
@@ -127,7 +131,7 @@ def test_run_the_retrain_deployment_from_the_ui(
     assert run.name == run_name and run.deployment_id == deployment.id
     assert run.state is not None and run.state.is_completed()
     assert run.created_by is None or run.created_by.type != "SCHEDULE"
-    assert run.parameters["training"]["model_name"] == "digits-mlp"
+    assert run.parameters["workload"] == "examples/digits"
 
 
 def start_quick_run(page: Any, ui: str) -> tuple[str, str]:
@@ -175,3 +179,130 @@ def wait_in_ui_until_final(page: Any, run_name: str) -> list[str]:
         if time.monotonic() - last_reload > 30:
             page.reload()
             last_reload = time.monotonic()
+
+
+# ---- each workload's own form ----------------------------------------------------------------------
+
+
+def form_property(page: Any, name: str) -> Any:
+    """The form's field called ``name`` (its innermost property box)."""
+    label = page.locator(".schema-form-property__label", has_text=re.compile(rf"^{re.escape(name)}( \(Optional\))?$"))
+    return label.first.locator(
+        "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' schema-form-property ')][1]"
+    )
+
+
+def open_custom_run(page: Any, ui: str, flow: str, deployment: str) -> None:
+    from playwright.sync_api import expect
+
+    page.goto(f"{ui}/deployments")
+    page.get_by_placeholder("Search deployments").fill(deployment)
+    row = page.get_by_role("row").filter(has=page.get_by_role("link", name=flow, exact=True))
+    row.get_by_role("link", name=deployment, exact=True).click()
+    page.wait_for_url(re.compile(r"/deployments/deployment/[0-9a-f-]{36}$"))
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Custom run", exact=True).click()
+    page.wait_for_url(re.compile(r"/deployments/deployment/[0-9a-f-]{36}/run"))
+    expect(page.locator(".schema-form-property__label", has_text="Hyperparameters of")).to_be_visible()
+
+
+def hyperparameter_labels(page: Any) -> list[str]:
+    box = form_property(page, page.locator(".schema-form-property__label", has_text="Hyperparameters of").first
+                        .inner_text().removesuffix(" (Optional)"))  # fmt: skip
+    labels = box.locator(".schema-form-property .schema-form-property__label").all_inner_texts()
+    return [label.removesuffix(" (Optional)") for label in labels]
+
+
+def submit_and_read_toast(page: Any) -> str:
+    from playwright.sync_api import expect
+
+    page.get_by_role("button", name="Submit", exact=True).click()
+    toast = page.locator(".toast-flow-run-create").first
+    expect(toast).to_contain_text("scheduled")
+    return toast.locator(".toast-flow-run-create__message--emphasized").first.inner_text().strip()
+
+
+def test_each_workload_deployment_has_its_own_form(prefect: dict[str, str], page: Any, worker_serving: None,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """After `python -m deployments.forms` the UI shows each workload's hyperparameters (types, enums, defaults,
+    in the file's order), the server refuses a value the workload's schema does not allow, and the runs made
+    from the forms train what was filled in."""
+    from playwright.sync_api import expect
+    from prefect.client.orchestration import SyncPrefectClient
+
+    deploy = subprocess.run(
+        [str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "weekly", "--name", "diabetes"],
+        cwd=REPO, env={**_env_without_home(), "PREFECT_API_URL": prefect["PREFECT_API_URL"]},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    forms = subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-m", "deployments.forms", "--deployment", "retrain/weekly",
+         "--deployment", "retrain/diabetes"],
+        cwd=REPO, env={**_env_without_home(), "PREFECT_API_URL": prefect["PREFECT_API_URL"]},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert forms.returncode == 0 and "2 deployment(s)" in forms.stdout, forms.stdout + forms.stderr
+    ui = prefect["PREFECT_UI_URL"].rstrip("/")
+    with screenshot_on_failure(page, tmp_path):
+        # The regressor: its own four fields, in the order of its gpuferry.yaml, with their defaults.
+        open_custom_run(page, ui, "retrain", "diabetes")
+        assert hyperparameter_labels(page) == ["Alpha", "L1 Ratio", "Max Iter", "Standardize"]
+        assert form_property(page, "Alpha").locator("input").input_value() == "0.1"
+        expect(form_property(page, "Standardize").get_by_role("switch")).to_have_attribute("aria-checked", "true")
+        assert "Lr" not in page.locator(".schema-form-property__label").all_inner_texts()  # not the digits' fields
+        form_property(page, "Alpha").locator("input").fill("0.05")
+        diabetes_run = submit_and_read_toast(page)
+
+        # The digits MLP: an enum as a choice of its values; a value out of bounds is refused by the server.
+        open_custom_run(page, ui, "retrain", "weekly")
+        labels = hyperparameter_labels(page)
+        assert labels == ["Epochs", "Lr", "Batch Size", "Hidden", "Dropout", "Seed", "Optimizer"], labels
+        optimizer = form_property(page, "Optimizer")
+        optimizer.locator("button.p-select-button__control").focus()
+        page.keyboard.press("Space")
+        expect(page.get_by_role("option")).to_have_text(["sgd", "adam"])
+        page.get_by_role("option", name="adam", exact=True).click()
+        expect(optimizer.locator(".p-select-button__value")).to_have_text("adam")
+        form_property(page, "Epochs").locator("input").fill("2")
+        form_property(page, "Lr").locator("input").fill("-1")
+        page.get_by_role("button", name="Submit", exact=True).click()
+        refused = page.get_by_text(re.compile(r"Validation failed for field 'training\.hyperparameters\.lr'\. "
+                                              r"Failure reason: -1 is less than or equal to the minimum of 0"))
+        expect(refused.first).to_be_visible()
+        form_property(page, "Lr").locator("input").fill("0.1")
+        digits_run = submit_and_read_toast(page)
+
+    with SyncPrefectClient(prefect["PREFECT_API_URL"]) as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+        runs = {r.name: r for r in client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[diabetes_run, digits_run])))}  # fmt: skip
+        schema = client.read_deployment_by_name("retrain/weekly").parameter_openapi_schema
+    assert runs[diabetes_run].parameters["workload"] == "examples/diabetes"
+    assert runs[diabetes_run].parameters["training"]["hyperparameters"] == {
+        "alpha": 0.05, "l1_ratio": 0.5, "max_iter": 10000, "standardize": True}  # fmt: skip
+    digits = runs[digits_run].parameters["training"]["hyperparameters"]
+    assert (digits["optimizer"], digits["epochs"], digits["lr"]) == ("adam", 2, 0.1)
+    assert schema["properties"]["workload"]["enum"] == ["examples/digits"]
+    # Only the one run with good values was created for the digits deployment's form (the refused one was not).
+    with SyncPrefectClient(prefect["PREFECT_API_URL"]) as client:
+        from prefect.client.schemas.filters import FlowRunFilterDeploymentId
+
+        deployment = client.read_deployment_by_name("retrain/weekly")
+        recent = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])), limit=200)  # fmt: skip
+    refused_runs = [r for r in recent if (r.parameters.get("training") or {}).get("hyperparameters", {}).get("lr") == -1]
+    assert refused_runs == []
+
+    def final() -> bool:
+        with SyncPrefectClient(prefect["PREFECT_API_URL"]) as client:
+            return all(client.read_flow_run(runs[name].id).state.is_final() for name in (diabetes_run, digits_run))
+
+    deadline = time.monotonic() + RUN_DEADLINE_S
+    while not final():
+        assert time.monotonic() < deadline, f"the runs {diabetes_run}, {digits_run} did not finish in time"
+        time.sleep(2)
+    with SyncPrefectClient(prefect["PREFECT_API_URL"]) as client:
+        states = {name: client.read_flow_run(runs[name].id).state.name for name in (diabetes_run, digits_run)}
+    assert states == {diabetes_run: "Completed", digits_run: "Completed"}, states

@@ -135,6 +135,19 @@ def test_bad_hyperparameters_name_the_field(tmp_path: Path, values: dict, proble
     assert problem in str(info.value)
 
 
+def test_numbers_are_floats_whatever_the_form_wrote() -> None:
+    # The UI (and YAML) write 0 for a float: the job would log 0.0 where the run's params say 0.
+    schema = HyperparameterSchema({"type": "object", "properties": {
+        "dropout": {"type": "number", "default": 0}, "epochs": {"type": "integer", "default": 3},
+        "flag": {"type": "boolean", "default": True}, "rates": {"type": "array", "items": {"type": "number"}},
+        "inner": {"type": "object", "properties": {"w": {"type": "number"}}},
+    }})  # fmt: skip
+    values = schema.validate({"rates": [1, 0.5], "inner": {"w": 2}})
+    assert values == {"dropout": 0.0, "epochs": 3, "flag": True, "rates": [1.0, 0.5], "inner": {"w": 2.0}}
+    assert [type(values[k]) for k in ("dropout", "epochs", "flag")] == [float, int, bool]
+    assert type(values["inner"]["w"]) is float and [type(r) for r in values["rates"]] == [float, float]
+
+
 def test_required_without_default() -> None:
     schema = HyperparameterSchema({"type": "object", "properties": {"lr": {"type": "number"}}, "required": ["lr"]})
     with pytest.raises(ConfigurationError, match="hyperparameters: 'lr' is a required property"):

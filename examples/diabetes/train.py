@@ -60,6 +60,7 @@ def save_model(target: Path, pipeline: object, example: object) -> None:
     """The fitted pipeline as an MLflow model at ``target``, written under a temporary name first."""
     import mlflow.sklearn
     import sklearn
+    import skops
     from mlflow.models import infer_signature
 
     tmp = target.with_name(f".tmp-{target.name}.{os.getpid()}")
@@ -67,7 +68,7 @@ def save_model(target: Path, pipeline: object, example: object) -> None:
     signature = infer_signature(example, pipeline.predict(example))
     mlflow.sklearn.save_model(
         pipeline, str(tmp), signature=signature, input_example=example,
-        pip_requirements=[f"scikit-learn=={sklearn.__version__}", f"numpy=={np.__version__}"],
+        pip_requirements=[f"scikit-learn=={sklearn.__version__}", f"numpy=={np.__version__}", f"skops=={skops.__version__}"],
     )
     if target.exists():
         shutil.rmtree(target)
