@@ -43,16 +43,23 @@ promotion metric among them).
 
 Inference server
 ----------------
-``MODEL_URI``           ``file://`` or ``s3://`` URI of a checkpoint directory (or its
-                        ``model.pt``) laid out as ``final/`` above.
+``python -m runtime.serve`` (``runtime/serve.py``) serves any MLflow pyfunc model, with the user's code and
+framework in its process (their image, or their environment).
+
+``MODEL_URI``           Path, ``file://`` or ``s3://`` URI of a stored checkpoint: an MLflow model directory
+                        (``MLmodel`` and its flavour's files) with the manifest below.
 ``HOST``, ``PORT``      Where to listen (default 127.0.0.1:8080).
 ``MAX_BATCH_SIZE``, ``MAX_BATCH_WAIT_MS``, ``MAX_QUEUE``
-                        Dynamic batching and overload settings.
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``
-                        Credentials for ``s3://`` model URIs (boto3's own names).
-Endpoints: ``POST /predict`` (``{"inputs": [[64 floats], ...]}`` → ``{"predictions":
-[...], "probabilities": [[...]]}``), ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
-The server serves only a checkpoint whose manifest (below) matches every file it lists.
+                        Dynamic batching and overload settings (more in ``runtime/serve.py``).
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_CA_BUNDLE``
+                        For ``s3://`` model URIs (boto3's own names).
+Endpoints: ``POST /invocations`` (MLflow's scoring protocol: JSON with one of ``dataframe_split``,
+``dataframe_records``, ``instances``, ``inputs`` and optional ``params``, or ``text/csv`` → ``{"predictions":
+...}`` as ``mlflow models serve`` answers; 422 names what does not match the model's signature; 503 with
+``Retry-After`` when overloaded), ``GET /ping`` and ``/health`` (MLflow's), ``GET /healthz`` (liveness),
+``GET /readyz`` (readiness: 200 once loaded and warmed up with the model's own serving input example, 503 before
+and while draining), ``GET /version``, ``GET /metrics`` (Prometheus). The server serves only a checkpoint whose
+manifest (below) matches every file it lists; otherwise it exits 1 without becoming ready.
 
 Checkpoint manifest
 -------------------
