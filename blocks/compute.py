@@ -10,6 +10,9 @@ in ``blocks/slurm.py``):
 * ``watch(handle, ...)`` polls until the job is terminal, starting fast and backing off, and polls
   on through an outage of the backend (a ``TransientError``: the job keeps running) for up to
   ``outage_tolerance_seconds``. A backend only has to raise its passing errors as ``TransientError``.
+  Its time limit counts what a scheduler counts: the time the current attempt has been RUNNING, not
+  time spent pending, preempted or requeued. A backend whose scheduler enforces the limit itself
+  (``enforces_time_limit``: Slurm's ``--time``) is never cancelled by the watcher for time.
 
 Preempted jobs (exit code ``EXIT_PREEMPTED`` of the contract) are requeued by the backend up to
 ``resources.max_requeues`` times, and resume from their last checkpoint.
@@ -60,6 +63,8 @@ class ComputeBackend(Block, ABC):
     """Where training jobs run."""
 
     _block_type_name = "gpuferry Compute Backend"
+    # The scheduler ends a job that runs past its time limit itself (the watcher then does not).
+    enforces_time_limit: ClassVar[bool] = False
 
     workdir_root: str | None = Field(
         None, description="Directory under which each job gets its own (None: $GPUFERRY_HOME/jobs)."
@@ -130,11 +135,13 @@ class ComputeBackend(Block, ABC):
         ``poll_interval_max``: short jobs are seen finishing at once, long ones cost little.
         A ``TransientError`` while polling (the backend is briefly unreachable; the job goes on) is
         logged and polling continues, for up to ``outage_tolerance_seconds`` in a row; then it is raised.
+        ``timeout_seconds`` bounds the time one attempt runs (see the module's docstring): a job that
+        waits in the queue, or is requeued, is not cancelled for it.
         """
         interval = self.poll_interval_start
         offset = 0
         last_progress: dict[str, Any] | None = None
-        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        running_since: float | None = None  # when the current attempt was first seen running
         outage_since: float | None = None
         while True:
             try:
@@ -166,10 +173,17 @@ class ComputeBackend(Block, ABC):
                 last_progress = progress
             if status.terminal:
                 return status
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if status.state != "RUNNING":  # pending, preempted or requeued: the next attempt starts afresh
+                running_since = None
+            elif running_since is None:
+                running_since = now
+            if (timeout_seconds is not None and running_since is not None and not self.enforces_time_limit
+                    and now - running_since > timeout_seconds):  # fmt: skip
                 self.cancel(handle)
                 raise JobFailed(
-                    f"job {handle.job_id} ran past the {timeout_seconds:.0f} s deadline and was cancelled",
+                    f"job {handle.job_id} ran for more than its time limit ({timeout_seconds:.0f} s, "
+                    "resources.time_limit_minutes) and was cancelled: raise the limit, or checkpoint more often",
                     state="TIMEOUT",
                     log_tail=self.log_tail(handle),
                 )

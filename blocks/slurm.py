@@ -51,7 +51,9 @@ from blocks.secrets import secret_values
 from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.docker_image import _registry_parts
-from blocks.slurm_script import ADDITIONAL_DIRECTIVES, CONTAINER_RUNTIMES, Container, check_name, check_pinned_image, sbatch_script
+from blocks.slurm_script import (
+    ADDITIONAL_DIRECTIVES, CONTAINER_RUNTIMES, PODMAN_OPTIONS, Container, check_name, check_pinned_image, sbatch_script,
+)  # fmt: skip
 from blocks.specs import TERMINAL_STATES, JobHandle, JobResult, JobStatus, TrainingJob
 from runtime import contract
 
@@ -140,6 +142,7 @@ class SlurmCluster(ComputeBackend):
     """Training jobs as Slurm batch jobs, submitted over SSH (or on the login node itself)."""
 
     _block_type_name = "gpuferry Slurm Cluster"
+    enforces_time_limit: ClassVar[bool] = True  # --time: Slurm ends (or requeues) a job past its limit
     _description = "Runs training jobs on a Slurm cluster: sbatch over SSH, batched squeue polling, sacct accounting."
 
     local: bool = Field(False, description="Run Slurm commands on this machine (the flow runs on the login node).")
@@ -197,8 +200,8 @@ class SlurmCluster(ComputeBackend):
         "`nvidia-ctk cdi generate`); env only passes CUDA_VISIBLE_DEVICES through.",
     )
     podman_options: list[str] = Field(
-        default_factory=list, description="More `podman run` options for the job's container, each --NAME or "
-        "--NAME=VALUE (e.g. --security-opt=label=disable on SELinux nodes).",
+        default_factory=list, description="More `podman run` options for the job's container, from: "
+        f"{', '.join(sorted(PODMAN_OPTIONS))} (e.g. --security-opt=label=disable on SELinux nodes, --ipc=host).",
     )
     registry_credentials: DockerRegistryCredentials | None = Field(
         None, description="Login for pulling the image on the nodes (sent as a 0600 file with the job)."
@@ -777,6 +780,7 @@ class SlurmCluster(ComputeBackend):
         sacct has their earlier attempts), come from ONE sacct per try, which lags the controller:
         this waits up to ``wait_seconds`` for them.
         """
+        self.remove_job_secrets(handle)  # the array has ended: no task starts again
         found: dict[int, tuple[JobStatus, dict[str, float]]] = {}
         fetched, records = self._last_jobs
         ended = sum(1 for r in records if str(r.get("array_job_id") or "") == handle.job_id
@@ -1067,6 +1071,19 @@ class SlurmCluster(ComputeBackend):
 
     def cancel(self, handle: JobHandle) -> None:
         self.run(["scancel", handle.job_id])
+        self.remove_job_secrets(handle)
+
+    # The files a job reads its secrets and registry login from: needed while it may still (re)start.
+    _SECRET_FILES: ClassVar[tuple[str, ...]] = (SECRETS_NAME, REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME)
+
+    def remove_job_secrets(self, handle: JobHandle) -> None:
+        """Delete the job's secret and login files once it cannot start again (it ended, or was cancelled).
+        Best effort: a failure is logged (the files are 0600, in the job's own directory)."""
+        paths = [posixpath.join(handle.workdir, name) for name in self._SECRET_FILES]
+        try:
+            self.run(["rm", "-f", "--", *paths], check=False)
+        except TransientError as exc:
+            run_logger().warning("job %s: could not remove its secret files (%s): %s", handle.job_id, exc, paths)
 
     # ---- accounting ------------------------------------------------------------------------
 
@@ -1109,7 +1126,9 @@ class SlurmCluster(ComputeBackend):
         return {"gpu_hours": gpu_s / 3600, "cpu_hours": cpu_s / 3600, "wall_seconds": wall, "requeues": requeues}
 
     def result(self, handle: JobHandle, status: JobStatus, *, gpus: int = 0, cpus: int = 1) -> JobResult:
-        """A terminal status as a result with sacct's GPU/CPU-hours, or an actionable ``JobFailed``."""
+        """A terminal status as a result with sacct's GPU/CPU-hours, or an actionable ``JobFailed``. The job's
+        secret files go: it will not start again."""
+        self.remove_job_secrets(handle)
         if status.state != "COMPLETED":
             raise JobFailed(
                 f"Slurm job {handle.job_id} ended {status.state}: {status.reason or explain_exit_code(status.exit_code)}",

@@ -210,7 +210,21 @@ _PINNED_IMAGE = re.compile(
     r"^(?P<repo>(?:[A-Za-z0-9][A-Za-z0-9.-]*(?::\d{1,5})?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
     r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)@sha256:[0-9a-f]{64}$"
 )
-_PODMAN_OPTION = re.compile(r"^--[a-z][a-z0-9-]{0,63}(=[A-Za-z0-9_.:,/=@+-]{1,256})?$")
+# The `podman run` options a job's container may add, name -> the values allowed (None: a flag without one).
+# Anything that widens what the container may touch (--privileged, --volume, --device, --cap-add, --network,
+# seccomp or apparmor off) is not in here: mounts are container_mounts, GPUs come from Slurm's allocation.
+PODMAN_OPTIONS: dict[str, re.Pattern[str] | None] = {
+    "--pid": re.compile(r"^host$"),  # several "nodes" on one host (tests), torchrun's agents told apart
+    "--ipc": re.compile(r"^(host|private|shareable)$"),  # PyTorch's DataLoader workers share memory
+    "--shm-size": re.compile(r"^\d{1,9}[bkmg]?$"),
+    "--ulimit": re.compile(r"^(memlock|nofile|nproc|stack|core)=-?\d{1,12}(:-?\d{1,12})?$"),
+    "--security-opt": re.compile(r"^label=(disable|type:[a-z0-9_]{1,64})$"),  # SELinux nodes
+    "--userns": re.compile(r"^(keep-id|host)$"),
+    "--user": re.compile(r"^[a-z0-9_.-]{1,32}(:[a-z0-9_.-]{1,32})?$"),
+    "--group-add": re.compile(r"^(keep-groups|[a-z0-9_.-]{1,32})$"),
+    "--init": None,
+    "--read-only": None,
+}
 PINNED_IMAGE_HELP = "REPOSITORY@sha256:<64 hex digits>, e.g. registry.example:5000/team/workload@sha256:... (an image pinned by digest)"
 
 
@@ -227,7 +241,8 @@ class Container:
     * ``env_names``: more variables the container gets besides ``env`` (e.g. the names of secrets);
     * ``workdir``: where the program runs inside the image (the workload's code); None: the image's
       own working directory (podman, pyxis; apptainer needs it);
-    * ``podman_options``: more ``podman run`` options, ``--name[=value]`` (e.g. ``--security-opt=label=disable``);
+    * ``podman_options``: more ``podman run`` options from ``PODMAN_OPTIONS``, ``--name[=value]`` (e.g.
+      ``--security-opt=label=disable``, ``--ipc=host``); any other is refused, listing those;
     * ``gpu_mode`` (podman): ``cdi`` adds ``--device nvidia.com/gpu=<id>`` for each GPU Slurm allocated
       (``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``) and numbers them 0..n-1 in ``CUDA_VISIBLE_DEVICES``;
       ``env`` only passes ``CUDA_VISIBLE_DEVICES`` through (the devices reach the container otherwise).
@@ -246,6 +261,18 @@ class Container:
     workdir: str | None = None
     gpu_mode: Literal["cdi", "env"] = "cdi"
     podman_options: tuple[str, ...] = ()
+
+
+def _podman_option(option: Any) -> None:
+    name, eq, value = option.partition("=") if isinstance(option, str) else ("", "", "")
+    if name not in PODMAN_OPTIONS:
+        _fail("container.podman_options", option, f"one of {', '.join(sorted(PODMAN_OPTIONS))} (options that widen what "
+              "the container may reach are not allowed: mounts go in container_mounts, GPUs come from Slurm)")
+    pattern = PODMAN_OPTIONS[name]
+    if pattern is None and eq:
+        _fail("container.podman_options", option, f"{name} without a value")
+    if pattern is not None and not pattern.match(value):
+        _fail("container.podman_options", option, f"{name}=VALUE with VALUE matching {pattern.pattern}")
 
 
 def check_pinned_image(reference: Any, option: str = "image") -> str:
@@ -278,7 +305,7 @@ def _container(options: Mapping[str, Any], workdir: str) -> Container | None:
     if c.gpu_mode not in ("cdi", "env"):
         _fail("container.gpu_mode", c.gpu_mode, "'cdi' or 'env'")
     for option in c.podman_options:
-        _check("container.podman_options", option, _PODMAN_OPTION, "--NAME or --NAME=VALUE, e.g. --pid=host")
+        _podman_option(option)
     for mount in c.mounts:
         _check("container.mounts", mount, _PATH, "absolute paths of letters, digits and _./%+@=- (no spaces)")
     if c.workdir is not None:

@@ -257,3 +257,52 @@ def test_two_node_torchrun_all_reduce(cluster: SlurmCluster, env: dict[str, str]
     nodes = slurm(env, "sacct", "-X", "-n", "-P", "-j", handle.job_id, "--format=NodeList").split()
     assert nodes == ["n[1-2]"]
     assert "all_reduce sum 3.0" in "".join(output)
+
+
+def test_a_job_that_waits_in_the_queue_past_its_time_limit_still_runs(cluster: SlurmCluster) -> None:
+    """The watcher's limit is per running attempt (Slurm enforces --time itself): pending time does not count."""
+    blocker = cluster.submit_command(key("blocker"), ["sleep", "12"])
+    handle = tiny(cluster, key("queued"), dependency=f"afterany:{blocker.job_id}")
+    seen: list[str] = []
+    original = cluster.poll
+
+    def poll(handles):  # type: ignore[no-untyped-def]
+        statuses = original(handles)
+        seen.extend(s.state for s in statuses.values())
+        return statuses
+
+    watcher = cluster.model_copy()
+    object.__setattr__(watcher, "poll", poll)
+    status = watcher.watch(handle, timeout_seconds=4)  # far less than the 12 s it waits behind the blocker
+    assert status.state == "COMPLETED", status
+    assert seen.count("PENDING") >= 3, seen  # it did wait in the queue, past the limit, and was not cancelled
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends(cluster: SlurmCluster) -> None:
+    import stat
+
+    from prefect.blocks.system import Secret
+
+    planted = f"planted-{uuid.uuid4().hex}"
+    Secret(value=planted).save("slurm-job-token", overwrite=True)
+    k = key("secret")
+    probe = ("import os, pathlib; s = os.environ['API_TOKEN']; "
+             "print('token', len(s), s == open(os.environ['EXPECT']).read().strip(), flush=True); "
+             "p = pathlib.Path(os.environ['CHECKPOINT_DIR']).parent / '.secret.env'; print('mode', oct(p.stat().st_mode & 0o777))")  # fmt: skip
+    expect = Path(cluster.workdir_root) / f"{k}.expected"
+    expect.parent.mkdir(parents=True, exist_ok=True)
+    expect.write_text(planted)
+    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["python", "-c", probe], code=code_of(JOBS),
+                      env={"EXPECT": str(expect)}, secrets={"API_TOKEN": "slurm-job-token"},
+                      resources=Resources(time_limit_minutes=5))  # fmt: skip
+    handle = cluster.submit(job)
+    status = cluster.watch(handle, timeout_seconds=120)
+    log = cluster.read_log(handle)[0]
+    assert status.state == "COMPLETED", log
+    assert f"token {len(planted)} True" in log and "mode 0o600" in log
+    script = Path(job.workdir, "job.sbatch").read_text()
+    assert planted not in script and planted not in log and "API_TOKEN" not in script.split(". /")[0]
+    assert stat.S_IMODE(Path(job.workdir, ".secret.env").stat().st_mode) == 0o600
+    cluster.result(handle, status)
+    assert not Path(job.workdir, ".secret.env").exists()  # the job ended: its secrets went with it

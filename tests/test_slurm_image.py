@@ -135,6 +135,15 @@ def test_bad_container_values_are_refused() -> None:
         cluster(container_runtime="podman", container_mounts=["relative/data"])._script_for_job(job())
     with pytest.raises(ConfigurationError, match="container.podman_options"):
         cluster(container_runtime="podman", podman_options=["--pid=host; id"])._script_for_job(job())
+    with pytest.raises(ConfigurationError, match=r"--security-opt=VALUE with VALUE matching \^label="):
+        cluster(container_runtime="podman", podman_options=["--security-opt=seccomp=unconfined"])._script_for_job(job())
+    for widening in ("--privileged", "--volume=/:/host", "--cap-add=SYS_ADMIN", "--network=none", "--device=/dev/sda"):
+        with pytest.raises(ConfigurationError, match=r"container.podman_options=.*one of --group-add, --init, --ipc"):
+            cluster(container_runtime="podman", podman_options=[widening])._script_for_job(job())
+    with pytest.raises(ConfigurationError, match="--init without a value"):
+        cluster(container_runtime="podman", podman_options=["--init=yes"])._script_for_job(job())
+    text = cluster(container_runtime="podman", podman_options=["--ipc=host", "--shm-size=8g", "--init"])._script_for_job(job())
+    assert "--ipc=host --shm-size=8g --init" in text
     with pytest.raises(ConfigurationError, match="container variable name"):
         cluster(container_runtime="podman", container_runtime_env={"BAD NAME": "x"})._script_for_job(job())
     spaced = DockerRegistryCredentials(username="u", password="has space", registry_url="r.example")
@@ -366,6 +375,8 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
     auth = Path(job_.workdir, REGISTRY_AUTH_NAME)
     assert stat.S_IMODE(auth.stat().st_mode) == 0o600
     assert stacks["REGISTRY_PASSWORD"] not in Path(job_.workdir, "job.sbatch").read_text()
+    probe.result(handle, status)  # the job has ended: its login file goes
+    assert not auth.exists()
 
 
 @pytest.mark.integration
