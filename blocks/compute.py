@@ -23,12 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import signal
 import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -212,6 +213,38 @@ class ComputeBackend(Block, ABC):
 
     def _requeues(self, handle: JobHandle) -> int:
         return 0
+
+    # ---- job arrays: a sweep runs one task per configuration; a backend without them says so ----------
+
+    # Whether this backend runs job arrays (the methods below); a sweep needs them.
+    supports_arrays: ClassVar[bool] = False
+
+    def no_arrays(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"the stack's compute backend ({self.backend_name}) has no job arrays, which a sweep needs: use a "
+            "stack whose compute is a Slurm cluster, or train one configuration at a time with `retrain`"
+        )
+
+    def submit_held_sweep(self, job: TrainingJob, size: int, *, parallelism: int | None = None) -> JobHandle:
+        """Queue ``job`` as a held array of ``size`` tasks (idempotent by ``job.key``)."""
+        raise self.no_arrays()
+
+    def release_sweep_tasks(self, handle: JobHandle, tasks: Mapping[int, Mapping[str, str]], *,
+                            whole_array: bool = False) -> None:  # fmt: skip
+        """Give these held tasks (index -> its environment) their settings and let them run."""
+        raise self.no_arrays()
+
+    def array_outcome(self, handle: JobHandle, size: int) -> dict[int, tuple[JobStatus, dict[str, float]]]:
+        """Each task's final state and usage (gpu_hours, cpu_hours, wall_seconds, requeues) once the array ended."""
+        raise self.no_arrays()
+
+    def task_dir(self, workdir: str, index: int) -> str:
+        """The directory array task ``index`` owns (its checkpoints and progress)."""
+        return posixpath.join(workdir, f"task-{index}")
+
+    def find_job(self, key: str) -> str | None:
+        """The id of a job (or array) carrying ``key``, or None."""
+        return None
 
 
 def _size(path: str) -> int:

@@ -143,6 +143,7 @@ class SlurmCluster(ComputeBackend):
 
     _block_type_name = "gpuferry Slurm Cluster"
     enforces_time_limit: ClassVar[bool] = True  # --time: Slurm ends (or requeues) a job past its limit
+    supports_arrays: ClassVar[bool] = True
     _description = "Runs training jobs on a Slurm cluster: sbatch over SSH, batched squeue polling, sacct accounting."
 
     local: bool = Field(False, description="Run Slurm commands on this machine (the flow runs on the login node).")

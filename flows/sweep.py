@@ -59,11 +59,8 @@ def sweep(
     work = load(workload)
     run = plan(work, training, serving, promotion)
     configurations = work.definition.schema.expand_grid(run.hyperparameters, grid.values, grid.configurations)
-    if not hasattr(blocks.compute, "submit_sweep"):
-        raise ConfigurationError(
-            f"the stack's compute backend ({blocks.compute.backend_name}) has no job arrays, which a sweep needs: "
-            "use a stack whose compute is a Slurm cluster, or train one configuration at a time with `retrain`"
-        )
+    if not blocks.compute.supports_arrays:
+        raise blocks.compute.no_arrays()
     if parallelism is not None and parallelism < 1:
         raise ConfigurationError(f"parallelism={parallelism}: give a positive number, or None for no limit")
     preflight(blocks, run)

@@ -16,7 +16,6 @@ from prefect import get_run_logger, task
 from prefect.exceptions import TerminationSignal
 
 from blocks.compute import ComputeBackend
-from blocks.errors import ConfigurationError
 from blocks.specs import JobHandle, SweepJobResult, SweepTaskResult, TrainingJob
 from blocks.tracking import MlflowTracking
 from tasks.retry import is_transient, retry_options
@@ -103,9 +102,9 @@ def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict
         ready.append(make[future])
         left -= 1
         if left and len(ready) >= max(FIRST_RELEASE, released):
-            compute.release_sweep_tasks(handle, {i: settings(i) for i in ready})  # type: ignore[attr-defined]
+            compute.release_sweep_tasks(handle, {i: settings(i) for i in ready})
             released, ready = released + len(ready), []
-    compute.release_sweep_tasks(handle, {i: settings(i) for i in ready}, whole_array=True)  # type: ignore[attr-defined]
+    compute.release_sweep_tasks(handle, {i: settings(i) for i in ready}, whole_array=True)
 
 
 def _last_attempt() -> bool:
@@ -122,7 +121,7 @@ def _cancel_array(compute: ComputeBackend, job: TrainingJob, handle: JobHandle |
     logger = get_run_logger()
     try:
         if handle is None:
-            job_id = compute.find_job(job.key)  # type: ignore[attr-defined]
+            job_id = compute.find_job(job.key)
             if job_id is None:
                 return
             handle = JobHandle(backend=compute.backend_name, job_id=job_id, key=job.key, workdir=job.workdir,
@@ -156,11 +155,8 @@ def train_sweep(
     and the few runs made meanwhile are marked FAILED by the flow.)
     """
     logger = get_run_logger()
-    if getattr(compute, "submit_held_sweep", None) is None:
-        raise ConfigurationError(
-            f"the {compute.backend_name} backend cannot run a sweep (it has no job arrays): use a Slurm stack, "
-            "or run one configuration at a time with the retrain flow"
-        )
+    if not compute.supports_arrays:
+        raise compute.no_arrays()
     client = tracking.client
     parent = client.get_run(parent_run_id)
     experiment_id = parent.info.experiment_id
@@ -191,7 +187,7 @@ def train_sweep(
                             initargs=(CHILD_RUNS_NICE,)) as pool:  # fmt: skip
         make = {pool.submit(make_run, i): i for i in range(len(configurations)) if i not in runs}
         try:
-            handle = compute.submit_held_sweep(job, len(configurations), parallelism=parallelism)  # type: ignore[attr-defined]
+            handle = compute.submit_held_sweep(job, len(configurations), parallelism=parallelism)
             logger.info("sweep of %d configurations: job array %s (workdir %s), released as its child runs come",
                         len(configurations), handle.job_id, handle.workdir)  # fmt: skip
             _release_as_runs_come(compute, handle, runs, make, configurations)
@@ -205,10 +201,10 @@ def train_sweep(
                 # A retry would adopt the array and go on; without one it must not wait held forever.
                 _cancel_array(compute, job, handle, "the flow run was stopped" if stopped else f"{exc!r}")
             raise
-    outcome = compute.array_outcome(handle, len(configurations))  # type: ignore[attr-defined]
+    outcome = compute.array_outcome(handle, len(configurations))
     results = [
         SweepTaskResult(
-            index=i, status=state, checkpoint_dir=posixpath.join(compute.task_dir(job.workdir, i), "checkpoints"),  # type: ignore[attr-defined]
+            index=i, status=state, checkpoint_dir=posixpath.join(compute.task_dir(job.workdir, i), "checkpoints"),
             requeues=int(usage["requeues"]), wall_seconds=usage["wall_seconds"],
             gpu_hours=usage["gpu_hours"], cpu_hours=usage["cpu_hours"],
         )  # fmt: skip

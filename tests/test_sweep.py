@@ -80,6 +80,7 @@ class HeldArray:
     """A job array backend that records what the sweep task asks of it (no cluster)."""
 
     backend_name = "held-array"
+    supports_arrays = True
 
     def __init__(self) -> None:
         self.released: dict[int, dict[str, str]] = {}
