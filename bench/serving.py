@@ -1,18 +1,36 @@
-"""Benchmark P6: workload/serve.py against `mlflow models serve`, same model, same machine.
+"""Benchmark P6: our inference server against `mlflow models serve` and LitServe, same MLflow models, same machine.
 
-Trains the digits MLP, saves it in the checkpoint layout (``final/model.pt``) and logs the same weights with
-``mlflow.pytorch.log_model`` into a throwaway SQLite tracking store. Then, one server at a time (they would
-compete for the same cores): start it, check its answers against the in-process model, and load it with wrk
-(a separate process) for 1- and 32-sample requests at concurrency 1, 8 and 32.
+Two models, saved here as MLflow models (with a manifest, as gpuferry's checkpoint stores write it):
 
-    .venv/bin/python bench/serving.py              # ~20 s per point, about 5 minutes in all
-    BENCH_SECONDS=5 .venv/bin/python bench/serving.py
+- ``digits``: a torch MLP (64→128→10) trained on scikit-learn's digits, ``mlflow.pytorch.save_model`` with a 2-row
+  input example (one float32 tensor signature);
+- ``regressor``: an ElasticNet on scikit-learn's diabetes data, ``mlflow.sklearn.save_model`` with DataFrame rows
+  (ten named double columns).
 
-Prints the table and ``RESULT P6_throughput_ratio`` (ours/mlflow samples per second) and ``RESULT P6_p99_ratio``
-(ours/mlflow p99 latency), both at 1-sample requests and concurrency 32. Needs ``wrk``
-(``apt-get install -y wrk``). Our server runs with its default settings; ``mlflow models serve`` with
-``--env-manager local --workers 1``, its defaults otherwise, and ``OMP_NUM_THREADS=1`` (one torch thread, as our
-server picks on a 2-core machine: a second thread only contends on such tiny tensors).
+Each is served, one server at a time (they would compete for the same cores), by
+
+- ours: ``python -m runtime.serve`` (one process; predict on one dedicated thread; batching on, defaults);
+- ``mlflow models serve -m DIR --env-manager local --workers 1``;
+- LitServe (``litserve``) with a ``LitAPI`` that loads the same pyfunc model with ``mlflow.pyfunc.load_model``,
+  decodes the same request body, batches (``max_batch_size=64``, ``batch_timeout=0.002``: ours' defaults) and
+  predicts through ``PyFuncModel.predict``; one inference worker, one API server, its ZeroMQ fast queue.
+
+Every server gets ``OMP_NUM_THREADS=1`` (one torch/BLAS thread: on 2 cores a second only contends on such tiny
+inputs). Before any timing each server's answers to single rows and a multi-row request are checked against the
+in-process ``PyFuncModel.predict``. Load: ``wrk`` (a separate process; installed with apt-get if missing),
+1-row requests in the model's own serving-input format (``{"inputs": [[...]]}`` and ``{"dataframe_split":
+{"columns": [...], "data": [[...]]}}``), concurrency 32, ``BENCH_SECONDS`` (10) per run after a 2-s warm-up, for
+``BENCH_ROUNDS`` (3) rounds, the three servers in a rotated order each round. Non-2xx answers and socket errors are
+counted. Reported: medians over the rounds, and
+
+    RESULT P6_throughput_ratio_<model>  ours / mlflow requests per second
+    RESULT P6_p99_ratio_<model>         ours / mlflow p99 latency
+    RESULT P6_vs_litserve_<model>       ours / LitServe requests per second
+    RESULT P6_throughput_ratio, P6_p99_ratio, P6_vs_litserve   the worse of the two models
+    RESULT P6_errors                    failed requests, all servers and rounds
+
+    .venv/bin/python bench/serving.py                  # about 12 minutes on 2 cores
+    BENCH_SECONDS=5 BENCH_ROUNDS=1 .venv/bin/python bench/serving.py
 """
 
 from __future__ import annotations
@@ -24,83 +42,140 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import litserve as ls
 import numpy as np
-import torch
+import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from blocks.storage import write_manifest  # noqa: E402
-from runtime import contract  # noqa: E402
-from workload.data import load_digits_split  # noqa: E402
-from workload.model import build_model  # noqa: E402
-
-SECONDS = int(os.environ.get("BENCH_SECONDS", "20"))
-SAMPLES_PER_REQUEST = (1, 32)
-CONCURRENCY = (1, 8, 32)
-STARTUP_TIMEOUT = 180.0
+SECONDS = int(os.environ.get("BENCH_SECONDS", "10"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+CONCURRENCY = 32
+MAX_BATCH_SIZE = 64  # ours' default; LitServe gets the same
+BATCH_TIMEOUT_S = 0.002  # ours' default MAX_BATCH_WAIT_MS
+STARTUP_TIMEOUT = 300.0
+SERVERS = ("ours", "mlflow", "litserve")
+MODELS = ("digits", "regressor")
 
 
 @dataclass(frozen=True)
-class Point:
+class Run:
+    model: str
     server: str
-    samples: int
-    concurrency: int
+    round: int
     requests_per_s: float
     p50_ms: float
     p99_ms: float
     errors: int
 
-    @property
-    def samples_per_s(self) -> float:
-        return self.requests_per_s * self.samples
+
+# ------------------------------------------------------------------------------------------------ the models
 
 
-# ------------------------------------------------------------------------------------------------ the model
+def save_models(workdir: Path) -> dict[str, tuple[Path, Any, bytes]]:
+    """Both MLflow models with manifests; per model: directory, verification input, 1-row wrk body."""
+    import mlflow.pytorch
+    import mlflow.sklearn
+    import torch
+    from sklearn.datasets import load_diabetes, load_digits
+    from sklearn.linear_model import ElasticNet
 
+    sys.path.insert(0, str(REPO))
+    from blocks.storage import write_manifest
 
-def train(seed: int = 0) -> tuple[torch.nn.Module, dict[str, int]]:
-    """The digits MLP (64→128→10), trained full-batch in well under a second; returns the model and its config."""
-    torch.manual_seed(seed)
-    config = {"hidden": 128}
-    model = build_model(config)
-    x, y = (torch.from_numpy(a) for a in load_digits_split()["train"])
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    digits = load_digits()
+    x = (digits.data / 16).astype(np.float32)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-2)
     for _ in range(150):
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(mlp(torch.from_numpy(x[:1400])), torch.from_numpy(digits.target[:1400]))
+        loss.backward()
         optimizer.step()
-    return model.eval(), config
+    # A 2-row example: torch.export keeps a batch dimension of 1 static.
+    mlflow.pytorch.save_model(mlp.eval(), workdir / "digits", input_example=x[:2], pip_requirements=["torch"])
 
-
-def log_to_mlflow(model: torch.nn.Module, example: np.ndarray, workdir: Path) -> tuple[str, dict[str, str]]:
-    """Log the model into a fresh SQLite tracking store; returns the model URI and the env that resolves it."""
-    import mlflow
-    import mlflow.pytorch
-
-    # `mlflow models serve` runs `uvicorn` from PATH: put this interpreter's scripts first.
-    env = {
-        "MLFLOW_TRACKING_URI": f"sqlite:///{workdir / 'mlflow.db'}",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        # The same single torch thread our server picks on this machine (see the module docstring).
-        "OMP_NUM_THREADS": "1",
+    diabetes = load_diabetes(as_frame=True)
+    regressor = ElasticNet(alpha=0.01, l1_ratio=0.5).fit(diabetes.data[:400], diabetes.target[:400])
+    mlflow.sklearn.save_model(
+        regressor, workdir / "regressor", input_example=diabetes.data.iloc[:3], pip_requirements=["scikit-learn"]
+    )
+    for name in MODELS:
+        write_manifest(workdir / name)
+    digits_rows = x[1400:1424]
+    frame = diabetes.data.iloc[400:424]
+    return {
+        "digits": (workdir / "digits", digits_rows, json.dumps({"inputs": digits_rows[:1].tolist()}).encode()),
+        "regressor": (
+            workdir / "regressor",
+            frame,
+            json.dumps({"dataframe_split": {"columns": list(frame.columns), "data": frame.iloc[:1].to_numpy().tolist()}}).encode(),
+        ),
     }
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-    experiment = mlflow.create_experiment("bench-serving", artifact_location=(workdir / "artifacts").as_uri())
-    with mlflow.start_run(experiment_id=experiment) as run:
-        # A 2-row example: torch.export keeps a batch dimension of 1 static, and the served model would then
-        # accept only single rows.
-        mlflow.pytorch.log_model(model, name="model", input_example=example[:2])
-    return f"runs:/{run.info.run_id}/model", env
+
+
+def request_body(model: str, data: Any) -> dict:
+    """The model's own serving-input format for ``data``."""
+    if model == "digits":
+        return {"inputs": data.tolist()}
+    return {"dataframe_split": {"columns": list(data.columns), "data": data.to_numpy().tolist()}}
+
+
+# ---------------------------------------------------------------------------------------- LitServe's side
+
+
+class PyfuncAPI(ls.LitAPI):
+    """LitServe's side: the same pyfunc model, the same request body, LitServe's own batching."""
+
+    def __init__(self, model_dir: str, model: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model_dir = model_dir
+        self.kind = model
+
+    def setup(self, device: str) -> None:
+        import mlflow.pyfunc
+
+        self.model = mlflow.pyfunc.load_model(self.model_dir)
+
+    def decode_request(self, request: dict) -> Any:
+        if self.kind == "digits":
+            return np.asarray(request["inputs"], dtype=np.float32)
+        split = request["dataframe_split"]
+        return pd.DataFrame(split["data"], columns=split["columns"])
+
+    def batch(self, inputs: list[Any]) -> Any:
+        self.rows = [len(i) for i in inputs]
+        return np.concatenate(inputs) if self.kind == "digits" else pd.concat(inputs, ignore_index=True)
+
+    def predict(self, x: Any) -> Any:
+        return self.model.predict(x)
+
+    def unbatch(self, output: Any) -> list[Any]:
+        bounds = np.cumsum([0, *self.rows])
+        return [output[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def encode_response(self, output: Any) -> dict:
+        return {"predictions": np.asarray(output).tolist()}
+
+
+def litserve_main(model_dir: str, model: str, port: int) -> None:
+    """LitServe serving the same pyfunc model (run as: bench/serving.py litserve DIR MODEL PORT)."""
+    api = PyfuncAPI(model_dir, model, max_batch_size=MAX_BATCH_SIZE, batch_timeout=BATCH_TIMEOUT_S, api_path="/invocations")
+    server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1, fast_queue=True)
+    server.run(host="127.0.0.1", port=port, num_api_servers=1, generate_client_file=False, log_level="warning")
 
 
 # ----------------------------------------------------------------------------------------------- processes
@@ -112,23 +187,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_argv(server: str, model_dir: Path, model: str, port: int) -> tuple[list[str], dict[str, str], str]:
+    """argv, extra environment and readiness URL of one server."""
+    bindir = Path(sys.executable).parent
+    env = {"OMP_NUM_THREADS": "1", "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    base = f"http://127.0.0.1:{port}"
+    if server == "ours":
+        env |= {"MODEL_URI": model_dir.as_uri(), "PORT": str(port), "DRAIN_SECONDS": "0"}
+        return [sys.executable, "-m", "runtime.serve"], env, f"{base}/readyz"
+    if server == "mlflow":
+        argv = [str(bindir / "mlflow"), "models", "serve", "-m", str(model_dir), "--env-manager", "local",
+                "--workers", "1", "-h", "127.0.0.1", "-p", str(port)]  # fmt: skip
+        return argv, env, f"{base}/ping"
+    return [sys.executable, str(Path(__file__).resolve()), "litserve", str(model_dir), model, str(port)], env, f"{base}/health"
+
+
 @contextlib.contextmanager
 def running(argv: list[str], env: dict[str, str], ready_url: str, log_path: Path) -> Iterator[None]:
     """Run a server in its own process group until the block ends; wait until ``ready_url`` answers 200."""
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            argv, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            argv, cwd=REPO, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
         try:
             deadline = time.monotonic() + STARTUP_TIMEOUT
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{argv[0]} exited with {proc.returncode}:\n{_tail(log_path)}")
-                try:
-                    if httpx.get(ready_url, timeout=2).status_code == 200:
+                    raise RuntimeError(f"{argv[:3]} exited with {proc.returncode}:\n{_tail(log_path)}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(ready_url, timeout=5).status_code == 200:
                         break
-                except httpx.TransportError:
-                    pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{ready_url} not ready after {STARTUP_TIMEOUT:.0f} s:\n{_tail(log_path)}")
                 time.sleep(0.2)
@@ -142,7 +231,7 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (mlflow serves from a child process), SIGKILL after 30 s."""
+    """SIGTERM the server's process group (mlflow and LitServe serve from child processes), SIGKILL after 30 s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -157,27 +246,16 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
 # ------------------------------------------------------------------------------------------ checks and load
 
 
-def check_answers(url: str, x: np.ndarray, reference: np.ndarray, to_labels: Callable[[dict], list[int]]) -> None:
-    """Both request sizes return the in-process model's predictions (checked before any timing)."""
+def check_answers(url: str, model: str, data: Any, expected: np.ndarray) -> None:
+    """Single rows and one multi-row request return the in-process model's predictions (before any timing)."""
     with httpx.Client(timeout=30) as client:
-        for samples in SAMPLES_PER_REQUEST:
-            for start in range(0, len(x), samples):
-                rows = x[start : start + samples]
-                response = client.post(url, json={"inputs": rows.tolist()})
-                response.raise_for_status()
-                labels = to_labels(response.json())
-                expected = reference[start : start + samples].tolist()
-                if labels != expected:
-                    raise AssertionError(f"{url}: rows {start}..: got {labels}, expected {expected}")
-
-
-def ours_labels(body: dict) -> list[int]:
-    return body["predictions"]
-
-
-def mlflow_labels(body: dict) -> list[int]:
-    # The pyfunc flavour returns the module's raw outputs (logits), one list per row.
-    return np.asarray(body["predictions"]).argmax(axis=1).tolist()
+        pieces = [(i, i + 1) for i in range(8)] + [(8, len(data))]
+        for a, b in pieces:
+            response = client.post(url, json=request_body(model, data[a:b]))
+            response.raise_for_status()
+            got = np.asarray(response.json()["predictions"])
+            if got.shape != expected[a:b].shape or not np.allclose(got, expected[a:b], rtol=1e-5, atol=1e-6):
+                raise AssertionError(f"{url}: rows {a}..{b}: got {got.tolist()}, expected {expected[a:b].tolist()}")
 
 
 _UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
@@ -188,11 +266,11 @@ def _ms(text: str) -> float:
     return float(value) * _UNITS_MS[unit]
 
 
-def wrk(url: str, body: bytes, concurrency: int, seconds: int, workdir: Path) -> tuple[float, float, float, int]:
-    """Run wrk; returns (requests/s, p50 ms, p99 ms, failed requests)."""
-    body_file = workdir / f"body-{len(body)}.json"
+def wrk(url: str, body: bytes, seconds: int, workdir: Path) -> tuple[float, float, float, int]:
+    """Run wrk; returns (requests/s, p50 ms, p99 ms, failed requests: non-2xx answers and socket errors)."""
+    body_file = workdir / f"body-{abs(hash(body))}.json"
     body_file.write_bytes(body)
-    script = workdir / f"post-{len(body)}.lua"
+    script = workdir / "post.lua"
     script.write_text(
         'wrk.method = "POST"\n'
         'wrk.headers["Content-Type"] = "application/json"\n'
@@ -200,7 +278,7 @@ def wrk(url: str, body: bytes, concurrency: int, seconds: int, workdir: Path) ->
         'wrk.body = f:read("*a")\n'
         "f:close()\n"
     )
-    argv = ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "10s", "--latency", "-s", str(script), url]
+    argv = ["wrk", "-t1", f"-c{CONCURRENCY}", f"-d{seconds}s", "--timeout", "10s", "--latency", "-s", str(script), url]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     p50 = _ms(re.search(r"\s50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
@@ -213,80 +291,85 @@ def wrk(url: str, body: bytes, concurrency: int, seconds: int, workdir: Path) ->
     return rps, p50, p99, errors
 
 
-def measure(server: str, url: str, x: np.ndarray, workdir: Path) -> list[Point]:
-    points = []
-    bodies = {n: json.dumps({"inputs": x[:n].tolist()}).encode() for n in SAMPLES_PER_REQUEST}
-    wrk(url, bodies[1], 8, 2, workdir)  # warm-up, not recorded
-    for samples in SAMPLES_PER_REQUEST:
-        for concurrency in CONCURRENCY:
-            rps, p50, p99, errors = wrk(url, bodies[samples], concurrency, SECONDS, workdir)
-            points.append(Point(server, samples, concurrency, rps, p50, p99, errors))
-            print(
-                f"  {server}: {samples} samples/request, concurrency {concurrency}: {rps:,.0f} req/s, "
-                f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, {errors} errors",
-                flush=True,
-            )
-    return points
+def ensure_wrk() -> None:
+    if shutil.which("wrk"):
+        return
+    print("installing wrk (apt-get)", flush=True)
+    apt = ["apt-get", "install", "-y", "-q", "wrk"]
+    if subprocess.run(apt, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], check=True, capture_output=True)
+        subprocess.run(apt, check=True, capture_output=True)
 
 
 # ----------------------------------------------------------------------------------------------------- main
 
 
 def main() -> None:
-    if shutil.which("wrk") is None:
-        sys.exit("wrk is not installed: apt-get install -y wrk")
-    torch.set_num_threads(1)  # tiny tensors: more threads only contend (10x slower on a busy 2-core machine)
+    ensure_wrk()
+    import mlflow.pyfunc
+
     workdir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    runs: list[Run] = []
     try:
-        model, config = train()
-        x_test, y_test = load_digits_split()["test"]
-        x = x_test[:96]
-        with torch.inference_mode():
-            reference = model(torch.from_numpy(x)).argmax(dim=1).numpy()
-            accuracy = (model(torch.from_numpy(x_test)).argmax(dim=1).numpy() == y_test).mean()
-        print(f"model: {config}, test accuracy {accuracy:.3f}; workdir {workdir}", flush=True)
-
-        checkpoint = workdir / contract.FINAL_DIRNAME
-        checkpoint.mkdir()
-        torch.save({"state_dict": model.state_dict(), "config": config}, checkpoint / contract.MODEL_FILENAME)
-        write_manifest(checkpoint)  # the server serves only a checkpoint with a manifest
-        mlflow_uri, mlflow_env = log_to_mlflow(model, x, workdir)
-
-        points: list[Point] = []
-        port = free_port()
-        mlflow_bin = str(Path(sys.executable).parent / "mlflow")
-        argv = [mlflow_bin, "models", "serve", "-m", mlflow_uri, "--env-manager", "local", "--workers", "1",
-                "-p", str(port), "-h", "127.0.0.1"]  # fmt: skip
-        print(f"mlflow models serve -m {mlflow_uri} ...", flush=True)
-        with running(argv, mlflow_env, f"http://127.0.0.1:{port}/ping", workdir / "mlflow-serve.log"):
-            url = f"http://127.0.0.1:{port}/invocations"
-            check_answers(url, x, reference, mlflow_labels)
-            points += measure("mlflow models serve", url, x, workdir)
-
-        port = free_port()
-        env = {contract.MODEL_URI: checkpoint.as_uri(), contract.PORT: str(port), "DRAIN_SECONDS": "0"}
-        print(f"workload/serve.py MODEL_URI={checkpoint.as_uri()} ...", flush=True)
-        argv = [sys.executable, str(REPO / "workload" / "serve.py")]
-        with running(argv, env, f"http://127.0.0.1:{port}/readyz", workdir / "serve.log"):
-            url = f"http://127.0.0.1:{port}/predict"
-            check_answers(url, x, reference, ours_labels)
-            points += measure("workload/serve.py", url, x, workdir)
+        models = save_models(workdir)
+        expected = {
+            name: np.asarray(mlflow.pyfunc.load_model(str(d)).predict(data)) for name, (d, data, _) in models.items()
+        }
+        print(f"models saved in {workdir}; {ROUNDS} rounds, {SECONDS} s per run, concurrency {CONCURRENCY}", flush=True)
+        for r in range(ROUNDS):
+            order = SERVERS[r % 3 :] + SERVERS[: r % 3]
+            for name, (model_dir, data, body) in models.items():
+                for server in order:
+                    port = free_port()
+                    argv, env, ready_url = server_argv(server, model_dir, name, port)
+                    with running(argv, env, ready_url, workdir / f"{server}-{name}-{r}.log"):
+                        url = f"http://127.0.0.1:{port}/invocations"
+                        check_answers(url, name, data, expected[name])
+                        wrk(url, body, 2, workdir)  # warm-up, not recorded
+                        rps, p50, p99, errors = wrk(url, body, SECONDS, workdir)
+                    runs.append(Run(name, server, r, rps, p50, p99, errors))
+                    print(
+                        f"  round {r + 1} {name:9} {server:8}: {rps:8,.0f} req/s  p50 {p50:7.2f} ms  "
+                        f"p99 {p99:7.2f} ms  {errors} errors",
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    report(runs)
 
-    print(f"\nP6: {SECONDS} s per point, wrk -t1, {os.cpu_count()} CPUs\n")
-    print("| server | samples/request | concurrency | requests/s | samples/s | p50 ms | p99 ms | errors |")
-    print("|---|---|---|---|---|---|---|---|")
-    for p in points:
-        print(
-            f"| {p.server} | {p.samples} | {p.concurrency} | {p.requests_per_s:,.0f} | {p.samples_per_s:,.0f} "
-            f"| {p.p50_ms:.2f} | {p.p99_ms:.2f} | {p.errors} |"
-        )
-    key = {(p.server, p.samples, p.concurrency): p for p in points}
-    ours, theirs = key[("workload/serve.py", 1, 32)], key[("mlflow models serve", 1, 32)]
-    print(f"\nRESULT P6_throughput_ratio {ours.samples_per_s / theirs.samples_per_s:.2f}")
-    print(f"RESULT P6_p99_ratio {ours.p99_ms / theirs.p99_ms:.3f}")
+
+def report(runs: list[Run]) -> None:
+    def median(model: str, server: str, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in runs if r.model == model and r.server == server)
+
+    print(f"\nP6: 1-row requests, concurrency {CONCURRENCY}, wrk -t1, {SECONDS} s per run, medians of {ROUNDS} rounds, "
+          f"{os.cpu_count()} CPUs\n")  # fmt: skip
+    print("| model | server | requests/s | p50 ms | p99 ms | errors |")
+    print("|---|---|---|---|---|---|")
+    for model in MODELS:
+        for server in SERVERS:
+            errors = sum(r.errors for r in runs if r.model == model and r.server == server)
+            print(
+                f"| {model} | {server} | {median(model, server, 'requests_per_s'):,.0f} "
+                f"| {median(model, server, 'p50_ms'):.2f} | {median(model, server, 'p99_ms'):.2f} | {errors} |"
+            )
+    results: dict[str, dict[str, float]] = {"P6_throughput_ratio": {}, "P6_p99_ratio": {}, "P6_vs_litserve": {}}
+    print()
+    for model in MODELS:
+        ours_rps = median(model, "ours", "requests_per_s")
+        results["P6_throughput_ratio"][model] = ours_rps / median(model, "mlflow", "requests_per_s")
+        results["P6_p99_ratio"][model] = median(model, "ours", "p99_ms") / median(model, "mlflow", "p99_ms")
+        results["P6_vs_litserve"][model] = ours_rps / median(model, "litserve", "requests_per_s")
+        for key, values in results.items():
+            print(f"RESULT {key}_{model} {values[model]:.3f}")
+    worse = {"P6_throughput_ratio": min, "P6_p99_ratio": max, "P6_vs_litserve": min}
+    for key, values in results.items():
+        print(f"RESULT {key} {worse[key](values.values()):.3f}")
+    print(f"RESULT P6_errors {sum(r.errors for r in runs)}")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 5 and sys.argv[1] == "litserve":
+        litserve_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main()

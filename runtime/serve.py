@@ -61,27 +61,23 @@ if __package__ in (None, ""):  # run as a script (python runtime/serve.py): the 
 
 import asyncio
 import gc
-import json
 import logging
-import math
-import os
 import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from runtime import contract
 from runtime.batching import Batcher, Overloaded
-from runtime.checkpoint import VerifiedCheckpoint, fetch_checkpoint
 from runtime.jsonio import dumps, error_body
+from runtime.loading import LoadedModel, load
 from runtime.metrics import Metrics
+from runtime.settings import Settings
 
 log = logging.getLogger("runtime.serve")
 
@@ -91,142 +87,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 RETRY_AFTER_SECONDS = 1
-
-
-# --------------------------------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The server's configuration, read once from the environment."""
-
-    model_uri: str
-    model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_batch_size: int = 64
-    max_batch_wait_ms: float = 2.0
-    max_queue: int = 256
-    max_request_rows: int = 1024
-    max_request_bytes: int = 64 << 20
-    drain_seconds: float = 2.0
-    warmup_iterations: int = 3
-    torch_threads: int | None = None
-
-    @classmethod
-    def from_env(cls, env: MutableMapping[str, str] | None = None) -> Settings:
-        env = os.environ if env is None else env
-        model_uri = env.get(contract.MODEL_URI, "")
-        if not model_uri:
-            raise ValueError(f"{contract.MODEL_URI} is not set: give the path, file:// or s3:// URI of a checkpoint")
-
-        def number(name: str, default: float | None, kind: type[int] | type[float], minimum: float) -> Any:
-            raw = env.get(name, "")
-            if not raw:
-                return default
-            try:
-                value = kind(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
-            if value < minimum or (kind is float and not math.isfinite(value)):
-                raise ValueError(f"{name}={raw!r} must be a finite number of at least {minimum}")
-            return value
-
-        return cls(
-            model_uri=model_uri,
-            model_name=env.get("MODEL_NAME") or None,
-            host=env.get(contract.HOST, "") or cls.host,
-            port=number(contract.PORT, cls.port, int, 0),
-            max_batch_size=number(contract.MAX_BATCH_SIZE, cls.max_batch_size, int, 1),
-            max_batch_wait_ms=number(contract.MAX_BATCH_WAIT_MS, cls.max_batch_wait_ms, float, 0),
-            max_queue=number(contract.MAX_QUEUE, cls.max_queue, int, 1),
-            max_request_rows=number("MAX_REQUEST_ROWS", cls.max_request_rows, int, 1),
-            max_request_bytes=number("MAX_REQUEST_BYTES", cls.max_request_bytes, int, 1),
-            drain_seconds=number("DRAIN_SECONDS", cls.drain_seconds, float, 0),
-            warmup_iterations=number("WARMUP_ITERATIONS", cls.warmup_iterations, int, 1),
-            torch_threads=number("TORCH_NUM_THREADS", None, int, 1),
-        )
-
-
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a container's CPU limit)."""
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
-
-
-# ------------------------------------------------------------------------------------------------------ model
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """What the predict thread loaded: the pyfunc model, its scorer and what /readyz may tell about it."""
-
-    scorer: Any  # runtime.scoring.Scorer
-    serving_input: str | None  # the model's own serving input example (JSON), if it was saved with one
-    description: dict[str, Any]
-
-
-def load(settings: Settings, scratch: Path) -> LoadedModel:
-    """Fetch and verify the checkpoint, load it with ``mlflow.pyfunc`` (on the calling thread: the predict one)."""
-    checkpoint = fetch_checkpoint(settings.model_uri, scratch)
-    if not (checkpoint.path / "MLmodel").is_file():
-        raise FileNotFoundError(
-            f"{settings.model_uri} holds no MLmodel: the training job must write an MLflow model directory "
-            f"(mlflow.<flavour>.save_model(model, path)) to {contract.CHECKPOINT_DIR}/{contract.FINAL_DIRNAME}/"
-        )
-    # MLflow is imported only now, after the checkpoint is known good (and off the event loop: it takes seconds).
-    import mlflow
-    import mlflow.pyfunc
-    from mlflow.models import Model
-
-    from runtime.scoring import Scorer
-
-    model = mlflow.pyfunc.load_model(str(checkpoint.path))
-    _tune_torch(settings)
-    meta = Model.load(str(checkpoint.path))
-    serving_input = meta.get_serving_input(str(checkpoint.path))
-    return LoadedModel(
-        Scorer(model, settings.max_request_rows),
-        serving_input,
-        _describe_model(settings, meta, checkpoint, mlflow.__version__),
-    )
-
-
-def _tune_torch(settings: Settings) -> None:
-    """torch's intra-op threads default to the host's cores, ignoring a container's limit, and oversubscribe; one
-    core stays free for request handling. Only when the model loaded torch and OMP_NUM_THREADS does not say."""
-    if "torch" not in sys.modules or (settings.torch_threads is None and os.environ.get("OMP_NUM_THREADS")):
-        return
-    import torch
-
-    torch.set_num_threads(settings.torch_threads or max(1, usable_cpus() - 1))
-
-
-def _describe_model(settings: Settings, meta: Any, checkpoint: VerifiedCheckpoint, mlflow_version: str) -> dict:
-    signature = None
-    if meta.signature is not None:  # its parts are JSON strings in MLmodel: objects here
-        signature = {k: json.loads(v) if isinstance(v, str) else v for k, v in meta.signature.to_dict().items()}
-    return {
-        "name": settings.model_name or meta.artifact_path or "model",
-        "flavors": sorted(meta.flavors),
-        "loader_module": meta.flavors.get("python_function", {}).get("loader_module"),
-        "signature": signature,
-        "has_serving_input_example": bool(meta.saved_input_example_info),
-        "model_uuid": meta.model_uuid,
-        "model_id": getattr(meta, "model_id", None),
-        "run_id": meta.run_id,
-        "saved_with_mlflow": meta.mlflow_version,
-        "served_with_mlflow": mlflow_version,
-        "checkpoint_sha256": checkpoint.sha256,
-        "files": checkpoint.files,
-        "size_bytes": checkpoint.size_bytes,
-    }
 
 
 # ------------------------------------------------------------------------------------------------------- app

@@ -941,7 +941,7 @@ def test_serves_a_verified_s3_checkpoint_and_refuses_a_corrupt_one(
 
 def test_model_agnostic_parts_import_neither_mlflow_nor_gpuferry() -> None:
     code = (
-        "import sys; import runtime.checkpoint, runtime.batching, runtime.metrics; "
+        "import sys; import runtime.checkpoint, runtime.batching, runtime.metrics, runtime.settings; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('mlflow', 'numpy', 'pandas', 'prefect', 'blocks', 'tasks', 'flows', 'deployments')); print(bad)"
     )
