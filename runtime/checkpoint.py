@@ -40,8 +40,11 @@ class VerifiedCheckpoint:
     size_bytes: int
 
 
-def fetch_checkpoint(uri: str, dest: str | Path) -> VerifiedCheckpoint:
+def fetch_checkpoint(uri: str, dest: str | Path, expected_sha256: str | None = None) -> VerifiedCheckpoint:
     """Copy the checkpoint at ``uri`` (a path, ``file:///path`` or ``s3://bucket/prefix``) into ``dest``.
+
+    ``expected_sha256``: the checkpoint's identity as the model version records it (``MODEL_SHA256``); a
+    checkpoint whose manifest has another is refused before any file is fetched (it was replaced since).
 
     Raises ``UnverifiedCheckpoint`` when it has no manifest or a listed file is missing or differs from it,
     ``contract.ManifestError`` when the manifest is not one, ``FileNotFoundError`` when nothing is at ``uri``
@@ -52,7 +55,7 @@ def fetch_checkpoint(uri: str, dest: str | Path) -> VerifiedCheckpoint:
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ValueError(f"{uri}: an s3:// URI names a bucket (s3://bucket/prefix)")
-        return _fetch_s3(parsed.netloc, parsed.path.strip("/"), target)
+        return _fetch_s3(parsed.netloc, parsed.path.strip("/"), target, expected_sha256)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"{uri}: file:// URIs must name a local path (file:///path)")
@@ -69,6 +72,7 @@ def fetch_checkpoint(uri: str, dest: str | Path) -> VerifiedCheckpoint:
         raw = (root / contract.MANIFEST_FILENAME).read_bytes()
     except FileNotFoundError:
         raise UnverifiedCheckpoint(_no_manifest(root)) from None
+    _check_identity(raw, expected_sha256, str(root))
     files = contract.parse_manifest(raw, str(root))["files"]
     for entry in files:
         where = f"{root}/{entry['path']}"
@@ -81,7 +85,16 @@ def fetch_checkpoint(uri: str, dest: str | Path) -> VerifiedCheckpoint:
     return _finish(raw, files, target)
 
 
-def _fetch_s3(bucket: str, prefix: str, target: Path) -> VerifiedCheckpoint:
+def _check_identity(raw: bytes, expected: str | None, where: str) -> None:
+    actual = hashlib.sha256(raw).hexdigest()
+    if expected and actual != expected:
+        raise UnverifiedCheckpoint(
+            f"{where}: its {contract.MANIFEST_FILENAME} has sha256 {actual}, but the model version records {expected}: "
+            "the stored checkpoint is not the one that was registered; refusing to serve it"
+        )
+
+
+def _fetch_s3(bucket: str, prefix: str, target: Path, expected_sha256: str | None = None) -> VerifiedCheckpoint:
     """The S3 side: one plain GET per listed file, hashed as it streams (ranged GETs are slow on some servers)."""
     client = s3_client()
     base = f"{prefix}/" if prefix else ""
@@ -90,6 +103,7 @@ def _fetch_s3(bucket: str, prefix: str, target: Path) -> VerifiedCheckpoint:
         raw = client.get_object(Bucket=bucket, Key=f"{base}{contract.MANIFEST_FILENAME}")["Body"].read()
     except client.exceptions.NoSuchKey:
         raise UnverifiedCheckpoint(_no_manifest(root)) from None
+    _check_identity(raw, expected_sha256, root)
     files = contract.parse_manifest(raw, root)["files"]
     for entry in files:
         where = f"s3://{bucket}/{base}{entry['path']}"

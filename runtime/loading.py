@@ -25,7 +25,7 @@ class LoadedModel:
 
 def load(settings: Settings, scratch: Path) -> LoadedModel:
     """Fetch and verify the checkpoint, load it with ``mlflow.pyfunc`` (on the calling thread: the predict one)."""
-    checkpoint = fetch_checkpoint(settings.model_uri, scratch)
+    checkpoint = fetch_checkpoint(settings.model_uri, scratch, settings.model_sha256)
     if not (checkpoint.path / "MLmodel").is_file():
         raise FileNotFoundError(
             f"{settings.model_uri} holds no MLmodel: the training job must write an MLflow model directory "

@@ -9,6 +9,9 @@ names in ``runtime/contract.py`` plus a few of this server's own):
                        sha256) before the model loads; a checkpoint without a manifest, or with a file that does
                        not match, is refused: the server exits 1 without becoming ready. ``s3://`` uses boto3
                        (``AWS_ENDPOINT_URL``, ``AWS_CA_BUNDLE`` and the usual credential variables).
+``MODEL_SHA256``       The sha256 of the checkpoint's manifest as the model version records it (gpuferry's serving
+                       backends set it): a checkpoint whose manifest has another is refused before anything is
+                       fetched, and the server exits 1 (the stored checkpoint was replaced since it was registered).
 ``MODEL_NAME``         What ``/readyz`` calls the model (the MLmodel's ``artifact_path``, else ``model``).
 ``HOST``, ``PORT``     Where to listen (127.0.0.1:8080).
 ``MAX_BATCH_SIZE``     Rows per predict call (64). A single request larger than this runs as a batch of its own;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ class Settings:
 
     model_uri: str
     model_name: str | None = None
+    model_sha256: str | None = None  # the checkpoint's identity the model version records (MODEL_SHA256)
     host: str = "127.0.0.1"
     port: int = 8080
     max_batch_size: int = 64
@@ -48,9 +50,13 @@ class Settings:
                 raise ValueError(f"{name}={raw!r} must be a finite number of at least {minimum}")
             return value
 
+        sha256 = env.get(contract.MODEL_SHA256, "").strip().lower() or None
+        if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise ValueError(f"{contract.MODEL_SHA256}={sha256!r} is not a sha256 (64 hex digits)")
         return cls(
             model_uri=model_uri,
             model_name=env.get("MODEL_NAME") or None,
+            model_sha256=sha256,
             host=env.get(contract.HOST, "") or cls.host,
             port=number(contract.PORT, cls.port, int, 0),
             max_batch_size=number(contract.MAX_BATCH_SIZE, cls.max_batch_size, int, 1),

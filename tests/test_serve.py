@@ -884,6 +884,22 @@ def test_a_checkpoint_that_cannot_be_verified_is_never_served(models: Models, tm
             assert fragment in proc.stderr, proc.stderr
 
 
+def test_a_checkpoint_that_is_not_the_registered_one_is_refused(models: Models, tmp_path: Path) -> None:
+    """MODEL_SHA256 is the manifest's sha256 the model version records: a checkpoint replaced since is refused."""
+    source = _copy(models.regressor, tmp_path / "replaced")
+    registered = hashlib.sha256((source / contract.MANIFEST_FILENAME).read_bytes()).hexdigest()
+    assert fetch_checkpoint(source.as_uri(), tmp_path / "ok", registered).sha256 == registered
+    (source / "extra.txt").write_text("added after registration")
+    replaced = write_manifest(source)  # a consistent checkpoint, but another one
+    with pytest.raises(UnverifiedCheckpoint, match=f"has sha256 {replaced}, but the model version records {registered}"):
+        fetch_checkpoint(source.as_uri(), tmp_path / "refused", registered)
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())  # nothing fetched
+    proc = _run_to_exit(source.as_uri(), {contract.MODEL_SHA256: registered})
+    assert proc.returncode == 1 and "is not the one that was registered" in proc.stderr, proc.stderr
+    bad = _run_to_exit(source.as_uri(), {contract.MODEL_SHA256: "abc"})
+    assert bad.returncode == 2 and "MODEL_SHA256='abc' is not a sha256" in bad.stderr
+
+
 def test_a_bad_setting_exits_2_naming_it() -> None:
     proc = _run_to_exit("/nowhere", {"MAX_BATCH_SIZE": "many"})
     assert proc.returncode == 2 and "MAX_BATCH_SIZE='many' is not an integer" in proc.stderr
