@@ -13,10 +13,10 @@ multipart upload it starts (store, key, upload id, the file's sha256 and part si
 lists the upload's parts, keeps those whose ETag is the MD5 of the local bytes, sends the rest and
 completes it. Other unfinished uploads under the checkpoint are aborted once it is complete.
 
-Every request body is signed with its sha256 (SigV4, over https too: AWS S3, MinIO and Ceph RGW check it
-and refuse a body damaged on the way) and carries its CRC32, computed here, in a header, never as
-botocore's aws-chunked trailer, which Ceph RGW 16 refuses over https (``MissingContentLength``; it
-ignores CRC32). The answer of
+Every request body is signed with its sha256 (SigV4 payload signing, over https too: AWS S3, MinIO and
+Ceph RGW check it and refuse a body damaged on the way). botocore's own CRC32 is not sent: over https
+it travels as an aws-chunked trailer, which Ceph RGW 16 refuses (``MissingContentLength``), and RGW 16
+ignores it anyway. The answer of
 CompleteMultipartUpload is not relied on (RGW 16 answers an empty ETag): every object is read back
 (HEAD: size and sha256) after its upload. A changed checkpoint's old manifest is deleted before its
 first changed file is sent: readers never see a manifest that does not match the files.
@@ -52,10 +52,8 @@ from blocks.s3_requests import (
     RequestPool,
     UploadJournal,
     abort_leftover_uploads,
-    checksum_params,
     error_code,
     explained,
-    file_pieces,
     listed_parts,
     md5_hex,
     no_retry_of_tls_refusals,
@@ -96,11 +94,11 @@ def _s3_client(credentials: Any, max_pool_connections: int) -> Any:
         params["config"] = config.merge(Config(
             # One pooled connection per transfer thread, or threads queue for connections.
             max_pool_connections=max_pool_connections,
-            # The store computes each body's CRC32 itself and sends it as a header: botocore's own default (a trailer
-            # in an aws-chunked body over https) is refused by Ceph RGW 16 (MissingContentLength).
+            # No CRC32 of botocore's: over https it goes in an aws-chunked trailer, which Ceph RGW 16 refuses
+            # (MissingContentLength), and RGW ignores it anyway.
             request_checksum_calculation="when_required",
-            # Every body signed with its sha256, over https too: the check every S3-compatible store makes (RGW 16
-            # ignores CRC32).
+            # Instead every body is signed with its sha256, over https too: the check that AWS S3, MinIO and
+            # Ceph RGW all make before they keep a body.
             s3={**(config.s3 or {}), "payload_signing_enabled": True},
         ))  # fmt: skip
         if getattr(credentials, "region_name", None):
@@ -142,7 +140,8 @@ class S3CheckpointStore(CheckpointStore):
         10, ge=1, le=128, description="Requests (parts and ranged GETs, of all files together) in flight at once."
     )
     max_parallel_files: int = Field(
-        4, ge=1, le=64, description="Files hashed, checked and transferred at the same time."
+        4, ge=1, le=64, description="Files hashed, checked and uploaded at the same time (downloads fetch as many "
+        "files at once as max_concurrency keeps busy)."
     )
     download_chunksize_mib: int = Field(
         64, ge=1, le=5 * 1024,
@@ -222,7 +221,7 @@ class S3CheckpointStore(CheckpointStore):
                 digest = hashlib.sha256(raw).hexdigest()
                 client.put_object(
                     Bucket=bucket, Key=manifest_key, Body=raw, ContentType="application/json",
-                    Metadata={SHA256_METADATA: digest}, **checksum_params([raw]),
+                    Metadata={SHA256_METADATA: digest},
                 )  # fmt: skip
                 if not _matches(_head(client, bucket, manifest_key), len(raw), digest):
                     raise ChecksumMismatch(f"s3://{bucket}/{manifest_key}: the stored manifest does not match")
@@ -231,12 +230,8 @@ class S3CheckpointStore(CheckpointStore):
         return checkpoint_ref(f"s3://{bucket}/{root}", raw, manifest, sum(moved for _, moved in stored_files))
 
     def _put_small(self, client: Any, key: str, path: Path, entry: dict) -> int:
-        checksum = checksum_params(file_pieces(path))
         with open(path, "rb") as body:
-            client.put_object(
-                Bucket=self.bucket.bucket_name, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]},
-                **checksum,
-            )  # fmt: skip
+            client.put_object(Bucket=self.bucket.bucket_name, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]})
         return entry["size"]
 
     def _put_multipart(
@@ -255,9 +250,8 @@ class S3CheckpointStore(CheckpointStore):
                 if not upload_is_gone(exc):  # aborted or expired meanwhile: start again
                     raise
         if upload_id is None:
-            # A declared CRC32 makes AWS S3 require, check and keep each part's checksum (as boto3's own uploads do).
             upload_id = client.create_multipart_upload(
-                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}, ChecksumAlgorithm="CRC32"
+                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}
             )["UploadId"]
             journal.record(key, upload_id, entry["sha256"], part_size)
 
@@ -266,14 +260,11 @@ class S3CheckpointStore(CheckpointStore):
             def send(number: int) -> tuple[dict, int]:
                 offset = (number - 1) * part_size
                 body = os.pread(f.fileno(), min(part_size, size - offset), offset)
-                checksum = checksum_params([body])
                 done = stored.get(number)
                 if done and done["ETag"].strip('"') == md5_hex(body):
-                    return _completed_part(number, done["ETag"], checksum), 0  # stored by an earlier attempt
-                sent = client.upload_part(
-                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body, **checksum
-                )
-                return _completed_part(number, sent["ETag"], checksum), len(body)
+                    return {"PartNumber": number, "ETag": done["ETag"]}, 0  # stored by an earlier attempt
+                sent = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+                return {"PartNumber": number, "ETag": sent["ETag"]}, len(body)
 
             parts = results(requests.submit_all(send, range(1, -(-size // part_size) + 1)))
         client.complete_multipart_upload(
@@ -288,7 +279,7 @@ class S3CheckpointStore(CheckpointStore):
             try:
                 fetch.fetch_checkpoint(
                     self.client(), bucket, root, dest, chunk_size=self.download_chunksize_mib * _MiB,
-                    max_concurrency=self.max_concurrency, max_parallel_files=self.max_parallel_files,
+                    max_concurrency=self.max_concurrency,
                 )  # fmt: skip
             except fetch.UnverifiedCheckpoint as exc:
                 raise ChecksumMismatch(str(exc)) from None
@@ -344,12 +335,6 @@ def _head(client: Any, bucket: str, key: str) -> dict | None:
         if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
             return None
         raise
-
-
-def _completed_part(number: int, etag: str, checksum: dict[str, str]) -> dict:
-    """A part as CompleteMultipartUpload takes it: its ETag and CRC32 (AWS S3 needs it for an upload that declared
-    one)."""
-    return {"PartNumber": number, "ETag": etag, **checksum}
 
 
 def _matches(head: dict | None, size: int, sha256: str) -> bool:

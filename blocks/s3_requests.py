@@ -1,15 +1,13 @@
-"""The request-level parts of ``S3CheckpointStore`` (``blocks/s3.py``): body checksums, what S3's errors mean
-for the user, the record of unfinished multipart uploads, and the pools requests run in."""
+"""The request-level parts of ``S3CheckpointStore`` (``blocks/s3.py``): what S3's errors mean for the user, the
+record of unfinished multipart uploads, and the pools requests run in."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
 import threading
-import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,6 @@ from typing import Any
 from blocks.errors import ConfigurationError, TransientError
 from blocks.home import gpuferry_home
 
-_CHUNK = 1 << 20
 
 # Error codes no retry mends → the field to fix. A HEAD answer has no body: its code is the HTTP status.
 _CONFIG_ERRORS = {
@@ -95,28 +92,11 @@ class explained:
             raise TransientError(f"{self.where}: the transfer failed after retries: {last!r}") from last
 
 
-# ---- body checksums ----------------------------------------------------------------------------
-
-
-def checksum_params(pieces: Iterable[bytes]) -> dict[str, str]:
-    """The request parameter carrying the CRC32 of the body made of ``pieces`` (sent as a header)."""
-    crc = 0
-    for piece in pieces:
-        crc = zlib.crc32(piece, crc)
-    return {"ChecksumCRC32": base64.b64encode(crc.to_bytes(4, "big")).decode()}
-
-
-def file_pieces(path: Path) -> Iterable[bytes]:
-    with open(path, "rb") as f:
-        while piece := f.read(_CHUNK):
-            yield piece
+# ---- multipart bookkeeping ---------------------------------------------------------------------
 
 
 def md5_hex(body: bytes) -> str:
     return hashlib.md5(body, usedforsecurity=False).hexdigest()
-
-
-# ---- multipart bookkeeping ---------------------------------------------------------------------
 
 
 def listed_parts(client: Any, bucket: str, key: str, upload_id: str) -> dict[int, dict]:

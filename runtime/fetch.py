@@ -41,13 +41,12 @@ def fetch_checkpoint(
     *,
     chunk_size: int = 64 * _MiB,
     max_concurrency: int = 10,
-    max_parallel_files: int = 4,
     paths: Iterable[str] | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """Download the checkpoint at ``s3://bucket/prefix/`` into ``dest``; return its manifest (raw bytes, parsed).
 
     ``paths`` limits the download to those files of the manifest (each must be listed). ``chunk_size`` is
-    the size of one ranged GET, ``max_concurrency`` the GETs in flight, ``max_parallel_files`` the files.
+    the size of one ranged GET, ``max_concurrency`` the GETs in flight (of as many files as that takes).
     """
     root = prefix.strip("/")
     where = f"s3://{bucket}/{root}"
@@ -70,11 +69,11 @@ def fetch_checkpoint(
             key = f"{root}/{entry['path']}" if root else entry["path"]
             _fetch_file(client, ranges, bucket, key, entry, out / entry["path"], chunk_size)
 
-        if len(entries) <= 1 or max_parallel_files <= 1:
+        if len(entries) <= 1 or max_concurrency <= 1:
             for entry in entries:
                 one(entry)
-        else:
-            with ThreadPoolExecutor(min(max_parallel_files, len(entries)), thread_name_prefix="fetch-file") as files:
+        else:  # a thread per file waits for its ranges in order and hashes them
+            with ThreadPoolExecutor(min(max_concurrency, len(entries)), thread_name_prefix="fetch-file") as files:
                 _all([files.submit(one, entry) for entry in entries])
     return raw, manifest
 
