@@ -9,9 +9,10 @@ then sent only if the stored object does not already carry the same sha256 (obje
 ``sha256``) and size, so storing an unchanged checkpoint moves 0 bytes and an interrupted upload
 resumes without resending the files it finished. Large files go multipart, parts of several files in
 flight at once. An interrupted multipart upload is resumed inside the file: this machine records each
-multipart upload it starts (store, key, upload id, the file's sha256 and part size; S3 does not say which content a pending upload was started for), and the next attempt at the same content
-lists the upload's parts, keeps those whose ETag is the MD5 of the local bytes, sends the rest and
-completes it. Other unfinished uploads under the checkpoint are aborted once it is complete.
+multipart upload it starts (store, key, upload id, the file's sha256 and part size; S3 does not say
+which content a pending upload was started for), and the next attempt at the same content lists the
+upload's parts, keeps those whose ETag is the MD5 of the local bytes, sends the rest and completes it.
+Other unfinished uploads under the checkpoint are aborted once it is complete.
 
 Every request body is signed with its sha256 (SigV4 payload signing, over https too: AWS S3, MinIO and
 Ceph RGW check it and refuse a body damaged on the way). botocore's own CRC32 is not sent: over https
@@ -21,9 +22,9 @@ CompleteMultipartUpload is not relied on (RGW 16 answers an empty ETag): every o
 (HEAD: size and sha256) after its upload. A changed checkpoint's old manifest is deleted before its
 first changed file is sent: readers never see a manifest that does not match the files.
 
-Download: ``runtime.fetch.fetch_checkpoint`` (the inference server's reads are the same): every file is
-written to a temporary name, hashed, and renamed only when its sha256 matches the manifest; a mismatch
-raises ``ChecksumMismatch`` naming the object.
+Download: ``runtime.checkpoint.fetch_s3``, the inference server's own fetch (the same reads, the same
+checks): every file is written to a temporary name, hashed, and renamed only when its size and sha256
+match the manifest; a mismatch raises ``ChecksumMismatch`` naming the object.
 
 Point ``bucket.credentials.aws_client_parameters.endpoint_url`` at MinIO/Ceph for a non-AWS store, and
 ``verify_cert_path`` beside it at the CA certificate of a store whose TLS certificate a private CA
@@ -38,6 +39,8 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -73,7 +76,8 @@ from blocks.storage import (
     manifest_from_entries,
     parse_manifest,
 )
-from runtime import fetch
+from runtime import checkpoint as verified
+from runtime.contract import ManifestError
 
 _MiB = 1 << 20
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
@@ -231,7 +235,9 @@ class S3CheckpointStore(CheckpointStore):
 
     def _put_small(self, client: Any, key: str, path: Path, entry: dict) -> int:
         with open(path, "rb") as body:
-            client.put_object(Bucket=self.bucket.bucket_name, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]})
+            client.put_object(
+                Bucket=self.bucket.bucket_name, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]}
+            )
         return entry["size"]
 
     def _put_multipart(
@@ -275,30 +281,24 @@ class S3CheckpointStore(CheckpointStore):
 
     def get(self, uri: str, dest: str | Path) -> Path:
         bucket, root = parse_s3_uri(uri)
-        with explained(bucket, root):
-            try:
-                fetch.fetch_checkpoint(
-                    self.client(), bucket, root, dest, chunk_size=self.download_chunksize_mib * _MiB,
-                    max_concurrency=self.max_concurrency,
-                )  # fmt: skip
-            except fetch.UnverifiedCheckpoint as exc:
-                raise ChecksumMismatch(str(exc)) from None
+        with explained(bucket, root), _refusals(uri):
+            verified.fetch_s3(
+                self.client(), bucket, root, dest, chunk_size=self.download_chunksize_mib * _MiB,
+                max_concurrency=self.max_concurrency,
+            )  # fmt: skip
         return Path(dest)
 
     def read_manifest(self, uri: str) -> dict:
         """The checkpoint's manifest; ``ChecksumMismatch`` when it has none (its upload did not finish)."""
         bucket, root = parse_s3_uri(uri)
-        with explained(bucket, f"{root}/{MANIFEST}"):
-            try:
-                raw = fetch.read_manifest(self.client(), bucket, root)
-            except fetch.UnverifiedCheckpoint as exc:
-                raise ChecksumMismatch(str(exc)) from None
+        with explained(bucket, f"{root}/{MANIFEST}"), _refusals(uri):
+            raw = verified.read_s3_manifest(self.client(), bucket, root)
         return parse_manifest(raw, uri)
 
     def _read_bytes(self, uri: str, path: str) -> bytes | None:
         bucket, root = parse_s3_uri(uri)
         key = f"{root}/{path}"
-        with _explained(bucket, key):
+        with explained(bucket, key):
             return _read_object(self.client(), bucket, key)
 
     def delete(self, uri: str) -> int:
@@ -317,6 +317,19 @@ class S3CheckpointStore(CheckpointStore):
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _refusals(uri: str) -> Iterator[None]:
+    """What the verified fetch refuses, as the stores say it: ``ChecksumMismatch``."""
+    try:
+        yield
+    except verified.NoManifest:
+        raise ChecksumMismatch(
+            f"{uri} has no {MANIFEST}: the checkpoint is incomplete (its upload did not finish)"
+        ) from None
+    except (verified.UnverifiedCheckpoint, ManifestError) as exc:
+        raise ChecksumMismatch(str(exc)) from None
 
 
 def _read_object(client: Any, bucket: str, key: str) -> bytes | None:
