@@ -183,8 +183,8 @@ def main() -> None:
                 max_concurrency=ours.max_concurrency,
             )
             with create_transfer_manager(tuned_client, config) as manager:
-                futures = [manager.download(bucket_name, f"{refs[-1].uri.split('/', 3)[3]}/{p.name}", str(dest / p.name))
-                           for p in files]  # fmt: skip
+                root = refs[-1].uri.split("/", 3)[3]
+                futures = [manager.download(bucket_name, f"{root}/{p.name}", str(dest / p.name)) for p in files]
                 for future in futures:
                     future.result()
 
