@@ -1,29 +1,34 @@
-"""P3: uploading a 2 GiB checkpoint (several shards) to S3-compatible storage.
+"""P3: a 2 GiB checkpoint (several shards) to S3-compatible storage and back.
 
-One run, one server (the s3 stack: moto's S3 server, started with the idempotent `make s3-up`),
-three sides, each storing the same checkpoint into an empty prefix:
+One run, one server (the s3 stack: Ceph RGW 16.2, started with the idempotent `make s3-up`), every
+side storing the same checkpoint into an empty prefix:
 
 - ours: ``S3CheckpointStore.put`` with its defaults (hash every file, skip what is already stored,
-  multipart + concurrent across files through one pool of requests, HEAD-verify every object,
-  manifest last), starting with an empty hash cache;
+  multipart + concurrent across files through one pool of requests, a CRC32 header and a signed
+  sha256 payload on every body, HEAD-verify every object, manifest last), starting with an empty hash
+  cache;
 - boto3 tuned: one boto3 TransferManager with the same part size, threshold and concurrency as ours,
   every shard submitted at once (no hashing, no verification, no manifest);
 - S3Bucket defaults: prefect-aws ``S3Bucket.upload_from_path`` for each shard, default TransferConfig.
 
 Then ours again on the unchanged checkpoint: the bytes it moves (and, with the hash cache, no file
-read again). The objects of one side are
-deleted before the next (moto keeps ~0.5 GiB of memory per GiB stored).
+read again). Then the stored checkpoint comes back twice, in an order that turns each round: ours
+(``S3CheckpointStore.get``: the manifest read, ranged GETs, every file hashed and checked before it
+gets its name) and boto3 tuned (one TransferManager, the same range size and concurrency, every file
+at once, nothing checked). The objects of one side are deleted before the next.
 
     .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048] [--rounds 3] [--endpoint URL]
 
-Each round runs the three sides, in an order that turns from round to round; the figures are the
-medians of the rounds' throughputs (one moto process is noisy: a side's time varies by ±30 %).
+Each round runs the three upload sides in an order that turns from round to round; the figures are the
+medians of the rounds' throughputs. The machine's 1-minute load average is sampled before every side.
 
 ``--endpoint`` measures another S3-compatible server instead (credentials from ``AWS_ACCESS_KEY_ID``
 and ``AWS_SECRET_ACCESS_KEY``).
 
-Prints ``RESULT P3_vs_boto3 <ours/boto3 throughput>``, ``RESULT P3_vs_s3bucket <ours/S3Bucket
-throughput>`` and ``RESULT P3_reupload_bytes <bytes>``. Goals: ≥ 1.0, ≥ 3.0 and 0.
+Prints ``RESULT P3_vs_boto3 <ours/boto3 upload throughput>``, ``RESULT P3_vs_s3bucket <ours/S3Bucket
+throughput>``, ``RESULT P3_download_vs_boto3 <ours/boto3 download throughput>``, ``RESULT
+P3_reupload_bytes <bytes>`` and ``RESULT P3_load1_median <load>`` (with its minimum and maximum). Goals:
+≥ 1.0, ≥ 1.5, ≥ 1.0 and 0.
 """
 
 from __future__ import annotations
@@ -89,11 +94,28 @@ def empty_prefix(client: object, bucket: str, prefix: str) -> None:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
 
 
+def server_cpu_seconds() -> float | None:
+    """CPU time so far of the s3 stack's daemons (radosgw, ceph-osd, ceph-mon), from their pid files."""
+    total, found = 0.0, False
+    for pidfile in (stacks_root() / "s3" / "ceph" / "run").glob("*.pid"):
+        try:
+            fields = Path(f"/proc/{pidfile.read_text().strip()}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        found = True
+    return total if found else None
+
+
 def timed(label: str, size: int, fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    """Run ``fn``; print its time, throughput, this process's CPU time and the server's (when it is the stack)."""
+    server, client, start = server_cpu_seconds(), time.process_time(), time.perf_counter()
     fn()
     seconds = time.perf_counter() - start
-    print(f"{label:<28} {seconds:7.2f} s  {size / MiB / seconds:8.1f} MiB/s", flush=True)
+    cpu = f"client CPU {time.process_time() - client:5.1f} s"
+    if server is not None:
+        cpu += f", server CPU {server_cpu_seconds() - server:5.1f} s"
+    print(f"{label:<28} {seconds:7.2f} s  {size / MiB / seconds:8.1f} MiB/s  {cpu}", flush=True)
     return size / seconds
 
 
@@ -154,20 +176,44 @@ def main() -> None:
                 for future in futures:
                     future.result()
 
-        results: dict[str, list[float]] = {"s3bucket": [], "boto3": [], "ours": []}
+        def boto3_download(dest: Path) -> None:
+            config = TransferConfig(
+                multipart_threshold=ours.download_chunksize_mib * MiB,
+                multipart_chunksize=ours.download_chunksize_mib * MiB,
+                max_concurrency=ours.max_concurrency,
+            )
+            with create_transfer_manager(tuned_client, config) as manager:
+                root = refs[-1].uri.split("/", 3)[3]
+                futures = [manager.download(bucket_name, f"{root}/{p.name}", str(dest / p.name)) for p in files]
+                for future in futures:
+                    future.result()
+
+        results: dict[str, list[float]] = {"s3bucket": [], "boto3": [], "ours": [], "get_ours": [], "get_boto3": []}
+        loads: list[float] = []
         refs: list = []
         again = None
 
         def ours_put() -> None:
             refs.append(ours.put(src, "p3/run"))
 
+        def download(key: str, label: str, fn: Callable[[Path], object]) -> None:
+            dest = tmp / "down"
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            loads.append(os.getloadavg()[0])
+            results[key].append(timed(label, size, lambda: fn(dest)))
+            shutil.rmtree(dest, ignore_errors=True)
+
         sides = [("s3bucket", "S3Bucket.upload_from_path", s3bucket_defaults, "s3bucket/"),
                  ("boto3", "boto3 TransferManager tuned", boto3_tuned, "boto3/"),
                  ("ours", "ours (S3CheckpointStore)", ours_put, None)]  # fmt: skip
+        getters = [("get_ours", "ours, verified get", lambda dest: ours.get(refs[-1].uri, dest)),
+                   ("get_boto3", "boto3 download tuned", boto3_download)]  # fmt: skip
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}", flush=True)
             # The order turns each round: no side always runs first (or on a server that just worked).
             for key, label, fn, prefix in sides[round_ % 3:] + sides[: round_ % 3]:
+                loads.append(os.getloadavg()[0])
                 results[key].append(timed(label, size, fn))
                 if prefix:
                     empty_prefix(plain, bucket_name, prefix)
@@ -177,13 +223,18 @@ def main() -> None:
                 print(f"{'ours, unchanged re-upload':<28} {time.perf_counter() - start:7.2f} s  "
                       f"{again.bytes_uploaded} bytes moved", flush=True)  # fmt: skip
                 assert refs[-1].bytes_uploaded == size and again.sha256 == refs[-1].sha256
+                for get_key, get_label, get in getters[round_ % 2:] + getters[: round_ % 2]:
+                    download(get_key, get_label, get)
                 ours.delete(refs[-1].uri)
                 shutil.rmtree(HashCache().root, ignore_errors=True)  # the next round starts with an empty hash cache
         median = {key: statistics.median(values) for key, values in results.items()}
         print("median MiB/s: " + ", ".join(f"{k} {v / MiB:.1f}" for k, v in median.items()))
         print(f"\nRESULT P3_vs_boto3 {median['ours'] / median['boto3']:.2f}")
         print(f"RESULT P3_vs_s3bucket {median['ours'] / median['s3bucket']:.2f}")
+        print(f"RESULT P3_download_vs_boto3 {median['get_ours'] / median['get_boto3']:.2f}")
         print(f"RESULT P3_reupload_bytes {again.bytes_uploaded}")
+        print(f"RESULT P3_load1_median {statistics.median(loads):.1f} (min {min(loads):.1f}, max {max(loads):.1f}, "
+              f"{os.cpu_count()} CPUs)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         empty_prefix(plain, bucket_name, "")

@@ -1,4 +1,4 @@
-"""Checkpoints in S3 or any S3-compatible store (MinIO, Ceph, moto): verified, stored once, fast.
+"""Checkpoints in S3 or any S3-compatible store (MinIO, Ceph RGW): verified, stored once, fast.
 
 The layout is the one of ``LocalCheckpointStore``: ``s3://<bucket>/<bucket_folder>/<prefix>/<name>/``
 holds the checkpoint's files and ``MANIFEST.json`` (path, size, sha256 of each file), written last;
@@ -12,38 +12,58 @@ flight at once. An interrupted multipart upload is resumed inside the file: this
 multipart upload it starts (store, key, upload id, the file's sha256 and part size; S3 does not say
 which content a pending upload was started for), and the next attempt at the same content lists the
 upload's parts, keeps those whose ETag is the MD5 of the local bytes, sends the rest and completes it.
-Other unfinished uploads under the checkpoint are aborted once it is complete. Each request carries
-botocore's body checksum (CRC32; S3 and MinIO reject a body that does not match it, moto does not
-check; multipart uploads declare it, as boto3's own do, so the store keeps it per part and for the
-whole object) and every object is read back (HEAD: size and sha256) after its upload. A changed
-checkpoint's old manifest is deleted before its first changed file is sent: readers never see a
-manifest that does not match the files.
+Other unfinished uploads under the checkpoint are aborted once it is complete.
 
-Download: every file is written to a temporary name, hashed, and renamed only when its sha256
-matches the manifest; a mismatch raises ``ChecksumMismatch`` naming the object.
+Every request body is signed with its sha256 (SigV4 payload signing, over https too: AWS S3, MinIO and
+Ceph RGW check it and refuse a body damaged on the way). botocore's own CRC32 is not sent: over https
+it travels as an aws-chunked trailer, which Ceph RGW 16 refuses (``MissingContentLength``), and RGW 16
+ignores it anyway. The answer of
+CompleteMultipartUpload is not relied on (RGW 16 answers an empty ETag): every object is read back
+(HEAD: size and sha256) after its upload. A changed checkpoint's old manifest is deleted before its
+first changed file is sent: readers never see a manifest that does not match the files.
 
-Point ``bucket.credentials.aws_client_parameters.endpoint_url`` at MinIO/Ceph for a
-non-AWS store. Errors are the S3 client's own; ``tasks/retry.py`` decides which are transient.
+Download: ``runtime.checkpoint.fetch_s3``, the inference server's own fetch (the same reads, the same
+checks): every file is written to a temporary name, hashed, and renamed only when its size and sha256
+match the manifest; a mismatch raises ``ChecksumMismatch`` naming the object.
+
+Point ``bucket.credentials.aws_client_parameters.endpoint_url`` at MinIO/Ceph for a non-AWS store, and
+``verify_cert_path`` beside it at the CA certificate of a store whose TLS certificate a private CA
+signed. Errors that no retry mends (credentials, bucket name, an untrusted certificate) become
+``ConfigurationError`` naming the field to fix; the rest are the S3 client's own, and
+``tasks/retry.py`` decides which are transient.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import re
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from prefect_aws import S3Bucket
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from blocks.errors import ChecksumMismatch, ConfigurationError, TransientError
-from blocks.home import gpuferry_home
+from blocks.errors import ChecksumMismatch, ConfigurationError
+from blocks.s3_requests import (
+    Once,
+    RequestPool,
+    UploadJournal,
+    abort_leftover_uploads,
+    error_code,
+    explained,
+    listed_parts,
+    md5_hex,
+    no_retry_of_tls_refusals,
+    parallel,
+    results,
+    upload_is_gone,
+)
 from blocks.specs import CheckpointRef
 from blocks.storage import (
     MANIFEST,
@@ -55,19 +75,15 @@ from blocks.storage import (
     manifest_entry,
     manifest_from_entries,
     parse_manifest,
-    sha256_file,
 )
+from runtime import checkpoint as verified
+from runtime.contract import ManifestError
 
 _MiB = 1 << 20
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 SHA256_METADATA = "sha256"  # stored as the object's x-amz-meta-sha256 header
-_CONFIG_ERRORS = {
-    "NoSuchBucket": "the bucket does not exist: create it, or fix bucket.bucket_name",
-    "AccessDenied": "access denied: check bucket.credentials and the bucket's policy",
-    "InvalidAccessKeyId": "the access key is unknown to the store: fix bucket.credentials",
-    "SignatureDoesNotMatch": "the secret key is wrong: fix bucket.credentials",
-    "AllAccessDisabled": "all access to the bucket is disabled: fix bucket.bucket_name",
-}
+# Characters no S3-compatible store takes in a bucket name; the stricter rules are each store's own.
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]")
 _CLIENT_LOCK = threading.Lock()
 
 
@@ -79,11 +95,21 @@ def _s3_client(credentials: Any, max_pool_connections: int) -> Any:
     with _CLIENT_LOCK:
         params = credentials.aws_client_parameters.get_params_override()
         config = params.pop("config", None) or Config()
-        # One pooled connection per transfer thread, or threads queue for connections.
-        params["config"] = config.merge(Config(max_pool_connections=max_pool_connections))
+        params["config"] = config.merge(Config(
+            # One pooled connection per transfer thread, or threads queue for connections.
+            max_pool_connections=max_pool_connections,
+            # No CRC32 of botocore's: over https it goes in an aws-chunked trailer, which Ceph RGW 16 refuses
+            # (MissingContentLength), and RGW ignores it anyway.
+            request_checksum_calculation="when_required",
+            # Instead every body is signed with its sha256, over https too: the check that AWS S3, MinIO and
+            # Ceph RGW all make before they keep a body.
+            s3={**(config.s3 or {}), "payload_signing_enabled": True},
+        ))  # fmt: skip
         if getattr(credentials, "region_name", None):
             params["region_name"] = credentials.region_name
-        return credentials.get_boto3_session().client("s3", **params)
+        client = credentials.get_boto3_session().client("s3", **params)
+        client.meta.events.register_first("needs-retry.s3", no_retry_of_tls_refusals)
+        return client
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -105,7 +131,8 @@ class S3CheckpointStore(CheckpointStore):
 
     bucket: S3Bucket = Field(
         description="The bucket (prefect-aws S3 Bucket block). Its credentials' client parameters carry the "
-        "endpoint URL for MinIO, Ceph or another S3-compatible store.",
+        "endpoint URL for MinIO, Ceph or another S3-compatible store, and the CA certificate (verify_cert_path) "
+        "of a store whose TLS certificate a private CA signed.",
     )
     multipart_threshold_mib: int = Field(
         64, ge=5, le=5 * 1024, description="Files at least this large (MiB) are uploaded in parts."
@@ -114,15 +141,27 @@ class S3CheckpointStore(CheckpointStore):
         16, ge=5, le=5 * 1024, description="Size of one part (MiB) of a multipart upload."
     )
     max_concurrency: int = Field(
-        10, ge=1, le=128, description="Parts (of all files together) in flight at once."
+        10, ge=1, le=128, description="Requests (parts and ranged GETs, of all files together) in flight at once."
     )
     max_parallel_files: int = Field(
-        4, ge=1, le=64, description="Files hashed, checked and transferred at the same time."
+        4, ge=1, le=64, description="Files hashed, checked and uploaded at the same time (downloads fetch as many "
+        "files at once as max_concurrency keeps busy)."
     )
     download_chunksize_mib: int = Field(
-        64, ge=5, le=5 * 1024,
+        64, ge=1, le=5 * 1024,
         description="Size of one ranged GET (MiB) when downloading; larger files are fetched in ranges.",
     )  # fmt: skip
+    @field_validator("bucket")
+    @classmethod
+    def _bucket_name_is_a_name(cls, bucket: S3Bucket) -> S3Bucket:
+        name = bucket.bucket_name
+        if not _BUCKET_NAME.fullmatch(name):
+            hint = " (give the name alone, without s3:// or a path)" if "/" in name else ""
+            raise ValueError(
+                f"bucket.bucket_name {name!r} is not a bucket name{hint}: S3 bucket names are 3-63 lowercase "
+                "letters, digits, '-' and '.'"
+            )
+        return bucket
 
     # ---- clients and keys ----
 
@@ -136,16 +175,6 @@ class S3CheckpointStore(CheckpointStore):
     def uri_of(self, name: str) -> str:
         return f"s3://{self.bucket.bucket_name}/{self._checkpoint_key(name)}"
 
-    def _download_config(self) -> Any:
-        from boto3.s3.transfer import TransferConfig
-
-        return TransferConfig(
-            multipart_threshold=self.download_chunksize_mib * _MiB,
-            multipart_chunksize=self.download_chunksize_mib * _MiB,
-            max_concurrency=self.max_concurrency,
-            use_threads=True,
-        )
-
     # ---- the store ----
 
     def put(self, local_dir: str | Path, name: str) -> CheckpointRef:
@@ -155,11 +184,11 @@ class S3CheckpointStore(CheckpointStore):
         client = self.client()
         cache, journal = HashCache(), UploadJournal(client.meta.endpoint_url, bucket)
         manifest_key = f"{root}/{MANIFEST}"
-        with _explained(bucket, manifest_key):
+        with explained(bucket, manifest_key):
             old_manifest = _read_object(client, bucket, manifest_key)
-        invalidate = _Once(lambda: client.delete_object(Bucket=bucket, Key=manifest_key) if old_manifest else None)
+        invalidate = Once(lambda: client.delete_object(Bucket=bucket, Key=manifest_key) if old_manifest else None)
 
-        requests = _RequestPool(self.max_concurrency)
+        requests = RequestPool(self.max_concurrency)
         # One file hashed at a time: the first file's parts go out after ITS hash, not after the hashes of
         # every file in flight, and later files are hashed while earlier ones upload.
         hashing = threading.Lock()
@@ -168,14 +197,14 @@ class S3CheckpointStore(CheckpointStore):
             with hashing:
                 entry = manifest_entry(source, path, cache)
             key = f"{root}/{entry['path']}"
-            with _explained(bucket, key):
+            with explained(bucket, key):
                 if _matches(_head(client, bucket, key), entry["size"], entry["sha256"]):
                     return entry, 0
                 invalidate()  # the stored checkpoint is about to change: readers must not trust it
                 if entry["size"] >= self.multipart_threshold_mib * _MiB:
                     sent = self._put_multipart(client, requests, journal, path, key, entry)
                 else:
-                    sent = requests.submit(_put_small, client, bucket, key, path, entry).result()
+                    sent = requests.submit(self._put_small, client, key, path, entry).result()
                 stored = _head(client, bucket, key)
             if not _matches(stored, entry["size"], entry["sha256"]):
                 raise ChecksumMismatch(
@@ -185,14 +214,14 @@ class S3CheckpointStore(CheckpointStore):
             return entry, sent
 
         try:
-            results = _parallel(store_one, files, self.max_parallel_files)
+            stored_files = parallel(store_one, files, self.max_parallel_files)
         finally:
             requests.shutdown(wait=True, cancel_futures=True)
 
-        manifest = manifest_from_entries([entry for entry, _ in results])
+        manifest = manifest_from_entries([entry for entry, _ in stored_files])
         raw = manifest_bytes(manifest)
         if raw != old_manifest:
-            with _explained(bucket, manifest_key):
+            with explained(bucket, manifest_key):
                 digest = hashlib.sha256(raw).hexdigest()
                 client.put_object(
                     Bucket=bucket, Key=manifest_key, Body=raw, ContentType="application/json",
@@ -200,12 +229,19 @@ class S3CheckpointStore(CheckpointStore):
                 )  # fmt: skip
                 if not _matches(_head(client, bucket, manifest_key), len(raw), digest):
                     raise ChecksumMismatch(f"s3://{bucket}/{manifest_key}: the stored manifest does not match")
-        with _explained(bucket, root):
-            _abort_leftover_uploads(client, bucket, root)
-        return checkpoint_ref(f"s3://{bucket}/{root}", raw, manifest, sum(moved for _, moved in results))
+        with explained(bucket, root):
+            abort_leftover_uploads(client, bucket, root)
+        return checkpoint_ref(f"s3://{bucket}/{root}", raw, manifest, sum(moved for _, moved in stored_files))
+
+    def _put_small(self, client: Any, key: str, path: Path, entry: dict) -> int:
+        with open(path, "rb") as body:
+            client.put_object(
+                Bucket=self.bucket.bucket_name, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]}
+            )
+        return entry["size"]
 
     def _put_multipart(
-        self, client: Any, requests: _RequestPool, journal: UploadJournal, path: Path, key: str, entry: dict
+        self, client: Any, requests: RequestPool, journal: UploadJournal, path: Path, key: str, entry: dict
     ) -> int:
         """Upload ``path`` in parts, resuming this content's unfinished upload if there is one; returns bytes sent."""
         bucket, size = self.bucket.bucket_name, entry["size"]
@@ -214,14 +250,14 @@ class S3CheckpointStore(CheckpointStore):
         pending = journal.get(key)
         if pending and (pending["sha256"], pending["part_size"]) == (entry["sha256"], part_size):
             try:
-                stored = _listed_parts(client, bucket, key, pending["upload_id"])
+                stored = listed_parts(client, bucket, key, pending["upload_id"])
                 upload_id = pending["upload_id"]
             except Exception as exc:
-                if _error_code(exc) != "NoSuchUpload":  # aborted or expired meanwhile: start again
+                if not upload_is_gone(exc):  # aborted or expired meanwhile: start again
                     raise
         if upload_id is None:
             upload_id = client.create_multipart_upload(
-                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}, ChecksumAlgorithm="CRC32"
+                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}
             )["UploadId"]
             journal.record(key, upload_id, entry["sha256"], part_size)
 
@@ -231,14 +267,12 @@ class S3CheckpointStore(CheckpointStore):
                 offset = (number - 1) * part_size
                 body = os.pread(f.fileno(), min(part_size, size - offset), offset)
                 done = stored.get(number)
-                if done and done["ETag"].strip('"') == hashlib.md5(body, usedforsecurity=False).hexdigest():
-                    return _completed_part(number, done), 0  # already stored by an earlier attempt
-                sent = client.upload_part(
-                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body, ChecksumAlgorithm="CRC32"
-                )
-                return _completed_part(number, sent), len(body)
+                if done and done["ETag"].strip('"') == md5_hex(body):
+                    return {"PartNumber": number, "ETag": done["ETag"]}, 0  # stored by an earlier attempt
+                sent = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+                return {"PartNumber": number, "ETag": sent["ETag"]}, len(body)
 
-            parts = _results(requests.submit_all(send, range(1, -(-size // part_size) + 1)))
+            parts = results(requests.submit_all(send, range(1, -(-size // part_size) + 1)))
         client.complete_multipart_upload(
             Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [part for part, _ in parts]}
         )
@@ -247,51 +281,24 @@ class S3CheckpointStore(CheckpointStore):
 
     def get(self, uri: str, dest: str | Path) -> Path:
         bucket, root = parse_s3_uri(uri)
-        client = self.client()
-        manifest = self.read_manifest(uri)
-        out = Path(dest)
-
-        from boto3.s3.transfer import create_transfer_manager
-
-        with create_transfer_manager(client, self._download_config()) as transfers:
-
-            def fetch_one(entry: dict) -> None:
-                key = f"{root}/{entry['path']}"
-                target = out / entry["path"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                partial = target.with_name(f".{target.name}.partial")
-                try:
-                    with _explained(bucket, key):
-                        transfers.download(bucket, key, str(partial)).result()
-                    actual = sha256_file(partial)
-                    if actual != entry["sha256"]:
-                        raise ChecksumMismatch(
-                            f"s3://{bucket}/{key}: sha256 {actual} but the manifest says {entry['sha256']} "
-                            f"(the stored object is corrupt: store the checkpoint again)"
-                        )
-                    os.replace(partial, target)
-                finally:
-                    partial.unlink(missing_ok=True)
-
-            _parallel(fetch_one, manifest["files"], self.max_parallel_files)
-        return out
+        with explained(bucket, root), _refusals(uri):
+            verified.fetch_s3(
+                self.client(), bucket, root, dest, chunk_size=self.download_chunksize_mib * _MiB,
+                max_concurrency=self.max_concurrency,
+            )  # fmt: skip
+        return Path(dest)
 
     def read_manifest(self, uri: str) -> dict:
         """The checkpoint's manifest; ``ChecksumMismatch`` when it has none (its upload did not finish)."""
         bucket, root = parse_s3_uri(uri)
-        key = f"{root}/{MANIFEST}"
-        with _explained(bucket, key):
-            raw = _read_object(self.client(), bucket, key)
-        if raw is None:
-            raise ChecksumMismatch(
-                f"{uri} has no {MANIFEST}: the checkpoint is incomplete (its upload did not finish)"
-            )
+        with explained(bucket, f"{root}/{MANIFEST}"), _refusals(uri):
+            raw = verified.read_s3_manifest(self.client(), bucket, root)
         return parse_manifest(raw, uri)
 
     def _read_bytes(self, uri: str, path: str) -> bytes | None:
         bucket, root = parse_s3_uri(uri)
         key = f"{root}/{path}"
-        with _explained(bucket, key):
+        with explained(bucket, key):
             return _read_object(self.client(), bucket, key)
 
     def delete(self, uri: str) -> int:
@@ -299,7 +306,7 @@ class S3CheckpointStore(CheckpointStore):
         bucket, root = parse_s3_uri(uri)
         client = self.client()
         deleted = 0
-        with _explained(bucket, root):
+        with explained(bucket, root):
             client.delete_object(Bucket=bucket, Key=f"{root}/{MANIFEST}")
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{root}/"):
                 keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -312,39 +319,24 @@ class S3CheckpointStore(CheckpointStore):
 # ---- helpers ----------------------------------------------------------------------------------
 
 
-def _error_code(exc: BaseException) -> str | None:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return response.get("Error", {}).get("Code")
-    return None
-
-
-class _explained:
-    """Configuration errors of the store (no bucket, bad credentials) become ConfigurationError, naming the
-    field to fix; everything else propagates as the client raised it."""
-
-    def __init__(self, bucket: str, key: str) -> None:
-        self.where = f"s3://{bucket}/{key}"
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, _type: Any, exc: BaseException | None, _tb: Any) -> None:
-        if exc is None:
-            return
-        code = _error_code(exc)
-        if code in _CONFIG_ERRORS:
-            raise ConfigurationError(f"{self.where}: {code}: {_CONFIG_ERRORS[code]}") from exc
-        if type(exc).__name__ == "RetriesExceededError":  # s3transfer's download gave up; it keeps no __cause__
-            last = getattr(exc, "last_exception", None)
-            raise TransientError(f"{self.where}: the download failed after retries: {last!r}") from last
+@contextmanager
+def _refusals(uri: str) -> Iterator[None]:
+    """What the verified fetch refuses, as the stores say it: ``ChecksumMismatch``."""
+    try:
+        yield
+    except verified.NoManifest:
+        raise ChecksumMismatch(
+            f"{uri} has no {MANIFEST}: the checkpoint is incomplete (its upload did not finish)"
+        ) from None
+    except (verified.UnverifiedCheckpoint, ManifestError) as exc:
+        raise ChecksumMismatch(str(exc)) from None
 
 
 def _read_object(client: Any, bucket: str, key: str) -> bytes | None:
     try:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except Exception as exc:
-        if _error_code(exc) in ("NoSuchKey", "404"):
+        if error_code(exc) in ("NoSuchKey", "404"):
             return None
         raise
 
@@ -353,77 +345,9 @@ def _head(client: Any, bucket: str, key: str) -> dict | None:
     try:
         return client.head_object(Bucket=bucket, Key=key)
     except Exception as exc:
-        if _error_code(exc) in ("404", "NoSuchKey", "NotFound"):
+        if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
             return None
         raise
-
-
-def _put_small(client: Any, bucket: str, key: str, path: Path, entry: dict) -> int:
-    with open(path, "rb") as body:
-        client.put_object(Bucket=bucket, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]})
-    return entry["size"]
-
-
-def _listed_parts(client: Any, bucket: str, key: str, upload_id: str) -> dict[int, dict]:
-    """Part number → the part (ETag, checksum) of the parts an unfinished multipart upload already holds."""
-    pages = client.get_paginator("list_parts").paginate(Bucket=bucket, Key=key, UploadId=upload_id)
-    return {part["PartNumber"]: part for page in pages for part in page.get("Parts", [])}
-
-
-def _completed_part(number: int, part: dict) -> dict:
-    """A part as CompleteMultipartUpload takes it: its ETag and, where the store keeps one, its CRC32."""
-    return {"PartNumber": number, **{k: part[k] for k in ("ETag", "ChecksumCRC32") if part.get(k)}}
-
-
-class UploadJournal:
-    """The multipart uploads this machine started into one bucket and has not completed, and for which content.
-
-    ListMultipartUploads shows neither an upload's metadata nor a checksum of the whole, so without this record
-    an upload begun for other content (whose ``sha256`` metadata the completed object would carry) could not be
-    told apart. One small JSON file per (endpoint, bucket, key) under ``$GPUFERRY_HOME/cache/s3-uploads``.
-    """
-
-    def __init__(self, endpoint: str, bucket: str, root: Path | None = None) -> None:
-        self.endpoint, self.bucket = endpoint, bucket
-        self.root = root if root is not None else gpuferry_home() / "cache" / "s3-uploads"
-
-    def _path(self, key: str) -> Path:
-        where = "\n".join((self.endpoint, self.bucket, key))
-        return self.root / f"{hashlib.sha256(where.encode()).hexdigest()}.json"
-
-    def get(self, key: str) -> dict | None:
-        try:
-            record = json.loads(self._path(key).read_text())
-        except (OSError, ValueError):
-            return None
-        return record if isinstance(record, dict) and {"upload_id", "sha256", "part_size"} <= record.keys() else None
-
-    def record(self, key: str, upload_id: str, sha256: str, part_size: int) -> None:
-        path = self._path(key)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": key, "upload_id": upload_id, "sha256": sha256, "part_size": part_size}))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # without the record a later attempt sends the whole file again: slower, still correct
-
-    def forget(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
-
-
-def _abort_leftover_uploads(client: Any, bucket: str, root: str) -> int:
-    """Abort the unfinished multipart uploads under a checkpoint whose every file is now stored.
-
-    They are what interrupted attempts left behind (the store keeps, and bills, their parts until they
-    are aborted). Two processes storing the same checkpoint name at once is not supported.
-    """
-    aborted = 0
-    for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=f"{root}/"):
-        for upload in page.get("Uploads", []):
-            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-            aborted += 1
-    return aborted
 
 
 def _matches(head: dict | None, size: int, sha256: str) -> bool:
@@ -438,50 +362,3 @@ def _describe(head: dict | None) -> str:
     if head is None:
         return "no object"
     return f"{head.get('ContentLength')} bytes with sha256 {head.get('Metadata', {}).get(SHA256_METADATA)}"
-
-
-class _Once:
-    """Call ``fn`` at most once, from whichever thread gets there first."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn, self._done, self._lock = fn, False, threading.Lock()
-
-    def __call__(self) -> None:
-        with self._lock:
-            if not self._done:
-                self._fn()
-                self._done = True
-
-
-class _RequestPool(ThreadPoolExecutor):
-    """The requests (parts and small files) of every file of one upload, ``workers`` in flight at once. A file's
-    parts are queued together, so files finish one after another, each completed while the next one's parts are
-    sent, rather than all at the end."""
-
-    def __init__(self, workers: int) -> None:
-        super().__init__(max_workers=workers, thread_name_prefix="gpuferry-s3-request")
-        self._queueing = threading.Lock()
-
-    def submit_all(self, fn: Callable[[Any], Any], items: Any) -> list[Future]:
-        with self._queueing:
-            return [self.submit(fn, item) for item in items]
-
-
-def _results(futures: list[Future]) -> list:
-    """The futures' results in order; on the first error the ones not started are cancelled, the running ones
-    awaited, and the error raised."""
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        wait(futures)
-        raise
-
-
-def _parallel(fn: Callable[[Any], Any], items: list, workers: int) -> list:
-    """``fn`` over ``items`` in threads, results in order; the first error is raised after all stop."""
-    if workers <= 1 or len(items) <= 1:
-        return [fn(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="gpuferry-s3") as pool:
-        return _results([pool.submit(fn, item) for item in items])

@@ -12,12 +12,19 @@ A checkpoint is a directory that holds ``MANIFEST.json`` (format in ``runtime/co
 gpuferry's checkpoint stores. Only the files it lists are fetched, each hashed as it is copied (one read) and
 renamed into place only when its size and sha256 match; the manifest itself lands last. Files are copied even
 from a local path, so what is loaded is exactly what was checked, whatever happens to the stored copy later.
+
+From S3 (``fetch_s3``, which gpuferry's S3 checkpoint store uses too: the same reads, the same checks) each file
+comes in ranged GETs, several in flight, of several files at once, written in place and hashed in order while its
+later ranges still arrive; every answer must report the object's size as the manifest does, and a range whose
+stream breaks is fetched again (a few times).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -26,10 +33,17 @@ from urllib.parse import unquote, urlparse
 from runtime import contract
 
 _CHUNK = 1 << 20
+_RANGE = 64 << 20  # one ranged GET
+_RANGE_ATTEMPTS = 5  # as s3transfer's download retries
+_HASH_PIECE = 8 << 20
 
 
 class UnverifiedCheckpoint(Exception):
     """The checkpoint has no manifest, or a file that does not match it: it must not be served."""
+
+
+class NoManifest(UnverifiedCheckpoint):
+    """Nothing is stored at the checkpoint's manifest: its upload did not finish, or no checkpoint store wrote it."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +85,7 @@ def fetch_checkpoint(uri: str, dest: str | Path, expected_sha256: str | None = N
     try:
         raw = (root / contract.MANIFEST_FILENAME).read_bytes()
     except FileNotFoundError:
-        raise UnverifiedCheckpoint(_no_manifest(root)) from None
+        raise NoManifest(_no_manifest(root)) from None
     _check_identity(raw, expected_sha256, str(root))
     files = contract.parse_manifest(raw, str(root))["files"]
     for entry in files:
@@ -95,27 +109,144 @@ def _check_identity(raw: bytes, expected: str | None, where: str) -> None:
 
 
 def _fetch_s3(bucket: str, prefix: str, target: Path, expected_sha256: str | None = None) -> VerifiedCheckpoint:
-    """The S3 side: one plain GET per listed file, hashed as it streams (ranged GETs are slow on some servers)."""
-    client = s3_client()
-    base = f"{prefix}/" if prefix else ""
-    root = f"s3://{bucket}/{prefix}".rstrip("/")
-    try:
-        raw = client.get_object(Bucket=bucket, Key=f"{base}{contract.MANIFEST_FILENAME}")["Body"].read()
-    except client.exceptions.NoSuchKey:
-        raise UnverifiedCheckpoint(_no_manifest(root)) from None
-    _check_identity(raw, expected_sha256, root)
-    files = contract.parse_manifest(raw, root)["files"]
-    for entry in files:
-        where = f"s3://{bucket}/{base}{entry['path']}"
-        try:
-            body = client.get_object(Bucket=bucket, Key=f"{base}{entry['path']}")["Body"]
-        except client.exceptions.NoSuchKey:
-            raise UnverifiedCheckpoint(f"{where}: listed in {contract.MANIFEST_FILENAME} but missing") from None
-        try:
-            _copy_checked(body, entry, target, where)
-        finally:
-            body.close()
+    raw, files = fetch_s3(s3_client(), bucket, prefix, target, expected_sha256=expected_sha256)
     return _finish(raw, files, target)
+
+
+def fetch_s3(
+    client: Any, bucket: str, prefix: str, dest: str | Path, *, chunk_size: int = _RANGE, max_concurrency: int = 10,
+    expected_sha256: str | None = None,
+) -> tuple[bytes, list[dict[str, Any]]]:
+    """Fetch the files of the checkpoint at ``s3://bucket/prefix`` into ``dest`` with ``client`` (boto3), each checked;
+    return the raw manifest and its entries (the manifest itself is not written). ``chunk_size`` is one ranged GET,
+    ``max_concurrency`` the GETs in flight (of as many files as that takes). Raises as ``fetch_checkpoint``."""
+    root = prefix.strip("/")
+    raw = read_s3_manifest(client, bucket, root)
+    _check_identity(raw, expected_sha256, f"s3://{bucket}/{root}".rstrip("/"))
+    files = contract.parse_manifest(raw, f"s3://{bucket}/{root}".rstrip("/"))["files"]
+    out = Path(dest)
+    with ThreadPoolExecutor(max_concurrency, thread_name_prefix="fetch-range") as ranges:
+
+        def one(entry: dict[str, Any]) -> None:
+            key = f"{root}/{entry['path']}" if root else entry["path"]
+            _fetch_object(client, ranges, bucket, key, entry, out / entry["path"], chunk_size)
+
+        if len(files) <= 1 or max_concurrency <= 1:
+            for entry in files:
+                one(entry)
+        else:  # a thread per file waits for its ranges in order and hashes them
+            with ThreadPoolExecutor(min(max_concurrency, len(files)), thread_name_prefix="fetch-file") as pool:
+                _all([pool.submit(one, entry) for entry in files])
+    return raw, files
+
+
+def read_s3_manifest(client: Any, bucket: str, prefix: str) -> bytes:
+    """The raw ``MANIFEST.json`` of the checkpoint at ``s3://bucket/prefix``; ``UnverifiedCheckpoint`` without one."""
+    root = prefix.strip("/")
+    try:
+        key = f"{root}/{contract.MANIFEST_FILENAME}" if root else contract.MANIFEST_FILENAME
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except Exception as exc:
+        if _error_code(exc) in ("NoSuchKey", "404"):
+            raise NoManifest(_no_manifest(f"s3://{bucket}/{root}".rstrip("/"))) from None
+        raise
+
+
+def _fetch_object(
+    client: Any, ranges: ThreadPoolExecutor, bucket: str, key: str, entry: dict[str, Any], dest: Path, chunk: int
+) -> None:
+    where, size = f"s3://{bucket}/{key}", entry["size"]
+    spans = [(start, min(size, start + chunk)) for start in range(0, size, chunk)] or [(0, 0)]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.partial")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        futures = [ranges.submit(_fetch_range, client, bucket, key, fd, start, end, entry) for start, end in spans]
+        digest = hashlib.sha256()
+        try:
+            # Hashed in order as the ranges land: only the last range's bytes are hashed after the download.
+            for (start, end), future in zip(spans, futures):
+                future.result()
+                for offset in range(start, end, _HASH_PIECE):
+                    digest.update(os.pread(fd, min(_HASH_PIECE, end - offset), offset))
+        except BaseException:
+            _stop(futures)
+            raise
+        if digest.hexdigest() != entry["sha256"]:
+            raise UnverifiedCheckpoint(_mismatch(where, digest.hexdigest(), size, entry))
+        os.replace(tmp, dest)
+    finally:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+
+
+def _fetch_range(client: Any, bucket: str, key: str, fd: int, start: int, end: int, entry: dict[str, Any]) -> None:
+    """Write bytes [start, end) of the object at their place in ``fd``, checking the size the store reports."""
+    where = f"s3://{bucket}/{key}"
+    retryable = _stream_errors()
+    for attempt in range(1, _RANGE_ATTEMPTS + 1):
+        try:
+            request = {"Bucket": bucket, "Key": key}
+            if end > start:  # an empty object has no range to ask for
+                request["Range"] = f"bytes={start}-{end - 1}"
+            response = client.get_object(**request)
+            total = _object_size(response)
+            if total != entry["size"]:
+                raise UnverifiedCheckpoint(_mismatch(where, "(not read)", total, entry))
+            offset = start
+            for piece in response["Body"].iter_chunks(_CHUNK):
+                os.pwrite(fd, piece, offset)
+                offset += len(piece)
+            if offset == end:
+                return
+            if attempt == _RANGE_ATTEMPTS:
+                raise UnverifiedCheckpoint(f"{where}: the store sent bytes {start}-{offset} of {start}-{end}")
+        except retryable:
+            if attempt == _RANGE_ATTEMPTS:
+                raise
+        except Exception as exc:
+            code = _error_code(exc)
+            if code in ("NoSuchKey", "404"):
+                raise UnverifiedCheckpoint(f"{where}: listed in {contract.MANIFEST_FILENAME} but missing") from None
+            if code == "InvalidRange":  # the object is shorter than the range
+                raise UnverifiedCheckpoint(_mismatch(where, "(not read)", "fewer", entry)) from None
+            raise
+
+
+def _object_size(response: dict[str, Any]) -> int | None:
+    content_range = response.get("ContentRange")  # "bytes 0-99/1234"
+    if content_range:
+        total = content_range.rpartition("/")[2]
+        return int(total) if total.isdigit() else None
+    return response.get("ContentLength")
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+
+    return (socket.timeout, ConnectionError, ReadTimeoutError, IncompleteReadError, ResponseStreamingError,
+            ConnectionClosedError)  # fmt: skip
+
+
+def _error_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def _stop(futures: list[Future]) -> None:
+    for future in futures:
+        future.cancel()
+    wait(futures)
+
+
+def _all(futures: list[Future]) -> None:
+    """Wait for every future; on the first error cancel those not started, await the rest, raise it."""
+    try:
+        for future in futures:
+            future.result()
+    except BaseException:
+        _stop(futures)
+        raise
 
 
 def s3_client() -> Any:
@@ -144,11 +275,7 @@ def _copy_checked(source: BinaryIO, entry: dict[str, Any], target: Path, where: 
                 out.write(chunk)
                 size += len(chunk)
         if size != entry["size"] or digest.hexdigest() != entry["sha256"]:
-            raise UnverifiedCheckpoint(
-                f"{where}: sha256 {digest.hexdigest()} ({size} bytes) but {contract.MANIFEST_FILENAME} says "
-                f"{entry['sha256']} ({entry['size']} bytes): the checkpoint is corrupt or incomplete; "
-                "refusing to serve it"
-            )
+            raise UnverifiedCheckpoint(_mismatch(where, digest.hexdigest(), size, entry))
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -158,6 +285,13 @@ def _finish(raw: bytes, files: list[dict[str, Any]], target: Path) -> VerifiedCh
     target.mkdir(parents=True, exist_ok=True)
     (target / contract.MANIFEST_FILENAME).write_bytes(raw)
     return VerifiedCheckpoint(target, hashlib.sha256(raw).hexdigest(), len(files), sum(e["size"] for e in files))
+
+
+def _mismatch(where: str, sha256: str, size: object, entry: dict[str, Any]) -> str:
+    return (
+        f"{where}: sha256 {sha256} ({size} bytes) but {contract.MANIFEST_FILENAME} says {entry['sha256']} "
+        f"({entry['size']} bytes): the checkpoint is corrupt or incomplete; refusing to serve it"
+    )
 
 
 def _no_manifest(where: object) -> str:

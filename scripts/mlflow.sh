@@ -56,7 +56,7 @@ load_s3_env() {
 }
 
 ensure_bucket() {
-  # The s3 stack keeps its data in memory: after its restart the bucket must be created again.
+  # The s3 stack may have been made anew (an empty store, new keys) since the bucket was created.
   "$PY" - "$S3_ENDPOINT_URL" "$BUCKET" <<'EOF'
 import sys
 
@@ -109,6 +109,12 @@ ensure_webhook_key() {
 }
 
 start_server() {
+  # The server holds the s3 stack's endpoint and keys from its start: when they changed, it starts again.
+  local s3_identity="$S3_ENDPOINT_URL $AWS_ACCESS_KEY_ID"
+  if running "$RUN/server.pid" "$PATTERN" && [[ "$(cat "$RUN/server.s3" 2>/dev/null)" != "$s3_identity" ]]; then
+    log "the s3 stack's endpoint or keys changed since the server started: restarting it"
+    stop_pidfile "$RUN/server.pid" "$PATTERN"
+  fi
   if running "$RUN/server.pid" "$PATTERN" && healthy; then
     log "server already up at $URL"
     return
@@ -133,6 +139,7 @@ start_server() {
       --artifacts-destination "s3://$BUCKET/" \
       >>"$RUN/server.log" 2>&1 </dev/null &
     echo $! >"$RUN/server.pid"
+    echo "$s3_identity" >"$RUN/server.s3"
   fi
   local deadline=$((SECONDS + 240))
   until healthy; do

@@ -27,6 +27,8 @@ _THROTTLING_CODES = {
     "Throttling", "ThrottlingException", "ThrottledException", "RequestLimitExceeded", "SlowDown",
     "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException", "InternalError",
     "ServiceUnavailable", "InternalFailure", "REQUEST_LIMIT_EXCEEDED", "TEMPORARILY_UNAVAILABLE",
+    # S3: the body arrived other than it was sent (its Content-MD5, CRC32 or signed sha256 does not match).
+    "BadDigest", "XAmzContentSHA256Mismatch",
 }  # fmt: skip
 
 

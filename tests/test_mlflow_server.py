@@ -82,6 +82,31 @@ def test_run_and_version_record_the_checkpoint(
     tracking.client.delete_experiment(run.info.experiment_id)
 
 
+def test_artifacts_go_to_the_s3_stack(mlflow_env: dict[str, str], tmp_path: Path) -> None:
+    """The server keeps run artifacts in the s3 stack's bucket (RGW checks the server's keys and signatures)."""
+    tag = uuid.uuid4().hex[:8]
+    tracking = MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None)
+    run_id = tracking.start_run(f"gpuferry-test-{tag}", f"artifacts-{tag}", {"prefect.flow_run_id": f"test-{tag}"})
+    notes = tmp_path / "notes.txt"
+    notes.write_text(f"run {tag}")
+    tracking.client.log_artifact(run_id, str(notes), artifact_path="notes")
+    experiment_id = tracking.client.get_run(run_id).info.experiment_id
+    try:
+        s3_env = stack_env("s3")
+        s3 = boto3.client(
+            "s3", endpoint_url=s3_env["S3_ENDPOINT_URL"], aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"], region_name=s3_env["AWS_DEFAULT_REGION"],
+        )  # fmt: skip
+        bucket, _, prefix = mlflow_env["MLFLOW_ARTIFACTS_DESTINATION"].removeprefix("s3://").partition("/")
+        key = f"{prefix}{experiment_id}/{run_id}/artifacts/notes/notes.txt"
+        assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == f"run {tag}".encode()
+        back = tracking.client.download_artifacts(run_id, "notes/notes.txt", str(tmp_path / "back"))
+        assert Path(back).read_text() == f"run {tag}"
+    finally:
+        tracking.end_run(run_id)
+        tracking.client.delete_experiment(experiment_id)
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,7 +4,7 @@ The stack, saved as a Prefect block and given to the flow by name: the workload 
 podman and pushed to the registry stack (pinned by digest), checkpoints in the s3 stack, the MLflow
 server stack, training as local processes, serving on the local Kubernetes control plane, whose
 kubelet stand-in really runs the pod's container with podman. The pod loads the model from S3 by its
-MODEL_URI: moto listens on loopback, which a container does not share, so the test relays it on the
+MODEL_URI: the s3 stack listens on loopback, which a container does not share, so the test relays it on the
 address containers reach the host at, and hands the pod that endpoint and the credentials in a Secret.
 
 A first retrain serves v1; a second one whose server cannot start rolls back to v1, fails the flow,

@@ -37,6 +37,8 @@ TRANSIENT = [
     _http_error(429),
     _client_error("SlowDown", 503),
     _client_error("Throttling", 400),
+    _client_error("BadDigest", 400),
+    _client_error("XAmzContentSHA256Mismatch", 400),
     botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
     MlflowException("busy", error_code=TEMPORARILY_UNAVAILABLE),
 ]
@@ -51,6 +53,7 @@ PERMANENT = [
     _http_error(404),
     _client_error("AccessDenied", 403),
     _client_error("InvalidAccessKeyId", 403),
+    _client_error("SignatureDoesNotMatch", 403),
     MlflowException("bad", error_code=INVALID_PARAMETER_VALUE),
 ]
 
