@@ -127,7 +127,8 @@ def test_server_down_is_retried_then_fails_clearly(monkeypatch: pytest.MonkeyPat
     @flow
     def tracked() -> tuple:
         logged = fast_log(down, "0" * 32, metrics={"val_accuracy": 0.9}, return_state=True)
-        registered = fast_register(down, "0" * 32, "m", ref, PromotionPolicy(), 0.9, return_state=True)
+        policy = PromotionPolicy(metric="val_accuracy", direction="maximize")
+        registered = fast_register(down, "0" * 32, "m", ref, policy, 0.9, return_state=True)
         return logged, registered
 
     logged, registered = tracked()
