@@ -43,8 +43,10 @@ from blocks._proc import alive, start_time
 from blocks.home import gpuferry_home
 from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
 from blocks.launch import launch_command
+from blocks.mlflow_model import ModelInfo, check_mlflow_model
 from blocks.secrets import secret_values
-from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.specs import CheckpointRef, JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.storage import CheckpointStore
 from runtime import contract
 
 # What a local job inherits from this process's environment: enough to find programs and write files,
@@ -213,6 +215,20 @@ class ComputeBackend(Block, ABC):
 
     def _requeues(self, handle: JobHandle) -> int:
         return 0
+
+    # ---- the trained model, where the job wrote it --------------------------------------------------
+
+    def inspect_model(self, final_dir: str) -> ModelInfo:
+        """The MLflow model the job wrote to ``final_dir`` (``NoModel`` when there is none)."""
+        return check_mlflow_model(final_dir)
+
+    def store_model(self, final_dir: str, store: CheckpointStore, name: str) -> CheckpointRef:
+        """Store the model in ``final_dir`` as checkpoint ``name`` of ``store``. Here: from this machine's
+        filesystem, which the job wrote to; a backend whose jobs write elsewhere stores from there."""
+        return store.put(Path(final_dir), name)
+
+    def check_store(self, store: CheckpointStore) -> None:
+        """``ConfigurationError`` when models written by this backend's jobs cannot reach ``store`` (no side effect)."""
 
     # ---- job arrays: a sweep runs one task per configuration; a backend without them says so ----------
 

@@ -4,23 +4,19 @@ The layout is the one of ``LocalCheckpointStore``: ``s3://<bucket>/<bucket_folde
 holds the checkpoint's files and ``MANIFEST.json`` (path, size, sha256 of each file), written last;
 readers trust only a checkpoint that has one.
 
-Upload: each file is hashed (through the local hash cache, so an unchanged file is not read again),
-then sent only if the stored object does not already carry the same sha256 (object metadata
-``sha256``) and size, so storing an unchanged checkpoint moves 0 bytes and an interrupted upload
-resumes without resending the files it finished. Large files go multipart, parts of several files in
-flight at once. An interrupted multipart upload is resumed inside the file: this machine records each
-multipart upload it starts (store, key, upload id, the file's sha256 and part size; S3 does not say
-which content a pending upload was started for), and the next attempt at the same content lists the
-upload's parts, keeps those whose ETag is the MD5 of the local bytes, sends the rest and completes it.
-Other unfinished uploads under the checkpoint are aborted once it is complete.
+Upload: ``runtime.s3_upload.put_directory``, which a cluster that wrote the checkpoint runs too (``python -m
+runtime.store``): each file is hashed (through the local hash cache, so an unchanged file is not read again),
+then sent only if the stored object does not already carry the same sha256 (object metadata ``sha256``) and
+size, so storing an unchanged checkpoint moves 0 bytes and an interrupted upload resumes without resending the
+files it finished. Large files go multipart, parts of several files in flight at once, and an interrupted
+multipart upload is resumed inside the file (see that module).
 
 Every request body is signed with its sha256 (SigV4 payload signing, over https too: AWS S3, MinIO and
 Ceph RGW check it and refuse a body damaged on the way). botocore's own CRC32 is not sent: over https
 it travels as an aws-chunked trailer, which Ceph RGW 16 refuses (``MissingContentLength``), and RGW 16
 ignores it anyway. The answer of
 CompleteMultipartUpload is not relied on (RGW 16 answers an empty ETag): every object is read back
-(HEAD: size and sha256) after its upload. A changed checkpoint's old manifest is deleted before its
-first changed file is sent: readers never see a manifest that does not match the files.
+(HEAD: size and sha256) after its upload.
 
 Download: ``runtime.checkpoint.fetch_s3``, the inference server's own fetch (the same reads, the same
 checks): every file is written to a temporary name, hashed, and renamed only when its size and sha256
@@ -35,8 +31,6 @@ signed. Errors that no retry mends (credentials, bucket name, an untrusted certi
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 import threading
 from collections.abc import Iterator
@@ -47,41 +41,31 @@ from typing import Any
 from urllib.parse import urlparse
 
 from prefect_aws import S3Bucket
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.s3_requests import (
-    Once,
-    RequestPool,
     UploadJournal,
-    abort_leftover_uploads,
-    error_code,
     explained,
-    listed_parts,
-    md5_hex,
     no_retry_of_tls_refusals,
-    parallel,
-    results,
-    upload_is_gone,
 )
 from blocks.specs import CheckpointRef
 from blocks.storage import (
     MANIFEST,
     CheckpointStore,
+    RemoteDestination,
     HashCache,
     checkpoint_files,
     checkpoint_ref,
-    manifest_bytes,
-    manifest_entry,
-    manifest_from_entries,
     parse_manifest,
 )
 from runtime import checkpoint as verified
+from runtime import s3_upload
+from runtime.s3_upload import read_object as _read_object
 from runtime.contract import ManifestError
 
 _MiB = 1 << 20
-_MAX_PARTS = 10_000  # S3's limit on the parts of one upload
-SHA256_METADATA = "sha256"  # stored as the object's x-amz-meta-sha256 header
+SHA256_METADATA = s3_upload.SHA256_METADATA  # stored as the object's x-amz-meta-sha256 header
 # Characters no S3-compatible store takes in a bucket name; the stricter rules are each store's own.
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]")
 _CLIENT_LOCK = threading.Lock()
@@ -177,107 +161,69 @@ class S3CheckpointStore(CheckpointStore):
 
     # ---- the store ----
 
+    def upload_settings(self) -> s3_upload.UploadSettings:
+        return s3_upload.UploadSettings(
+            multipart_threshold=self.multipart_threshold_mib * _MiB, part_size=self.multipart_chunksize_mib * _MiB,
+            max_concurrency=self.max_concurrency, max_parallel_files=self.max_parallel_files,
+        )  # fmt: skip
+
     def put(self, local_dir: str | Path, name: str) -> CheckpointRef:
         source = Path(local_dir)
         bucket, root = self.bucket.bucket_name, self._checkpoint_key(name)
-        files = checkpoint_files(source)
+        checkpoint_files(source)  # an empty directory is a ConfigurationError
         client = self.client()
-        cache, journal = HashCache(), UploadJournal(client.meta.endpoint_url, bucket)
-        manifest_key = f"{root}/{MANIFEST}"
-        with explained(bucket, manifest_key):
-            old_manifest = _read_object(client, bucket, manifest_key)
-        invalidate = Once(lambda: client.delete_object(Bucket=bucket, Key=manifest_key) if old_manifest else None)
-
-        requests = RequestPool(self.max_concurrency)
-        # One file hashed at a time: the first file's parts go out after ITS hash, not after the hashes of
-        # every file in flight, and later files are hashed while earlier ones upload.
-        hashing = threading.Lock()
-
-        def store_one(path: Path) -> tuple[dict, int]:
-            with hashing:
-                entry = manifest_entry(source, path, cache)
-            key = f"{root}/{entry['path']}"
-            with explained(bucket, key):
-                if _matches(_head(client, bucket, key), entry["size"], entry["sha256"]):
-                    return entry, 0
-                invalidate()  # the stored checkpoint is about to change: readers must not trust it
-                if entry["size"] >= self.multipart_threshold_mib * _MiB:
-                    sent = self._put_multipart(client, requests, journal, path, key, entry)
-                else:
-                    sent = requests.submit(self._put_small, client, key, path, entry).result()
-                stored = _head(client, bucket, key)
-            if not _matches(stored, entry["size"], entry["sha256"]):
-                raise ChecksumMismatch(
-                    f"s3://{bucket}/{key}: after the upload the store reports {_describe(stored)}, "
-                    f"expected {entry['size']} bytes with sha256 {entry['sha256']}"
-                )
-            return entry, sent
-
         try:
-            stored_files = parallel(store_one, files, self.max_parallel_files)
-        finally:
-            requests.shutdown(wait=True, cancel_futures=True)
+            raw, manifest, moved = s3_upload.put_directory(
+                client, bucket, root, source, self.upload_settings(), cache=HashCache(),
+                journal=UploadJournal(client.meta.endpoint_url, bucket), explained=explained,
+            )  # fmt: skip
+        except s3_upload.StoredMismatch as exc:
+            raise ChecksumMismatch(str(exc)) from None
+        return checkpoint_ref(f"s3://{bucket}/{root}", raw, manifest, moved)
 
-        manifest = manifest_from_entries([entry for entry, _ in stored_files])
-        raw = manifest_bytes(manifest)
-        if raw != old_manifest:
-            with explained(bucket, manifest_key):
-                digest = hashlib.sha256(raw).hexdigest()
-                client.put_object(
-                    Bucket=bucket, Key=manifest_key, Body=raw, ContentType="application/json",
-                    Metadata={SHA256_METADATA: digest},
-                )  # fmt: skip
-                if not _matches(_head(client, bucket, manifest_key), len(raw), digest):
-                    raise ChecksumMismatch(f"s3://{bucket}/{manifest_key}: the stored manifest does not match")
-        with explained(bucket, root):
-            abort_leftover_uploads(client, bucket, root)
-        return checkpoint_ref(f"s3://{bucket}/{root}", raw, manifest, sum(moved for _, moved in stored_files))
+    def reader_env(self) -> dict[str, SecretStr]:
+        """boto3's variables for the model server: the endpoint, region, keys and the CA certificate's path."""
+        creds = self.bucket.credentials
+        params = creds.aws_client_parameters
+        values = {"AWS_ENDPOINT_URL": params.endpoint_url, "AWS_DEFAULT_REGION": creds.region_name,
+                  "AWS_ACCESS_KEY_ID": creds.aws_access_key_id, "AWS_CA_BUNDLE": params.verify_cert_path}  # fmt: skip
+        for key, secret in (("AWS_SECRET_ACCESS_KEY", creds.aws_secret_access_key),
+                            ("AWS_SESSION_TOKEN", creds.aws_session_token)):  # fmt: skip
+            values[key] = secret.get_secret_value() if secret is not None else None
+        return {key: SecretStr(str(value)) for key, value in values.items() if value}
 
-    def _put_small(self, client: Any, key: str, path: Path, entry: dict) -> int:
-        with open(path, "rb") as body:
-            client.put_object(
-                Bucket=self.bucket.bucket_name, Key=key, Body=body, Metadata={SHA256_METADATA: entry["sha256"]}
+    def remote_destination(self, name: str) -> RemoteDestination:
+        """Checkpoint ``name`` as ``python -m runtime.store`` on a cluster stores it: boto3's variables for the
+        endpoint, region and keys (the keys as secrets), the CA certificate's contents, the transfer settings."""
+        creds = self.bucket.credentials
+        params = creds.aws_client_parameters
+        if params.verify is False:
+            raise ConfigurationError(
+                "bucket.credentials.aws_client_parameters.verify=False cannot be carried to a cluster: give the "
+                "CA certificate in verify_cert_path instead"
             )
-        return entry["size"]
-
-    def _put_multipart(
-        self, client: Any, requests: RequestPool, journal: UploadJournal, path: Path, key: str, entry: dict
-    ) -> int:
-        """Upload ``path`` in parts, resuming this content's unfinished upload if there is one; returns bytes sent."""
-        bucket, size = self.bucket.bucket_name, entry["size"]
-        part_size = max(self.multipart_chunksize_mib * _MiB, -(-size // _MAX_PARTS))
-        upload_id, stored = None, {}
-        pending = journal.get(key)
-        if pending and (pending["sha256"], pending["part_size"]) == (entry["sha256"], part_size):
+        env = {key: value for key, value in (("AWS_ENDPOINT_URL", params.endpoint_url),
+                                             ("AWS_DEFAULT_REGION", creds.region_name)) if value}  # fmt: skip
+        secrets = {"AWS_ACCESS_KEY_ID": creds.aws_access_key_id or ""}
+        for key, value in (("AWS_SECRET_ACCESS_KEY", creds.aws_secret_access_key),
+                           ("AWS_SESSION_TOKEN", creds.aws_session_token)):  # fmt: skip
+            if value is not None:
+                secrets[key] = value.get_secret_value()
+        if not secrets["AWS_ACCESS_KEY_ID"] or "AWS_SECRET_ACCESS_KEY" not in secrets:
+            raise ConfigurationError(
+                "bucket.credentials has no aws_access_key_id / aws_secret_access_key: a cluster storing a checkpoint "
+                "needs keys of its own to give it (an instance profile or a named profile is this machine's)"
+            )
+        ca = None
+        if params.verify_cert_path:
             try:
-                stored = listed_parts(client, bucket, key, pending["upload_id"])
-                upload_id = pending["upload_id"]
-            except Exception as exc:
-                if not upload_is_gone(exc):  # aborted or expired meanwhile: start again
-                    raise
-        if upload_id is None:
-            upload_id = client.create_multipart_upload(
-                Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}
-            )["UploadId"]
-            journal.record(key, upload_id, entry["sha256"], part_size)
-
-        with open(path, "rb") as f:
-
-            def send(number: int) -> tuple[dict, int]:
-                offset = (number - 1) * part_size
-                body = os.pread(f.fileno(), min(part_size, size - offset), offset)
-                done = stored.get(number)
-                if done and done["ETag"].strip('"') == md5_hex(body):
-                    return {"PartNumber": number, "ETag": done["ETag"]}, 0  # stored by an earlier attempt
-                sent = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
-                return {"PartNumber": number, "ETag": sent["ETag"]}, len(body)
-
-            parts = results(requests.submit_all(send, range(1, -(-size // part_size) + 1)))
-        client.complete_multipart_upload(
-            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [part for part, _ in parts]}
-        )
-        journal.forget(key)
-        return sum(sent for _, sent in parts)
+                ca = Path(params.verify_cert_path).read_bytes()
+            except OSError as exc:
+                raise ConfigurationError(f"bucket.credentials.aws_client_parameters.verify_cert_path: {exc}") from None
+        settings = self.upload_settings()
+        args = [f"--multipart-threshold={settings.multipart_threshold}", f"--part-size={settings.part_size}",
+                f"--max-concurrency={settings.max_concurrency}", f"--max-parallel-files={settings.max_parallel_files}"]  # fmt: skip
+        return RemoteDestination(uri=self.uri_of(name), env=env, secrets=secrets, ca_bundle=ca, args=args)
 
     def get(self, uri: str, dest: str | Path) -> Path:
         bucket, root = parse_s3_uri(uri)
@@ -332,33 +278,3 @@ def _refusals(uri: str) -> Iterator[None]:
         raise ChecksumMismatch(str(exc)) from None
 
 
-def _read_object(client: Any, bucket: str, key: str) -> bytes | None:
-    try:
-        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except Exception as exc:
-        if error_code(exc) in ("NoSuchKey", "404"):
-            return None
-        raise
-
-
-def _head(client: Any, bucket: str, key: str) -> dict | None:
-    try:
-        return client.head_object(Bucket=bucket, Key=key)
-    except Exception as exc:
-        if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
-            return None
-        raise
-
-
-def _matches(head: dict | None, size: int, sha256: str) -> bool:
-    return (
-        head is not None
-        and head.get("ContentLength") == size
-        and head.get("Metadata", {}).get(SHA256_METADATA) == sha256
-    )
-
-
-def _describe(head: dict | None) -> str:
-    if head is None:
-        return "no object"
-    return f"{head.get('ContentLength')} bytes with sha256 {head.get('Metadata', {}).get(SHA256_METADATA)}"

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 
 import httpx
 from prefect.blocks.core import Block
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from blocks._proc import alive, free_port, start_time, stop
 from blocks.compute import INHERITED_ENV
@@ -52,6 +52,9 @@ class Release(BaseModel):
     image: ImageRef | None = None
     server: ServerSpec = Field(default_factory=ServerSpec, description="What serves it (the workload's serve section).")
     checkpoint_sha256: str | None = Field(None, description="The stored checkpoint's identity, as the version records it.")
+    store_env: dict[str, SecretStr] = Field(
+        default_factory=dict, description="What the server needs to read the checkpoint (the store's credentials)."
+    )
 
 
 class DeployOutcome(BaseModel):
@@ -205,10 +208,9 @@ class LocalServing(ServingBackend):
     state_dir: str | None = Field(None, description="Where service state and logs live (None: $GPUFERRY_HOME/serving).")
     drain_seconds: float = Field(30, gt=0, description="How long the old version may take to drain before SIGKILL.")
     pass_env: list[str] = Field(
-        default_factory=lambda: ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-                                 "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE"],
-        description="Variables of this process the server gets (the credentials an s3:// model URI needs); nothing "
-        "else of this environment reaches it.",
+        default_factory=list,
+        description="Variables of this process the server gets besides the contract's (the stack's store gives the "
+        "credentials an s3:// model needs); nothing else of this environment reaches it.",
     )
 
     def _dir(self) -> Path:
@@ -255,6 +257,7 @@ class LocalServing(ServingBackend):
         log_path = self._dir() / f"{service}-v{release.version}-{port}.log"
         env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
         env.update({key: os.environ[key] for key in self.pass_env if key in os.environ})
+        env.update({key: value.get_secret_value() for key, value in release.store_env.items()})
         env.update(server.env)
         env.update({
             contract.MODEL_URI: release.model_uri,

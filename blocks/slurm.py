@@ -46,7 +46,10 @@ import paramiko
 from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import Field, PrivateAttr, SecretStr
 
+from blocks import remote_store
 from blocks.compute import ComputeBackend, run_logger
+from blocks.mlflow_model import ModelInfo
+from blocks.storage import CheckpointStore
 from blocks.secrets import secret_values
 from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
@@ -54,7 +57,7 @@ from blocks.docker_image import _registry_parts
 from blocks.slurm_script import (
     ADDITIONAL_DIRECTIVES, CONTAINER_RUNTIMES, PODMAN_OPTIONS, Container, check_name, check_pinned_image, sbatch_script,
 )  # fmt: skip
-from blocks.specs import TERMINAL_STATES, JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.specs import TERMINAL_STATES, CheckpointRef, CodeRef, JobHandle, JobResult, JobStatus, TrainingJob
 from runtime import contract
 
 KEY_COMMENT_PREFIX = "gpuferry-key:"
@@ -170,6 +173,13 @@ class SlurmCluster(ComputeBackend):
     code_root: str | None = Field(
         None, description="Directory on the cluster's shared filesystem where workloads' code is unpacked, one "
         "directory per content hash, sent once (None: .code under workdir_root).",
+    )
+    store_python: str | None = Field(
+        None, description="Interpreter on the login node that stores trained models to the stack's store "
+        "(python -m runtime.store; it needs PyYAML and boto3). None: python.",
+    )
+    store_timeout_seconds: float = Field(
+        3600.0, gt=0, description="How long storing one trained model from the cluster may take.",
     )
     warning_signal: str | None = Field(
         "B:USR1@90", description="Signal sent ahead of the time limit so the job checkpoints (sbatch --signal)."
@@ -596,9 +606,12 @@ class SlurmCluster(ComputeBackend):
         that runs in an image (its code is in the image)."""
         if job.image is not None and job.image.reference:
             return None
-        code = job.code
-        assert code is not None  # validate_job
-        target = self.code_dir(code.sha256)
+        assert job.code is not None  # validate_job
+        return self.ship_archive(job.code, self.code_dir(job.code.sha256), "the workload's code")
+
+    def ship_archive(self, code: CodeRef, target: str, what: str) -> str:
+        """Unpack the archive ``code`` at ``target`` on the cluster unless it is there already (checked against
+        its sha256 on arrival); returns ``target``."""
         with self._lock:
             shipped = self._shipped_code.get(self._cluster_key, set())
             if target in shipped:
@@ -607,11 +620,32 @@ class SlurmCluster(ComputeBackend):
         if rc != 0:
             data = Path(code.archive).read_bytes()
             self.run(["sh", "-c", self._UNPACK_SH, "sh", target, code.sha256], stdin=data)
-            run_logger().info("shipped the workload's code (%d files, %d bytes, sha256 %s) to %s", code.files,
-                              code.size_bytes, code.sha256[:12], target)  # fmt: skip
+            run_logger().info("shipped %s (%d files, %d bytes, sha256 %s) to %s", what, code.files, code.size_bytes,
+                              code.sha256[:12], target)  # fmt: skip
         with self._lock:
             self._shipped_code.setdefault(self._cluster_key, set()).add(target)
         return target
+
+    # ---- the trained model: read and stored on the cluster, whose filesystem this machine may not see ----
+
+    def inspect_model(self, final_dir: str) -> ModelInfo:
+        if self.local:
+            return super().inspect_model(final_dir)
+        return remote_store.inspect_remote(self, final_dir)
+
+    def store_model(self, final_dir: str, store: CheckpointStore, name: str) -> CheckpointRef:
+        if self.local:
+            return super().store_model(final_dir, store, name)
+        return remote_store.store_remote(self, final_dir, store, name)
+
+    def check_store(self, store: CheckpointStore) -> None:
+        if not self.local:
+            store.remote_destination("preflight")  # a store the cluster cannot reach fails here, naming why
+
+    def write_private(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` on the cluster, mode 0600 before a byte is written (its directory created)."""
+        self._mkdir(posixpath.dirname(path))
+        self._write(path, data, 0o600)
 
     def _secret_env(self, job: TrainingJob) -> dict[str, SecretStr]:
         return {name: SecretStr(value) for name, value in secret_values(job.secrets).items()}

@@ -17,104 +17,46 @@ The embedded default keeps checkpoints in a local directory (Prefect's ``LocalFi
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from prefect.blocks.core import Block
 from prefect.filesystems import LocalFileSystem
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.home import gpuferry_home
 from blocks.specs import CheckpointRef, check_name
-from runtime import contract
+from runtime import contract, manifest
 from runtime.contract import manifest_bytes
+from runtime.manifest import manifest_from_entries, sha256_file  # noqa: F401 (re-exported)
 
 MANIFEST = contract.MANIFEST_FILENAME
 _CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-class HashCache:
-    """The sha256 of local files, remembered so that an unchanged file is not read again.
-
-    One small JSON file per hashed path under ``root``, keyed by (absolute path, size, mtime_ns, inode):
-    a change to any of them (a rewrite, a touch, a replacement by rename) means the file is hashed again.
-    A file changed again within the same timestamp tick as its hashing could keep its mtime, so a record
-    made less than ``RACY_NS`` after the file's mtime is not trusted (git's "racily clean" rule): the
-    file is hashed again, and that later record is trusted. Failing to write the cache only costs time.
-    """
-
-    RACY_NS = 1_000_000_000
+class HashCache(manifest.HashCache):
+    """``runtime.manifest.HashCache`` under ``$GPUFERRY_HOME/cache/sha256`` by default."""
 
     def __init__(self, root: Path | None = None) -> None:
-        self.root = root if root is not None else gpuferry_home() / "cache" / "sha256"
-
-    def sha256(self, path: Path) -> str:
-        path = Path(path).absolute()
-        key = self._key(path)
-        try:
-            record = json.loads(self._record_path(path).read_text())
-            if {k: record.get(k) for k in key} == key and record["hashed_at_ns"] - key["mtime_ns"] >= self.RACY_NS:
-                return record["sha256"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        hashed_at = time.time_ns()
-        digest = sha256_file(path)
-        self._write(path, key, digest, hashed_at)
-        return digest
-
-    def remember(self, path: Path, sha256: str, hashed_at_ns: int) -> None:
-        """Record a hash computed elsewhere (while copying the file), taken at ``hashed_at_ns``."""
-        path = Path(path).absolute()
-        self._write(path, self._key(path), sha256, hashed_at_ns)
-
-    @staticmethod
-    def _key(path: Path) -> dict:
-        st = path.stat()
-        return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
-
-    def _record_path(self, path: Path) -> Path:
-        return self.root / f"{hashlib.sha256(str(path).encode()).hexdigest()}.json"
-
-    def _write(self, path: Path, key: dict, sha256: str, hashed_at_ns: int) -> None:
-        record_path = self._record_path(path)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = record_path.with_name(f".{record_path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**key, "sha256": sha256, "hashed_at_ns": hashed_at_ns}))
-            os.replace(tmp, record_path)
-        except OSError:
-            pass
+        super().__init__(root if root is not None else gpuferry_home() / "cache" / "sha256")
 
 
 def checkpoint_files(local_dir: Path) -> list[Path]:
-    """The files of a checkpoint directory in manifest order; an empty directory is an error."""
-    files = sorted(_files(local_dir))
-    if not files:
-        raise ConfigurationError(f"checkpoint directory {local_dir} is empty: nothing to store")
-    return files
+    """The files of a checkpoint directory in manifest order; an empty directory is a ``ConfigurationError``."""
+    try:
+        return manifest.checkpoint_files(local_dir)
+    except manifest.EmptyCheckpoint as exc:
+        raise ConfigurationError(str(exc)) from None
 
 
 def manifest_entry(local_dir: Path, path: Path, cache: HashCache | None = None) -> dict:
     """One file's manifest entry (path relative to ``local_dir``, size, sha256 through the hash cache)."""
-    digest = (cache or HashCache()).sha256(path)
-    return {"path": path.relative_to(local_dir).as_posix(), "size": path.stat().st_size, "sha256": digest}
-
-
-def manifest_from_entries(entries: list[dict]) -> dict:
-    """The manifest of entries given in ``checkpoint_files`` order."""
-    return {"format": contract.MANIFEST_FORMAT, "files": list(entries)}
+    return manifest.manifest_entry(local_dir, path, cache or HashCache())
 
 
 def build_manifest(local_dir: Path, cache: HashCache | None = None) -> dict:
@@ -125,12 +67,7 @@ def build_manifest(local_dir: Path, cache: HashCache | None = None) -> dict:
 
 def write_manifest(local_dir: str | Path) -> str:
     """Write ``MANIFEST.json`` into a checkpoint directory in place; returns the manifest's sha256."""
-    root = Path(local_dir)
-    raw = manifest_bytes(build_manifest(root))
-    tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_bytes(raw)
-    os.replace(tmp, root / MANIFEST)
-    return hashlib.sha256(raw).hexdigest()
+    return manifest.write_manifest(local_dir, HashCache())
 
 
 def parse_manifest(raw: bytes, where: str) -> dict:
@@ -152,10 +89,18 @@ def checkpoint_ref(uri: str, raw_manifest: bytes, manifest: dict, bytes_uploaded
     )
 
 
-def _files(root: Path) -> Iterator[Path]:
-    for p in root.rglob("*"):
-        if p.is_file() and p.name != MANIFEST:
-            yield p
+
+class RemoteDestination(BaseModel):
+    """How a machine other than this one (a cluster that wrote the checkpoint) stores it with
+    ``python -m runtime.store``: where to, its settings, and the secrets it needs (sent in a 0600 file)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uri: str
+    env: dict[str, str] = Field(default_factory=dict, description="Settings (the endpoint, the region): no secrets.")
+    secrets: dict[str, str] = Field(default_factory=dict, description="Credentials, as environment variables.")
+    ca_bundle: bytes | None = Field(None, description="The CA certificate (PEM) that signed the store's TLS certificate.")
+    args: list[str] = Field(default_factory=list, description="runtime.store's options (transfer settings).")
 
 
 class CheckpointStore(Block, ABC):
@@ -172,6 +117,19 @@ class CheckpointStore(Block, ABC):
     @abstractmethod
     def get(self, uri: str, dest: str | Path) -> Path:
         """Fetch the checkpoint at ``uri`` into ``dest``, verifying every file against its manifest."""
+
+    def reader_env(self) -> dict[str, SecretStr]:
+        """What a model server on this machine needs in its environment to read checkpoints from this store
+        (credentials included, hence secrets); nothing for a local directory."""
+        return {}
+
+    def remote_destination(self, name: str) -> RemoteDestination:
+        """How another machine stores checkpoint ``name`` here; ``ConfigurationError`` when it cannot."""
+        raise ConfigurationError(
+            f"stack.storage ({type(self).__name__}) keeps checkpoints on this machine, which a remote cluster's jobs "
+            "cannot reach: use a store both reach (S3CheckpointStore: AWS S3, MinIO, Ceph), or run the flow on the "
+            "cluster's login node (SlurmCluster local=True)"
+        )
 
     @abstractmethod
     def read_manifest(self, uri: str) -> dict:

@@ -100,7 +100,7 @@ def deploy_model(
         )
     release = Release(
         model_name=model_name, version=resolved, model_uri=source, image=image if image.reference else None,
-        server=server, checkpoint_sha256=tags.get("checkpoint_sha256"),
+        server=server, checkpoint_sha256=tags.get("checkpoint_sha256"), store_env=blocks.storage.reader_env(),
     )  # fmt: skip
     endpoint = deploy_and_record(blocks, spec.model_copy(update={"smoke_request": smoke}), release)
     if endpoint.detail.get("changed") is False:

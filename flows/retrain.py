@@ -119,6 +119,7 @@ def preflight(blocks: Stack, run: RunPlan) -> None:
     backend's checks against its cluster follow: ``serving_preflight``)."""
     image = preflight_image(blocks, run)
     blocks.compute.validate_job(run.job("preflight", "/nonexistent", image, env={}))
+    blocks.compute.check_store(blocks.storage)  # a model the cluster writes must reach the stack's store
     check_images_for_serving(blocks)
     if blocks.images.produces_image and run.workload.definition.image is None:
         raise ConfigurationError(

@@ -9,8 +9,8 @@ reason) or ``failed`` (the error). A deploy that did not serve the new version s
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 from prefect import get_run_logger
@@ -22,7 +22,7 @@ from blocks.stack import Stack
 from runtime import contract
 from tasks.deploy import deploy
 from tasks.track import log_run, record_deploy, register_model
-from tasks.upload import check_model, serving_example, upload_checkpoint
+from tasks.upload import inspect_model, serving_example, store_model
 
 
 class Shipped(NamedTuple):
@@ -47,10 +47,10 @@ def ship(
 
     ``value`` is the run's ``promotion.metric``; ``runs`` are other runs that record the deploy's outcome.
     """
-    final_dir = str(Path(trained.checkpoint_dir) / contract.FINAL_DIRNAME)
-    model = check_model(final_dir)
+    final_dir = posixpath.join(trained.checkpoint_dir, contract.FINAL_DIRNAME)  # where the job wrote it
+    model = inspect_model(blocks.compute, final_dir)
     run.check_model(model, final_dir)  # before anything is stored or registered
-    checkpoint = upload_checkpoint(blocks.storage, final_dir, f"{run.model_name}/{run_id}")
+    checkpoint = store_model(blocks.compute, blocks.storage, final_dir, f"{run.model_name}/{run_id}")
     log_run(
         blocks.tracking, run_id,
         metrics={"gpu_hours": trained.gpu_hours, "cpu_hours": trained.cpu_hours, "requeues": trained.requeues,
@@ -68,7 +68,7 @@ def ship(
         release = Release(
             model_name=version.name, version=version.version, model_uri=checkpoint.uri,
             image=image if image.reference else None, server=server_of(run.workload, image),
-            checkpoint_sha256=checkpoint.sha256,
+            checkpoint_sha256=checkpoint.sha256, store_env=blocks.storage.reader_env(),
         )  # fmt: skip
         spec = run.serving.model_copy(update={"smoke_request": smoke or run.workload.definition.serve.input_example})
         endpoint = deploy_and_record(blocks, spec, release, runs)

@@ -1,4 +1,5 @@
-"""Store the trained model: checked to be an MLflow model first, then stored with its manifest."""
+"""Store the trained model: checked to be an MLflow model first, then stored with its manifest, both from where
+the job wrote it (the compute backend says where that is: this machine, or a cluster that stores it itself)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,34 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from blocks.mlflow_model import MLMODEL, ModelInfo, NoModel, check_mlflow_model, parse_serving_example, serving_example_path
+from blocks.compute import ComputeBackend
+from blocks.mlflow_model import MLMODEL, ModelInfo, NoModel, parse_serving_example, serving_example_path
 from blocks.specs import CheckpointRef
 from blocks.storage import CheckpointStore
 from tasks.retry import retry_options
 
 
-@task(name="check-model")
-def check_model(local_dir: str) -> ModelInfo:
+@task(name="inspect-model", **retry_options(retries=3))
+def inspect_model(compute: ComputeBackend, final_dir: str) -> ModelInfo:
     """The MLflow model the job wrote (``NoModel`` when there is none: nothing is stored or registered)."""
-    info = check_mlflow_model(local_dir)
+    info = compute.inspect_model(final_dir)
     get_run_logger().info(
-        "MLflow model in %s: flavours %s, %s, %s", local_dir, ", ".join(info.flavors),
+        "MLflow model in %s: flavours %s, %s, %s", final_dir, ", ".join(info.flavors),
         "with a signature" if info.signature else "no signature",
         f"serving example {info.serving_example}" if info.serving_example else "no serving input example",
     )  # fmt: skip
     return info
+
+
+@task(name="store-model", **retry_options(retries=4))
+def store_model(compute: ComputeBackend, store: CheckpointStore, final_dir: str, name: str) -> CheckpointRef:
+    """Store the model where the job wrote it; unchanged files are not sent again, so a retry resumes."""
+    ref = compute.store_model(final_dir, store, name)
+    get_run_logger().info(
+        "checkpoint %s: %d files, %d bytes (%d moved), sha256 %s",
+        ref.uri, ref.files, ref.size_bytes, ref.bytes_uploaded, ref.sha256,
+    )  # fmt: skip
+    return ref
 
 
 @task(name="upload-checkpoint", **retry_options(retries=4))

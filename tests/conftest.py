@@ -96,22 +96,12 @@ def s3_store() -> Iterator[S3CheckpointStore]:
     """An S3CheckpointStore on a bucket of its own in the s3 stack (`make s3-up`), emptied and removed after."""
     import uuid
 
-    from prefect_aws import AwsCredentials, S3Bucket
-    from prefect_aws.client_parameters import AwsClientParameters
+    from tests.stacks import s3_store as store_on
 
-    from blocks.s3 import S3CheckpointStore
-    from tests.stacks import stack_env
-
-    env = stack_env("s3")
-    bucket = f"gpuferry-test-{uuid.uuid4().hex[:8]}"
-    credentials = AwsCredentials(
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name=env["AWS_DEFAULT_REGION"],
-        aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]),
-    )  # fmt: skip
-    s3 = credentials.get_s3_client()
-    s3.create_bucket(Bucket=bucket)
-    yield S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials))
+    store = store_on(f"gpuferry-test-{uuid.uuid4().hex[:8]}")
+    yield store
+    s3 = store.client()
+    bucket = store.bucket.bucket_name
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
         if keys:

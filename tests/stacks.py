@@ -31,3 +31,25 @@ def stack_env(name: str) -> dict[str, str]:
             key, _, value = line.partition("=")
             env[key.strip()] = value.strip()
     return env
+
+
+def s3_store(bucket: str, create: bool = True):  # type: ignore[no-untyped-def]
+    """An S3CheckpointStore on ``bucket`` of the s3 stack (created when missing)."""
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    from blocks.s3 import S3CheckpointStore
+
+    env = stack_env("s3")
+    credentials = AwsCredentials(
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]),
+    )  # fmt: skip
+    if create:
+        s3 = credentials.get_s3_client()
+        try:
+            s3.create_bucket(Bucket=bucket)
+        except s3.exceptions.BucketAlreadyOwnedByYou:
+            pass
+    return S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials))

@@ -20,15 +20,21 @@ from blocks.specs import Resources, TrainingSpec
 from blocks.stack import Stack
 from flows.retrain import retrain
 from tests.examples import DIGITS
-from tests.stacks import stack_env
+from tests.stacks import s3_store, stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Where the Slurm tests' trained models go: the cluster stores them itself (the orchestrator does not read its
+# filesystem), so into a store both reach: the s3 stack. One bucket for them all; keys carry the run's id.
+TEST_BUCKET = "gpuferry-test-slurm"
+
+
 def slurm_stack(env: dict[str, str]) -> Stack:
     stack = Stack.embedded()
+    stack.storage = s3_store(TEST_BUCKET)
     stack.provider = ClusterManaged(cluster_name="gpuferry-test")  # Slurm owns the nodes and their GPUs
     stack.compute = SlurmCluster(
         host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],

@@ -306,3 +306,33 @@ def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends
     assert stat.S_IMODE(Path(job.workdir, ".secret.env").stat().st_mode) == 0o600
     cluster.result(handle, status)
     assert not Path(job.workdir, ".secret.env").exists()  # the job ended: its secrets went with it
+
+
+def test_the_cluster_stores_the_trained_model_itself(cluster: SlurmCluster, s3_store) -> None:  # type: ignore[no-untyped-def]
+    """store_model over SSH: the login node runs gpuferry's runtime (shipped once) against the store; the checkpoint's
+    URI and sha256 come back, its bytes never pass through this process; the settings file is gone after."""
+    import hashlib
+
+    from blocks.mlflow_model import NoModel
+
+    k = key("store")
+    final = Path(cluster.job_workdir(k)) / "checkpoints" / "final"
+    final.mkdir(parents=True)
+    (final / "MLmodel").write_text("flavors:\n  python_function: {loader_module: mlflow.sklearn}\n  sklearn: {}\n")
+    (final / "model.bin").write_bytes(b"w" * 10_000)
+    info = cluster.inspect_model(str(final))
+    assert info.pyfunc and info.flavors == ["python_function", "sklearn"]
+    ref = cluster.store_model(str(final), s3_store, f"m/{k}")
+    assert ref.uri == s3_store.uri_of(f"m/{k}") and ref.files == 2 and ref.bytes_uploaded == 10_000 + len(
+        (final / "MLmodel").read_bytes())  # fmt: skip
+    manifest = s3_store.read_manifest(ref.uri)
+    assert sorted(e["path"] for e in manifest["files"]) == ["MLmodel", "model.bin"]
+    raw = s3_store.read_file(ref.uri, "model.bin")
+    assert raw == b"w" * 10_000 and hashlib.sha256(raw).hexdigest() == manifest["files"][1]["sha256"]
+    assert not list(final.parent.glob(".store-*"))  # the 0600 settings file went with the command
+    again = cluster.store_model(str(final), s3_store, f"m/{k}")  # unchanged: nothing sent
+    assert again.sha256 == ref.sha256 and again.bytes_uploaded == 0
+    empty = final.parent / "empty"
+    empty.mkdir()
+    with pytest.raises(NoModel, match="holds no MLflow model"):
+        cluster.inspect_model(str(empty))

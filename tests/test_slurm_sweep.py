@@ -20,7 +20,8 @@ from blocks.stack import Stack
 from blocks.workload import load_workload
 from flows.sweep import sweep
 from tests.examples import DIABETES, DIGITS, JOBS, code_of
-from tests.stacks import stack_env
+from tests.stacks import s3_store, stack_env
+from tests.test_pipeline_slurm import TEST_BUCKET
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
@@ -50,6 +51,7 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
     # A GPU per task from the cluster's settings: the stack's node provider is this (GPU-less)
     # machine, which would refuse resources.gpus_per_node > 0 in its preflight.
     stack.compute = _cluster(env, additional_directives={"gpus-per-task": "1"})
+    stack.storage = s3_store(TEST_BUCKET)  # the cluster stores the best model itself
     stack.save("slurm-sweep-test", overwrite=True)
     grid = SweepGrid(values={"lr": [0.002, 0.1], "hidden": [8, 64]})
     outcome = sweep(
@@ -119,6 +121,7 @@ def test_a_sweep_of_the_regressors_own_hyperparameters_is_one_array() -> None:
     env = stack_env("slurm")
     stack = Stack.embedded()
     stack.compute = _cluster(env)
+    stack.storage = s3_store(TEST_BUCKET)
     stack.save("slurm-sweep-regressor", overwrite=True)
     grid = SweepGrid(values={"alpha": [0.001, 1.0, 30.0], "l1_ratio": [0.2, 0.9]})
     outcome = sweep(workload=str(DIABETES), grid=grid, stack="slurm-sweep-regressor",

@@ -13,6 +13,7 @@ import pytest
 from prefect.filesystems import LocalFileSystem
 
 import blocks.storage
+import runtime.manifest
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.storage import MANIFEST, HashCache, LocalCheckpointStore, build_manifest, verify_checkpoint
 
@@ -100,13 +101,13 @@ def hashed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     """The files actually read to hash them (by name), in a cache of this test's own."""
     monkeypatch.setenv("GPUFERRY_HOME", str(tmp_path / "home"))
     calls: list[str] = []
-    real = blocks.storage.sha256_file
+    real = runtime.manifest.sha256_file
 
     def counting(path: Path) -> str:
         calls.append(Path(path).name)
         return real(path)
 
-    monkeypatch.setattr(blocks.storage, "sha256_file", counting)
+    monkeypatch.setattr(runtime.manifest, "sha256_file", counting)  # where the hash cache hashes
     return calls
 
 
