@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -113,16 +114,45 @@ class DeployOutcome(BaseModel):
         return f"{summary}\n\n```\n{self.message}\n```"
 
 
-def smoke_test(url: str, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
-    """POST the smoke request to ``/predict``; it must answer 200 with one prediction per input row."""
-    response = httpx.post(f"{url}/predict", json=request, timeout=timeout)
-    if response.status_code != 200:
-        raise DeployFailed(f"smoke test: /predict answered {response.status_code}: {response.text[:500]}")
-    body = response.json()
+# The smoke request's transport: (path, JSON body) -> (status code, parsed body: JSON, else the text).
+SmokeSend = Callable[[str, dict[str, Any]], tuple[int, Any]]
+SMOKE_PATH = "/predict"
+
+
+def http_send(url: str, timeout: float = 30.0) -> SmokeSend:
+    """POST straight to the server at ``url`` (a transport for ``smoke_check``)."""
+
+    def send(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        response = httpx.post(f"{url}{path}", json=body, timeout=timeout)
+        return response.status_code, parsed_body(response)
+
+    return send
+
+
+def parsed_body(response: httpx.Response) -> Any:
+    """The response's JSON, or its text when it is not JSON."""
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def smoke_check(send: SmokeSend, request: dict[str, Any]) -> dict[str, Any]:
+    """Send the smoke request through ``send``; it must answer 200 with one prediction per input row."""
+    status, body = send(SMOKE_PATH, request)
+    if status != 200:
+        text = body if isinstance(body, str) else json.dumps(body)
+        raise DeployFailed(f"smoke test: {SMOKE_PATH} answered {status}: {text[:500]}")
     rows = len(request.get("inputs", []))
-    if len(body.get("predictions", [])) != rows:
-        raise DeployFailed(f"smoke test: sent {rows} rows, got {len(body.get('predictions', []))} predictions")
+    predictions = body.get("predictions", []) if isinstance(body, dict) else []
+    if len(predictions) != rows:
+        raise DeployFailed(f"smoke test: sent {rows} rows, got {len(predictions)} predictions")
     return body
+
+
+def smoke_test(url: str, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """``smoke_check`` against the server at ``url``."""
+    return smoke_check(http_send(url, timeout), request)
 
 
 class ServingBackend(Block, ABC):
