@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, ClassVar, Literal
 
+import httpx
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import k8s_manifests as manifests
@@ -321,6 +322,8 @@ class KubernetesCluster(ServingBackend):
             smoke_check(functools.partial(self.pod_request, ready[0]), spec.smoke_request)
         except DeployFailed as exc:
             raise DeployFailed(f"pod {ready[0]}: {exc}") from None
+        except (httpx.TimeoutException, httpx.RemoteProtocolError) as exc:
+            raise DeployFailed(f"pod {ready[0]}: smoke test: no answer ({type(exc).__name__}: {exc})") from None
         return ready[0]
 
     def current(self, service: str) -> dict[str, Any] | None:

@@ -171,7 +171,8 @@ class ServingSpec(_Spec):
     )
     smoke_request: dict[str, Any] = Field(
         default_factory=lambda: {"inputs": [[0.0] * 64, [1.0] * 64]},
-        description="A /predict body sent to a new version before traffic moves to it.",
+        description="A /predict body sent to a new version before traffic moves to it (on Kubernetes: to a new pod "
+        "once the rollout is available; a failure rolls back).",
     )
 
     @field_validator("service_name")

@@ -1,4 +1,4 @@
-"""The Kubernetes manifest builder and rollout assessment (pure): golden files, GPU/MIG resources,
+"""The Kubernetes manifest builder, rollout assessment and smoke-test check (pure): golden files, GPU/MIG resources,
 validation before any call. No cluster needed.
 
 Regenerate the golden files after an intended change with GPUFERRY_UPDATE_GOLDEN=1.
@@ -244,3 +244,64 @@ def test_every_block_field_is_described_for_the_ui() -> None:
     assert KubernetesCluster.model_json_schema()["secret_fields"] == ["kubeconfig"]
     # The manifest knobs the block exposes are exactly ManifestOptions' (the versions come from discovery).
     assert set(m.ManifestOptions.model_fields) - set(KubernetesCluster.model_fields) == {"hpa_api_version", "pdb_api_version"}
+
+
+# ---- the smoke test's check and its pod-proxy transport (no cluster: the transport is replaced) ----------
+
+
+def _ready(name: str = "digits-abc-1") -> r.RolloutState:
+    return r.RolloutState("done", "2 of 2 replicas available", pods=[{"name": name, "ready": True, "detail": ""}])
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [((200, {"predictions": [1, 2]}), None),
+     ((422, {"error": "has 3 values; expected 64"}), "answered 422: .*expected 64"),
+     ((503, "upstream connect error"), "answered 503: upstream connect error"),
+     ((200, {"predictions": [1]}), "sent 2 rows, got 1 predictions"),
+     ((200, "not json"), "sent 2 rows, got 0 predictions")],
+)  # fmt: skip
+def test_smoke_check_through_a_transport(answer: tuple[int, object], match: str | None) -> None:
+    from blocks.errors import DeployFailed
+    from blocks.serving import smoke_check
+
+    sent: list[tuple[str, dict]] = []
+
+    def send(path: str, body: dict) -> tuple[int, object]:
+        sent.append((path, body))
+        return answer
+
+    request = {"inputs": [[0.0] * 64, [1.0] * 64]}
+    if match is None:
+        assert smoke_check(send, request) == answer[1]
+    else:
+        with pytest.raises(DeployFailed, match=match):
+            smoke_check(send, request)
+    assert sent == [("/predict", request)]
+
+
+def test_smoke_test_on_kubernetes_names_the_pod_and_fails_on_no_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    from blocks.errors import DeployFailed
+
+    block = KubernetesCluster()
+    calls: list[tuple[str, str, object]] = []
+
+    def answer(self: KubernetesCluster, pod: str, path: str, body: object = None) -> tuple[int, object]:
+        calls.append((pod, path, body))
+        return 422, {"error": "bad input"}
+
+    monkeypatch.setattr(KubernetesCluster, "pod_request", answer)
+    with pytest.raises(DeployFailed, match=r"pod digits-abc-1: smoke test: /predict answered 422"):
+        block._smoke_test(ServingSpec(), _ready())
+    assert calls == [("digits-abc-1", "/predict", ServingSpec().smoke_request)]
+
+    def hang(self: KubernetesCluster, pod: str, path: str, body: object = None) -> tuple[int, object]:
+        raise httpx.ReadTimeout("timed out")
+
+    monkeypatch.setattr(KubernetesCluster, "pod_request", hang)
+    with pytest.raises(DeployFailed, match="pod digits-abc-1: smoke test: no answer .*ReadTimeout"):
+        block._smoke_test(ServingSpec(), _ready())
+    with pytest.raises(DeployFailed, match="no ready pod of the new ReplicaSet"):
+        block._smoke_test(ServingSpec(), r.RolloutState("done", "", pods=[{"name": "x", "ready": False}]))
