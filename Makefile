@@ -41,7 +41,8 @@ demo-stop: venv
 # ---- local stacks ------------------------------------------------------------------------------
 # `make <stack>-up` / `make <stack>-down`: scripts/<stack>.sh up|down. Idempotent; `down` stops only
 # what `up` started. Each `up` writes its connection settings to $(GPUFERRY_STACKS)/<stack>/env.
-# Order matters: the kubelet stand-in of k8s runs real containers when the registry stack is up.
+# Order matters: the k8s node reaches the registry stack (to pull the workload image) only when that
+# stack is up before it.
 STACKS := slurm registry k8s s3 mlflow prefect
 .PHONY: venv demo demo-stop test test-fast bench-overhead lock clean stacks-up stacks-down \
   $(addsuffix -up,$(STACKS)) $(addsuffix -down,$(STACKS))

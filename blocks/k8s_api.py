@@ -169,9 +169,7 @@ class KubeApi:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), 8.0) * (0.5 + random.random() / 2))
-            headers = dict(self.conn.token_refresh() if self.conn.token_refresh else self.conn.headers)
-            if data is not None:
-                headers["Content-Type"] = content_type
+            headers = self._headers(content_type if data is not None else None)
             self.attempts += 1
             try:
                 response = self._client.request(method, path, content=data, params=params, headers=headers)
@@ -202,6 +200,35 @@ class KubeApi:
             f"{method} {self.conn.server}{path} failed {self.retries + 1} times; last: {last}. "
             "Is the API server up and reachable?"
         )
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = dict(self.conn.token_refresh() if self.conn.token_refresh else self.conn.headers)
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    def proxy(self, path: str, body: Any = None, *, timeout: float | None = None) -> httpx.Response:
+        """One request through the API server's proxy subresource (``.../pods/NAME:PORT/proxy/...``): POST
+        ``body`` as JSON, or GET when it is None. Returns the answer whatever its status: the server behind
+        the proxy answered it, or the API server did when it could not reach that server (502/503 with a
+        ``Status``). Only failing to reach the API server is retried."""
+        data = None if body is None else json.dumps(body).encode()
+        method = "GET" if body is None else "POST"
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), 8.0) * (0.5 + random.random() / 2))
+            self.attempts += 1
+            try:
+                response = self._client.request(
+                    method, path, content=data, headers=self._headers("application/json" if data else None),
+                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+                )  # fmt: skip
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            return response
+        raise TransientError(f"{method} {self.conn.server}{path}: cannot reach the API server ({last})")
 
     # -- conveniences
     def get(self, path: str, **params: Any) -> dict[str, Any]:

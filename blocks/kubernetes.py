@@ -11,30 +11,35 @@
    a field owned by another manager is a clear error, not a silent overwrite;
 4. watches the rollout (``blocks/k8s_rollout.py``) until it is available, failed (ImagePullBackOff,
    CrashLoopBackOff, OOMKilled, ProgressDeadlineExceeded, ...) or out of time;
-5. on failure, rolls back by applying the previous ReplicaSet's pod template (what ``kubectl rollout
-   undo`` does), waits until the previous version is available again and raises ``DeployFailed``
-   saying why and which version serves.
+5. sends the spec's smoke request to a ready pod of the new ReplicaSet through the API server's pod
+   proxy (``pod_request``; it needs no route to the pods) and checks the answer (``serving.smoke_check``);
+6. on failure (of the rollout or of the smoke test), rolls back by applying the previous ReplicaSet's
+   pod template (what ``kubectl rollout undo`` does), waits until the previous version is available
+   again and raises ``DeployFailed`` saying why and which version serves.
 
-Deploying the version that already serves changes nothing (the apply is a no-op; the generation stays).
+Deploying the version that already serves changes nothing (the apply is a no-op; the generation stays;
+no smoke test).
 Modules: ``k8s_api`` (REST, retries, errors), ``k8s_manifests`` (pure spec → objects),
 ``k8s_rollout`` (rollout state and watch).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
 import time
 from typing import Any, ClassVar, Literal
 
+import httpx
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import k8s_manifests as manifests
 from blocks import k8s_rollout as rollout
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.k8s_api import Connection, KubeApi, connection_from_kubeconfig, connection_in_cluster
-from blocks.serving import Release, ServingBackend
+from blocks.serving import Release, ServingBackend, parsed_body, require_smoke_request, smoke_check
 from blocks.specs import MIG_PROFILES, Endpoint, ServingSpec
 
 _API_VERSION_PREFERENCE = {
@@ -235,6 +240,7 @@ class KubernetesCluster(ServingBackend):
         self.validate(spec)
         image = release.image.reference if release.image else None
         manifests.check_image(image)
+        require_smoke_request(spec)
         self.preflight(spec)
         api = self._api()
         opts = self._options(**self._discover_versions())
@@ -263,13 +269,25 @@ class KubernetesCluster(ServingBackend):
         timeout = self.rollout_timeout_seconds or spec.ready_timeout_seconds + 60
         state = self._watch(name, timeout)
         if state.phase == "done":
-            return self._endpoint(spec, release.version, previous_version, changed=changed, state=state)
+            endpoint = self._endpoint(spec, release.version, previous_version, changed=changed, state=state)
+            if not changed:
+                return endpoint  # the version that serves passed its smoke test when it was deployed
+            try:
+                pod = self._smoke_test(spec, release, state)
+            except DeployFailed as exc:
+                failure = f"v{release.version} of {self.namespace}/{name} failed its smoke test: {exc}"
+                reason = "SmokeTestFailed"
+            else:
+                log.info("%s: smoke test passed on pod %s", name, pod)
+                return endpoint
+        else:
+            failure = f"v{release.version} of {self.namespace}/{name} failed to roll out: {state.message}"
+            reason = state.reason
 
         # The new version failed: back to the previous revision's pod template.
         current = api.get(dep_path)
         replicasets = self._replicasets(name)
         previous_rs = rollout.previous_replicaset(current, replicasets)
-        failure = f"v{release.version} of {self.namespace}/{name} failed to roll out: {state.message}"
         if previous_rs is None:
             raise DeployFailed(
                 f"{failure}. There is no previous revision to roll back to; the Deployment is left as is "
@@ -287,8 +305,35 @@ class KubernetesCluster(ServingBackend):
         raise RolledBack(
             f"{failure}. Rolled back automatically: v{old_version} is available again "
             f"({back.available}/{back.desired} replicas)",
-            failed_version=release.version, rolled_back_to=old_version, reason=state.reason,
+            failed_version=release.version, rolled_back_to=old_version, reason=reason,
         )
+
+    def pod_request(self, pod: str, path: str, body: dict[str, Any] | None = None,
+                    port: int | None = None) -> tuple[int, Any]:  # fmt: skip
+        """``path`` of the server in ``pod`` (on ``port``, default container_port), through the API server's pod
+        proxy: POST ``body`` as JSON, or GET when it is None. Returns the status code and the parsed body (JSON,
+        else the text). The smoke test's transport; it reaches a pod wherever the caller runs, as kubectl does."""
+        if not path.startswith("/"):
+            raise ValueError(f"path={path!r} must start with '/'")
+        proxied = f"/api/v1/namespaces/{self.namespace}/pods/{pod}:{port or self.container_port}/proxy{path}"
+        response = self._api().proxy(proxied, body, timeout=self.request_timeout_seconds)
+        return response.status_code, parsed_body(response)
+
+    def _smoke_test(self, spec: ServingSpec, release: Release, state: rollout.RolloutState) -> str:
+        """The spec's smoke request on a ready pod of the new ReplicaSet; returns the pod's name."""
+        ready = [p["name"] for p in state.pods if p["ready"]]
+        if not ready:
+            raise DeployFailed("no ready pod of the new ReplicaSet to send it to")
+        server = release.server
+        port = self.container_port if server.mlflow_server else server.port
+        send = functools.partial(self.pod_request, ready[0], port=port)
+        try:
+            smoke_check(send, server, spec.smoke_request or {})
+        except DeployFailed as exc:
+            raise DeployFailed(f"pod {ready[0]}: {exc}") from None
+        except (httpx.TimeoutException, httpx.RemoteProtocolError) as exc:
+            raise DeployFailed(f"pod {ready[0]}: smoke test: no answer ({type(exc).__name__}: {exc})") from None
+        return ready[0]
 
     def current(self, service: str) -> dict[str, Any] | None:
         spec = ServingSpec(service_name=service)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -137,15 +138,53 @@ def request_rows(request: dict[str, Any]) -> int | None:
     return len(records) if isinstance(records, list) else None
 
 
-def check_smoke_answer(server: ServerSpec, request: dict[str, Any], status: int, body: Any, text: str) -> Any:
-    """The new version's answer to the smoke request: 200, and for gpuferry's MLflow model server one
-    prediction per row sent. Raises ``DeployFailed`` saying what was wrong."""
+# The smoke request's transport: (path, JSON body) -> (status code, parsed body: JSON, else the text).
+SmokeSend = Callable[[str, dict[str, Any]], tuple[int, Any]]
+
+
+def http_send(url: str, timeout: float = 30.0) -> SmokeSend:
+    """POST straight to the server at ``url`` (a transport for ``smoke_check``)."""
+
+    def send(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        try:
+            response = httpx.post(f"{url}{path}", json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise DeployFailed(f"smoke test: no answer from {url}{path}: {exc}") from exc
+        return response.status_code, parsed_body(response)
+
+    return send
+
+
+def parsed_body(response: httpx.Response) -> Any:
+    """The response's JSON, or its text when it is not JSON."""
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def require_smoke_request(spec: ServingSpec) -> dict[str, Any]:
+    """The spec's smoke request; a backend's deploy never guesses one (the flow fills it in from the
+    registered model's input example, or the user sets ``ServingSpec.smoke_request``)."""
+    if spec.smoke_request is None:
+        raise ConfigurationError(
+            "ServingSpec.smoke_request is not set: the flow fills it in from the model's input example; "
+            "when calling deploy yourself, set smoke_request to a request body the model answers"
+        )
+    return spec.smoke_request
+
+
+def smoke_check(send: SmokeSend, server: ServerSpec, request: dict[str, Any]) -> Any:
+    """Send the smoke request to the server's prediction path through ``send``: it must answer 200, and
+    gpuferry's MLflow model server one prediction per row sent. Raises ``DeployFailed`` saying what was wrong."""
+    status, body = send(server.prediction_path, request)
     if status != 200:
+        text = body if isinstance(body, str) else json.dumps(body)
         raise DeployFailed(f"smoke test: {server.prediction_path} answered {status}: {text[:500]}")
     if server.mlflow_server:
         predictions = body.get("predictions") if isinstance(body, dict) else None
         if predictions is None:
-            raise DeployFailed(f"smoke test: the answer has no predictions: {text[:500]}")
+            raise DeployFailed(f"smoke test: the answer has no predictions: {str(body)[:500]}")
         rows = request_rows(request)
         if rows is not None and hasattr(predictions, "__len__") and len(predictions) != rows:
             raise DeployFailed(f"smoke test: sent {rows} rows, got {len(predictions)} predictions")
@@ -153,16 +192,8 @@ def check_smoke_answer(server: ServerSpec, request: dict[str, Any], status: int,
 
 
 def smoke_test(url: str, server: ServerSpec, request: dict[str, Any], timeout: float = 30.0) -> Any:
-    """POST the smoke request to the server's prediction path; see ``check_smoke_answer``."""
-    try:
-        response = httpx.post(f"{url}{server.prediction_path}", json=request, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise DeployFailed(f"smoke test: no answer from {url}{server.prediction_path}: {exc}") from exc
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    return check_smoke_answer(server, request, response.status_code, body, response.text)
+    """``smoke_check`` against the server at ``url``."""
+    return smoke_check(http_send(url, timeout), server, request)
 
 
 class ServingBackend(Block, ABC):
@@ -249,8 +280,7 @@ class LocalServing(ServingBackend):
         if previous and previous["version"] == release.version and previous["model_uri"] == release.model_uri:
             if _ready(previous["url"], previous.get("readiness_path", "/readyz")):
                 return self._endpoint(spec, release, previous, previous_version=previous["version"], changed=False)
-        if spec.smoke_request is None:
-            raise ConfigurationError("the smoke request is not set: the flow fills it in from the model's input example")
+        require_smoke_request(spec)
 
         server = release.server
         port = free_port(self.host)

@@ -144,7 +144,8 @@ class ServingSpec(_Spec):
     smoke_request: dict[str, Any] | None = Field(
         None,
         description="The request a new version must answer before traffic moves to it (None: the model's own "
-        "serving input example, else the workload's serve.input_example).",
+        "serving input example, else the workload's serve.input_example; on Kubernetes sent to a new pod once the "
+        "rollout is available, and a failure rolls back).",
     )
 
     @field_validator("service_name")

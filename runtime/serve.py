@@ -49,8 +49,9 @@ Endpoints:
 
 Concurrent requests are queued and predicted together on one dedicated thread, never on the event loop, so the
 probes answer while the model works. On SIGTERM (or Ctrl+C) readiness turns false at once, requests keep being
-served for ``DRAIN_SECONDS``, then the listener closes, in-flight requests finish and the process exits 0. A
-second signal skips the rest of the drain window.
+served for ``DRAIN_SECONDS`` (each answer with ``Connection: close``, so that keep-alive clients move to another
+replica), then the listener closes, in-flight requests finish and the process exits 0. A second signal skips the
+rest of the drain window.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ class InferenceApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            await self._http(scope, receive, _closing(send) if self.draining else send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
@@ -344,6 +345,18 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _closing(send: Send) -> Send:
+    """``send`` adding ``connection: close`` to the response: while the server drains, a keep-alive client
+    leaves after this answer (and reconnects to another replica) instead of racing the listener's close."""
+
+    async def closing_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
 
 
 async def _respond(

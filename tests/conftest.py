@@ -50,27 +50,32 @@ def k8s() -> dict[str, str]:
 
 @pytest.fixture
 def k8s_namespace(k8s: dict[str, str]) -> Iterator[str]:
-    """A namespace of the test's own on the local control plane, deleted at the end."""
+    """A namespace of the test's own on the local cluster, deleted at the end. It holds the image pull secret
+    ``tests.k8s_node.PULL_SECRET`` with the registry stack's credentials when the node can reach that registry."""
     import uuid
 
     from pydantic import SecretStr
 
     from blocks.kubernetes import KubernetesCluster
+    from tests.k8s_node import pull_secret
+    from tests.stacks import stack_env
 
     name = f"t-{uuid.uuid4().hex[:8]}"
     api = KubernetesCluster(kubeconfig=SecretStr(Path(k8s["KUBECONFIG"]).read_text()))._api()
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
     api.request("POST", "/api/v1/namespaces", body=namespace)
+    if k8s.get("K8S_NODE_REGISTRY"):
+        api.request("POST", f"/api/v1/namespaces/{name}/secrets", body=pull_secret(stack_env("registry")))
     yield name
     api.delete(f"/api/v1/namespaces/{name}")
 
 
 @pytest.fixture(scope="session")
 def workload_builder(k8s: dict[str, str]) -> DockerImageBuilder:
-    """A DockerImageBuilder on the registry stack (its base image), for the example workloads' images that
-    the kubelet stand-in really runs with podman (skipped when it only simulates them)."""
-    if k8s.get("K8S_KUBELET_MODE") != "podman":
-        message = "the kubelet stand-in runs in fake mode: `make registry-up`, then `make k8s-up` again"
+    """A DockerImageBuilder on the registry stack (its base image), for the example workloads' images, which the
+    k8s stack's node pulls from the registry (it must have been up when the k8s stack came up)."""
+    if not k8s.get("K8S_NODE_REGISTRY"):
+        message = "the k8s node has no relay to the registry stack: `make registry-up`, then `make k8s-up` again"
         if os.environ.get("GPUFERRY_REQUIRE_STACKS") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -89,6 +94,17 @@ def workload_builder(k8s: dict[str, str]) -> DockerImageBuilder:
         ),
         repository="gpuferry-test/workload", build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
     )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def workload_image(workload_builder: DockerImageBuilder) -> str:
+    """The workload image, built and pushed once per session: its reference by digest."""
+    from blocks.workload import load_workload
+    from tests.examples import DIGITS
+
+    reference = workload_builder.build(load_workload(str(DIGITS))).reference
+    assert reference and "@sha256:" in reference
+    return reference
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The Kubernetes manifest builder and rollout assessment (pure): golden files, GPU/MIG resources,
+"""The Kubernetes manifest builder, rollout assessment and smoke-test check (pure): golden files, GPU/MIG resources,
 validation before any call. No cluster needed.
 
 Regenerate the golden files after an intended change with GPUFERRY_UPDATE_GOLDEN=1.
@@ -261,3 +261,91 @@ def test_every_block_field_is_described_for_the_ui() -> None:
     assert KubernetesCluster.model_json_schema()["secret_fields"] == ["kubeconfig"]
     # The manifest knobs the block exposes are exactly ManifestOptions' (the versions come from discovery).
     assert set(m.ManifestOptions.model_fields) - set(KubernetesCluster.model_fields) == {"hpa_api_version", "pdb_api_version"}
+
+
+# ---- the smoke test's check and its pod-proxy transport (no cluster: the transport is replaced) ----------
+
+
+def _ready(name: str = "digits-abc-1") -> r.RolloutState:
+    return r.RolloutState("done", "2 of 2 replicas available", pods=[{"name": name, "ready": True, "detail": ""}])
+
+
+SMOKE = {"inputs": [[0.0] * 64, [1.0] * 64]}
+
+
+def _release(server: ServerSpec | None = None) -> Release:
+    return Release(model_name="digits-mlp", version="2", model_uri="s3://m/2", server=server or ServerSpec(),
+                   image=ImageRef(builder="docker", content_tag="x", reference="r/w@sha256:" + "a" * 64))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [((200, {"predictions": [[0.1, 0.9], [0.8, 0.2]]}), None),
+     ((422, {"error": "has 3 values; expected 64"}), "answered 422: .*expected 64"),
+     ((503, "upstream connect error"), "answered 503: upstream connect error"),
+     ((200, {"predictions": [1]}), "sent 2 rows, got 1 predictions"),
+     ((200, "not json"), "the answer has no predictions: not json")],
+)  # fmt: skip
+def test_smoke_check_through_a_transport(answer: tuple[int, object], match: str | None) -> None:
+    from blocks.errors import DeployFailed
+    from blocks.serving import smoke_check
+
+    sent: list[tuple[str, dict]] = []
+
+    def send(path: str, body: dict) -> tuple[int, object]:
+        sent.append((path, body))
+        return answer
+
+    if match is None:
+        assert smoke_check(send, ServerSpec(), SMOKE) == answer[1]
+    else:
+        with pytest.raises(DeployFailed, match=match):
+            smoke_check(send, ServerSpec(), SMOKE)
+    assert sent == [("/invocations", SMOKE)]
+
+
+def test_a_workload_server_is_smoke_tested_on_its_own_path_and_only_for_a_200() -> None:
+    from blocks.serving import smoke_check
+
+    own = ServerSpec(command=["python", "serve.py"], prediction_path="/v1/predict")
+    sent: list[str] = []
+
+    def send(path: str, body: dict) -> tuple[int, object]:
+        sent.append(path)
+        return 200, {"label": 3}  # not MLflow's answer shape: its own server answers as it likes
+
+    assert smoke_check(send, own, SMOKE) == {"label": 3} and sent == ["/v1/predict"]
+
+
+def test_smoke_test_on_kubernetes_names_the_pod_and_fails_on_no_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    from blocks.errors import DeployFailed
+
+    block = KubernetesCluster()
+    spec = ServingSpec(smoke_request=SMOKE)
+    calls: list[tuple[str, str, object, int | None]] = []
+
+    def answer(self: KubernetesCluster, pod: str, path: str, body: object = None,
+               port: int | None = None) -> tuple[int, object]:  # fmt: skip
+        calls.append((pod, path, body, port))
+        return 422, {"error": "bad input"}
+
+    monkeypatch.setattr(KubernetesCluster, "pod_request", answer)
+    with pytest.raises(DeployFailed, match=r"pod digits-abc-1: smoke test: /invocations answered 422"):
+        block._smoke_test(spec, _release(), _ready())
+    assert calls == [("digits-abc-1", "/invocations", SMOKE, block.container_port)]
+    own = ServerSpec(command=["python", "serve.py"], port=9000, prediction_path="/v1/predict")
+    with pytest.raises(DeployFailed, match=r"/v1/predict answered 422"):
+        block._smoke_test(spec, _release(own), _ready())
+    assert calls[-1] == ("digits-abc-1", "/v1/predict", SMOKE, 9000)  # the workload server's own port
+
+    def hang(self: KubernetesCluster, pod: str, path: str, body: object = None,
+             port: int | None = None) -> tuple[int, object]:  # fmt: skip
+        raise httpx.ReadTimeout("timed out")
+
+    monkeypatch.setattr(KubernetesCluster, "pod_request", hang)
+    with pytest.raises(DeployFailed, match="pod digits-abc-1: smoke test: no answer .*ReadTimeout"):
+        block._smoke_test(spec, _release(), _ready())
+    with pytest.raises(DeployFailed, match="no ready pod of the new ReplicaSet"):
+        block._smoke_test(spec, _release(), r.RolloutState("done", "", pods=[{"name": "x", "ready": False}]))

@@ -1,20 +1,23 @@
-"""The KubernetesCluster block against the local control plane (`make k8s-up`: a real Kubernetes 1.20
-kube-apiserver, controller-manager and scheduler on etcd, plus the kubelet stand-in's GPU node).
+"""The KubernetesCluster block against the local cluster (`make k8s-up`): a real Kubernetes 1.20 control plane
+and one real node (kubelet, containerd, kube-proxy, a device plugin with fake GPUs and MIG slices).
 
-Each test works in its own namespace, deleted at the end. The control-plane scenarios use images of
-registry.example.com, whose pods the stand-in only simulates (Running/Ready at once; a registry host
-that cannot resolve, registry.invalid, fails to pull). ``test_real_server_*`` runs the real
-inference server image with podman (the registry stack must be up) and readiness is the server's.
+Each test works in its own namespace, deleted at the end, with an image pull secret for the registry stack.
+Every pod runs the real inference server image (built and pushed once per session), which loads a small
+checkpoint from a host directory mounted into the pod; readiness, restarts, OOM kills and image pulls are the
+kubelet's own. Pods are reached only through the API server's pod proxy, or from inside the node's network
+namespace (the Service's ClusterIP).
 """
 
 from __future__ import annotations
 
 import http.server
+import re
 import ssl
+import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,38 +26,66 @@ import pytest
 from pydantic import SecretStr
 
 from blocks import k8s_manifests as m
-from blocks.docker_image import DockerImageBuilder
 from blocks.errors import ConfigurationError, DeployFailed, TransientError
 from blocks.k8s_api import ApplyConflict
 from blocks.kubernetes import KubernetesCluster, RolledBack
 from blocks.serving import Release
 from blocks.specs import ImageRef, ServingSpec
+from tests.k8s_node import PULL_SECRET, ServiceLoad, pods, ready_pods, write_test_models
+from tests.private_worker import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-GOOD = "registry.example.com/gpuferry/serve@sha256:" + "1" * 64
-GOOD_2 = "registry.example.com/gpuferry/serve@sha256:" + "2" * 64
-# A registry host that cannot resolve (RFC 2606): no kubelet can pull from it.
-MISSING = "registry.invalid/gpuferry/serve@sha256:" + "e" * 64
+# For tests that fail before anything is applied: no node ever pulls it.
+UNPULLED = "127.0.0.1:5090/gpuferry-test/never-pulled@sha256:" + "1" * 64
+HIDDEN = (16, 24, 32)  # the test checkpoints: one MLP per hidden width
 
-
-def release(version: str, image: str = GOOD) -> Release:
-    return Release(
-        model_name="digits-mlp", version=version, model_uri=f"s3://models/digits/{version}",
-        image=ImageRef(builder="test", content_tag=version, reference=image, built=True),
-    )  # fmt: skip
+Rel = Callable[..., Release]
 
 
-SMOKE = {"inputs": [[0.0, 0.0, 0.0]]}
+# A request the test models answer (64 features, two rows): the smoke request of every deploy here.
+SMOKE = {"inputs": [[0.0] * 64, [1.0] * 64]}
+CHECKPOINTS: dict[str, int] = {}  # the test checkpoints' sha256 (what /readyz names) -> their hidden width
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of small MLflow models (model-16/, model-24/, ...), each with its manifest, for the pods."""
+    root = tmp_path_factory.mktemp("models")
+    CHECKPOINTS.update(write_test_models(root, HIDDEN))
+    return root
+
+
+@pytest.fixture
+def rel(workload_image: str) -> Rel:
+    """``rel(version, hidden=16, image=<the workload image>)``: a release of the checkpoint model-<hidden>."""
+
+    def make(version: str, hidden: int = 16, image: str | None = None) -> Release:
+        return Release(
+            model_name="digits-mlp", version=version, model_uri=f"file:///models/model-{hidden}",
+            image=ImageRef(builder="docker", content_tag=version, reference=image or workload_image, built=True),
+        )  # fmt: skip
+
+    return make
 
 
 def admin(k8s: dict[str, str], **fields: Any) -> KubernetesCluster:
-    return KubernetesCluster(kubeconfig=SecretStr(Path(k8s["KUBECONFIG"]).read_text()), **fields)
+    return KubernetesCluster(**{"kubeconfig": SecretStr(Path(k8s["KUBECONFIG"]).read_text()), **fields})
 
 
-def cluster(k8s: dict[str, str], namespace: str, **fields: Any) -> KubernetesCluster:
-    fields = {"rollout_timeout_seconds": 90, "cpu_request": "10m", "memory_request": "16Mi", **fields}
-    return admin(k8s, namespace=namespace, **fields)
+@pytest.fixture
+def cluster(k8s: dict[str, str], k8s_namespace: str, models: Path) -> Callable[..., KubernetesCluster]:
+    """``cluster(**fields)``: the block on the test's namespace, pulling with its secret, models mounted."""
+
+    def make(**fields: Any) -> KubernetesCluster:
+        env = {"WARMUP_ITERATIONS": "1", **fields.pop("env", {})}
+        fields = {
+            "rollout_timeout_seconds": 240, "cpu_request": "10m", "memory_request": "64Mi",
+            "image_pull_secret": PULL_SECRET, "host_path_mounts": {str(models): "/models"}, "env": env, **fields,
+        }  # fmt: skip
+        return admin(k8s, namespace=k8s_namespace, **fields)
+
+    return make
 
 
 def deployment(block: KubernetesCluster, name: str) -> dict[str, Any]:
@@ -65,20 +96,40 @@ def replicasets(block: KubernetesCluster, name: str) -> list[dict[str, Any]]:
     return block._replicasets(name)
 
 
-def ready_pods(block: KubernetesCluster, name: str) -> list[dict[str, Any]]:
-    pods = block._api().get(f"/api/v1/namespaces/{block.namespace}/pods", labelSelector=m.label_selector(name))["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]  # fmt: skip
+def served_hidden(block: KubernetesCluster, pod: dict[str, Any]) -> int:
+    status, body = block.pod_request(pod["metadata"]["name"], "/readyz")
+    assert status == 200, body
+    return CHECKPOINTS[body["model"]["checkpoint_sha256"]]
 
 
-# ---- first deploy, rolling update, same version again, MIG -------------------------------------------
+def predictions_answered(block: KubernetesCluster, pod: dict[str, Any]) -> int:
+    """The pod's count of /invocations requests answered 200 (its /metrics)."""
+    status, text = block.pod_request(pod["metadata"]["name"], "/metrics")
+    assert status == 200
+    found = re.search(r'^inference_requests_total\{code="200"\} (\d+)', text, re.M)
+    return int(found.group(1)) if found else 0
 
 
-def test_deploy_update_and_redeploy_same_version(k8s: dict[str, str], k8s_namespace: str) -> None:
-    block = cluster(k8s, k8s_namespace)
-    spec = ServingSpec(service_name="digits", replicas=2, mig_profile="1g.10gb")
+def in_pod_env(k8s: dict[str, str], namespace: str, pod: dict[str, Any], name: str) -> str:
+    """A variable of the pod's container, read inside it (kubectl exec through the API server and the kubelet)."""
+    out = subprocess.run(
+        [k8s["K8S_KUBECTL"], "--kubeconfig", k8s["KUBECONFIG"], "-n", namespace, "exec", pod["metadata"]["name"],
+         "--", "printenv", name], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
 
-    first = block.deploy(spec, release("1"))
+
+# ---- first deploy, rolling update, same version again; MIG and whole GPUs -----------------------------
+
+
+def test_deploy_update_and_redeploy_same_version_on_mig_slices(
+    k8s: dict[str, str], k8s_namespace: str, cluster: Callable[..., KubernetesCluster], rel: Rel
+) -> None:
+    block = cluster()
+    spec = ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=2, mig_profile="1g.10gb")
+
+    first = block.deploy(spec, rel("1", 16))
     assert first.model_version == "1" and first.previous_version is None and first.detail["changed"] is True
     assert first.url == f"http://digits.{k8s_namespace}.svc.cluster.local:80"
     dep = deployment(block, "digits")
@@ -88,71 +139,172 @@ def test_deploy_update_and_redeploy_same_version(k8s: dict[str, str], k8s_namesp
     assert managers == {"gpuferry"}
     pods = ready_pods(block, "digits")
     assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} == {k8s["K8S_NODE"]}
-    limits = pods[0]["spec"]["containers"][0]["resources"]["limits"]
-    assert limits["nvidia.com/mig-1g.10gb"] == "1"
-    svc = block._api().get(f"/api/v1/namespaces/{k8s_namespace}/services/digits")
-    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert {served_hidden(block, p) for p in pods} == {16}
+    # Each replica got a MIG slice of its own from the device plugin, and sees it inside the container.
+    assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/mig-1g.10gb"] == "1"
+    slices = [in_pod_env(k8s, k8s_namespace, p, "NVIDIA_VISIBLE_DEVICES") for p in pods]
+    assert all(re.fullmatch(r"MIG-fake-\S+-1g\.10gb-\d+", s) for s in slices) and len(set(slices)) == 2, slices
+    # The smoke request went through the API server to one of the new pods.
+    assert sum(predictions_answered(block, p) for p in pods) == 1
 
-    # The same version again: nothing changes (no new generation, no new ReplicaSet).
-    again = block.deploy(spec, release("1"))
+    # The same version again: nothing changes (no new generation, no new ReplicaSet, no smoke request).
+    again = block.deploy(spec, rel("1", 16))
     assert again.detail["changed"] is False and again.previous_version == "1"
-    dep_again = deployment(block, "digits")
-    assert dep_again["metadata"]["generation"] == dep["metadata"]["generation"]
+    assert deployment(block, "digits")["metadata"]["generation"] == dep["metadata"]["generation"]
     assert len(replicasets(block, "digits")) == 1
+    assert sum(predictions_answered(block, p) for p in ready_pods(block, "digits")) == 1
 
-    # A new model version rolls out; the old ReplicaSet is scaled to zero.
-    second = block.deploy(spec, release("2", GOOD_2))
+    # A new model version rolls out; the old ReplicaSet is scaled to zero; the new pods serve the new model.
+    second = block.deploy(spec, rel("2", 24))
     assert second.model_version == "2" and second.previous_version == "1" and second.detail["changed"] is True
     current = block.current("digits")
-    assert current["version"] == "2" and current["image"] == GOOD_2 and current["available_replicas"] == 2
+    assert current["version"] == "2" and current["available_replicas"] == 2
     by_revision = {int(rs["metadata"]["annotations"]["deployment.kubernetes.io/revision"]): rs
                    for rs in replicasets(block, "digits")}  # fmt: skip
     assert sorted(by_revision) == [1, 2]
     assert by_revision[1]["spec"]["replicas"] == 0 and by_revision[2]["spec"]["replicas"] == 2
     pods = ready_pods(block, "digits")
     assert {p["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] for p in pods} == {"2"}
+    assert {served_hidden(block, p) for p in pods} == {24}
+    assert sum(predictions_answered(block, p) for p in pods) == 1
 
     assert block.undeploy("digits") is True
     assert block.current("digits") is None
 
 
+def test_whole_gpus_are_allocated_and_seen_inside_the_pod(
+    k8s: dict[str, str], k8s_namespace: str, cluster: Callable[..., KubernetesCluster], rel: Rel
+) -> None:
+    block = cluster()
+    block.deploy(ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=1, gpus=2), rel("1"))
+    (pod,) = ready_pods(block, "digits")
+    devices = in_pod_env(k8s, k8s_namespace, pod, "NVIDIA_VISIBLE_DEVICES").split(",")
+    assert len(devices) == 2 and all(re.fullmatch(r"GPU-fake-\S+-\d", d) for d in devices), devices
+    block.undeploy("digits")
+
+
 # ---- failed rollout → automatic rollback --------------------------------------------------------------
 
 
-def test_bad_image_rolls_back_and_old_version_keeps_serving(k8s: dict[str, str], k8s_namespace: str) -> None:
-    block = cluster(k8s, k8s_namespace)
-    spec = ServingSpec(service_name="digits", replicas=2)
-    block.deploy(spec, release("1"))
+def test_bad_image_rolls_back_and_old_version_keeps_serving(
+    k8s: dict[str, str], cluster: Callable[..., KubernetesCluster], rel: Rel, workload_image: str
+) -> None:
+    block = cluster()
+    spec = ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=2)
+    block.deploy(spec, rel("1", 16))
+    missing = workload_image.split("@")[0].rsplit("/", 1)[0] + "/does-not-exist@sha256:" + "e" * 64
     started = time.monotonic()
     with pytest.raises(RolledBack) as failed:
-        block.deploy(spec, release("2", MISSING))
-    assert time.monotonic() - started < 60  # the pod reason fails it; no waiting for the progress deadline
+        block.deploy(spec, rel("2", 24, image=missing))
+    assert time.monotonic() - started < 180  # the pod's reason fails it; no waiting for the progress deadline
     err = failed.value
     assert err.reason == "ImagePullBackOff" and err.rolled_back_to == "1" and err.failed_version == "2"
-    assert "cannot pull image registry.invalid" in str(err) and "v1 is available again" in str(err)
+    assert f"cannot pull image {missing.split('@')[0]}" in str(err) and "v1 is available again" in str(err)
 
     current = block.current("digits")
-    assert current["version"] == "1" and current["image"] == GOOD and current["available_replicas"] == 2
+    assert current["version"] == "1" and current["image"] == workload_image and current["available_replicas"] == 2
     pods = ready_pods(block, "digits")
-    assert len(pods) == 2 and {p["spec"]["containers"][0]["image"] for p in pods} == {GOOD}
+    assert len(pods) == 2 and {p["spec"]["containers"][0]["image"] for p in pods} == {workload_image}
+    assert {served_hidden(block, p) for p in pods} == {16}
     # What was rolled back to is the previous revision's template: the v1 ReplicaSet serves again.
     serving = [rs for rs in replicasets(block, "digits") if rs["spec"]["replicas"]]
-    assert len(serving) == 1 and serving[0]["spec"]["template"]["spec"]["containers"][0]["image"] == GOOD
+    assert len(serving) == 1 and serving[0]["spec"]["template"]["spec"]["containers"][0]["image"] == workload_image
 
     # And the next good version deploys normally after a rollback.
-    assert block.deploy(spec, release("3", GOOD_2)).previous_version == "1"
+    assert block.deploy(spec, rel("3", 32)).previous_version == "1"
 
 
-def test_first_deploy_that_fails_has_nothing_to_roll_back(k8s: dict[str, str], k8s_namespace: str) -> None:
-    block = cluster(k8s, k8s_namespace)
+def test_first_deploy_that_fails_has_nothing_to_roll_back(
+    cluster: Callable[..., KubernetesCluster], rel: Rel, workload_image: str
+) -> None:
+    missing = workload_image.split("@")[0] + "-missing@sha256:" + "e" * 64
     with pytest.raises(DeployFailed, match="no previous revision to roll back to") as failed:
-        block.deploy(ServingSpec(service_name="digits"), release("1", MISSING))
-    assert not isinstance(failed.value, RolledBack)
+        cluster().deploy(ServingSpec(service_name="digits", smoke_request=SMOKE), rel("1", image=missing))
+    assert not isinstance(failed.value, RolledBack) and "ImagePullBackOff" in str(failed.value)
 
 
-def test_hpa_and_pdb_in_the_api_versions_the_server_serves(k8s: dict[str, str], k8s_namespace: str) -> None:
-    block = cluster(k8s, k8s_namespace, autoscale_max_replicas=3, pdb_min_available=1)
-    block.deploy(ServingSpec(service_name="digits", replicas=1), release("1"))
+def test_crash_oom_and_never_ready_each_roll_back(cluster: Callable[..., KubernetesCluster], rel: Rel) -> None:
+    spec = ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=1, ready_timeout_seconds=60)
+    block = cluster()
+    block.deploy(spec, rel("1", 16))
+
+    # v2's server exits at start (a setting it rejects): CrashLoopBackOff.
+    with pytest.raises(RolledBack) as crashed:
+        cluster(env={"MAX_QUEUE": "0"}).deploy(spec, rel("2", 24))
+    assert crashed.value.reason == "CrashLoopBackOff" and crashed.value.rolled_back_to == "1"
+    assert "exit code 2" in str(crashed.value)
+
+    # v3's server needs more memory than its limit: the kernel kills it, the kubelet says OOMKilled.
+    with pytest.raises(RolledBack) as oom:
+        cluster(memory_limit="40Mi", memory_request="40Mi").deploy(spec, rel("3", 24))
+    assert oom.value.reason == "OOMKilled" and oom.value.rolled_back_to == "1"
+    assert "raise memory_limit" in str(oom.value)
+
+    # v4's server runs but never becomes ready (its warm-up never ends): its readiness probe never passes,
+    # and the Deployment's progress deadline fails the rollout.
+    never = cluster(env={"WARMUP_ITERATIONS": "1000000000"}, cpu_limit="200m", progress_deadline_seconds=20)
+    with pytest.raises(RolledBack) as unready:
+        never.deploy(spec, rel("4", 24))
+    assert unready.value.reason == "ProgressDeadlineExceeded" and unready.value.rolled_back_to == "1"
+    assert "made no progress" in str(unready.value)
+
+    (pod,) = ready_pods(block, "digits")
+    assert served_hidden(block, pod) == 16 and block.current("digits")["version"] == "1"
+
+
+# ---- traffic through the Service while versions change -------------------------------------------------
+
+
+def test_no_failed_request_through_the_service_during_a_rollout_and_a_rollback(
+    k8s: dict[str, str], k8s_namespace: str, cluster: Callable[..., KubernetesCluster], rel: Rel, models: Path
+) -> None:
+    block = cluster()
+    spec = ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=2)
+    block.deploy(spec, rel("1", 16))
+    svc = block._api().get(f"/api/v1/namespaces/{k8s_namespace}/services/digits")
+    url = f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
+    load = ServiceLoad(k8s["K8S_NODE_NETNS"], url, {"inputs": [[0.5] * 64]}, rate=20, max_seconds=300).start()
+    try:
+        _wait_for_answers(load, 20)
+        # A rolling update to v2, under load.
+        block.deploy(spec, rel("2", 24))
+        # A v3 whose smoke request fails (it has 3 features, the model takes 64) after its pods became ready
+        # and took traffic: the rollback moves the traffic back to v2, under load.
+        bad_smoke = spec.model_copy(update={"smoke_request": {"inputs": [[0.0, 1.0, 2.0]]}})
+        with pytest.raises(RolledBack) as failed:
+            block.deploy(bad_smoke, rel("3", 32))
+        # Once v3's pods are gone (they drain first), every answer is v2's.
+        wait_until("v3's pods to be gone", lambda: not [p for p in pods(block, "digits") if
+                   p["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "3"], timeout=120)  # fmt: skip
+        after = len(load.answers)
+        _wait_for_answers(load, after + 40)
+    finally:
+        answers = load.stop()
+    assert failed.value.reason == "SmokeTestFailed" and failed.value.rolled_back_to == "2"
+    assert "smoke test: /invocations answered 422" in str(failed.value)
+
+    assert load.failed == [], load.failed[:5]
+    uri = CHECKPOINTS
+    seen = [uri[u] for _, u in load.models()]
+    # Versions follow the deploys: v1, v2, then v3 (it served once its pods were ready, before its smoke test
+    # failed), then v2 again; nothing else, and v2 alone once v3's pods were gone.
+    assert [h for i, h in enumerate(seen) if i == 0 or seen[i - 1] != h] == [16, 24, 32, 24], seen
+    assert {uri[u] for at, u in load.models() if at >= answers[after].at} == {24}
+    assert len(answers) >= 100
+
+
+def _wait_for_answers(load: ServiceLoad, count: int) -> None:
+    wait_until(f"{count} answers", lambda: len(load.answers) >= count, timeout=120, interval=0.2)
+
+
+# ---- HPA and PDB -------------------------------------------------------------------------------------
+
+
+def test_hpa_and_pdb_in_the_api_versions_the_server_serves(
+    k8s_namespace: str, cluster: Callable[..., KubernetesCluster], rel: Rel
+) -> None:
+    block = cluster(autoscale_max_replicas=3, pdb_min_available=1)
+    block.deploy(ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=1), rel("1"))
     groups = {g["name"]: [v["version"] for v in g["versions"]] for g in block._api().get("/apis")["groups"]}
     hpa_version = next(v for v in ("v2", "v2beta2") if v in groups["autoscaling"])
     pdb_version = next(v for v in ("v1", "v1beta1") if v in groups["policy"])
@@ -173,58 +325,67 @@ def test_hpa_and_pdb_in_the_api_versions_the_server_serves(k8s: dict[str, str], 
 # ---- preflight and validation -------------------------------------------------------------------------
 
 
-def test_no_node_offers_the_gpu_resource(k8s: dict[str, str], k8s_namespace: str) -> None:
-    block = cluster(k8s, k8s_namespace)
-    for spec, resource in ((ServingSpec(service_name="digits", mig_profile="2g.20gb"), "nvidia.com/mig-2g.20gb"),
-                           (ServingSpec(service_name="digits", gpus=8), "nvidia.com/gpu"),
-                           (ServingSpec(service_name="digits", gpus=1), "nvidia.com/gpu.shared")):  # fmt: skip
-        b = cluster(k8s, k8s_namespace, gpu_resource=resource) if resource.endswith("shared") else block
+def unpulled(version: str = "1") -> Release:
+    return Release(
+        model_name="digits-mlp", version=version, model_uri="file:///models/model-16",
+        image=ImageRef(builder="test", content_tag=version, reference=UNPULLED, built=True),
+    )  # fmt: skip
+
+
+def test_no_node_offers_the_gpu_resource(k8s: dict[str, str], cluster: Callable[..., KubernetesCluster]) -> None:
+    block = cluster()
+    more = int(k8s["K8S_NODE_GPUS"]) + 1  # more GPUs than the node has
+    for spec, resource in ((ServingSpec(service_name="digits", smoke_request=SMOKE, mig_profile="2g.20gb"), "nvidia.com/mig-2g.20gb"),
+                           (ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=more), "nvidia.com/gpu"),
+                           (ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=1), "nvidia.com/gpu.shared")):  # fmt: skip
+        b = cluster(gpu_resource=resource) if resource.endswith("shared") else block
         with pytest.raises(ConfigurationError, match=f"no schedulable node offers .* {resource} .*nvidia.com/gpu=") as e:
-            b.deploy(spec, release("1"))
+            b.deploy(spec, unpulled())
         assert k8s["K8S_NODE"] in str(e.value)
+        assert f"nvidia.com/gpu={k8s['K8S_NODE_GPUS']}" in str(e.value)
+        assert f"{k8s['K8S_NODE_MIG_RESOURCE']}={k8s['K8S_NODE_MIG_COUNT']}" in str(e.value)
     # Nothing was applied.
-    assert block._api().get_or_none(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits") is None
+    assert block._api().get_or_none(f"/apis/apps/v1/namespaces/{block.namespace}/deployments/digits") is None
     with pytest.raises(ConfigurationError, match="node_selector"):
-        cluster(k8s, k8s_namespace, node_selector={"pool": "a100"}).deploy(ServingSpec(service_name="digits", gpus=1),
-                                                                            release("1"))  # fmt: skip
+        cluster(node_selector={"pool": "a100"}).deploy(ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=1), unpulled())
 
 
-def test_mig_typo_fails_before_any_call(k8s: dict[str, str], k8s_namespace: str) -> None:
-    block = cluster(k8s, k8s_namespace)
+def test_mig_typo_fails_before_any_call(cluster: Callable[..., KubernetesCluster]) -> None:
+    block = cluster()
     typo = ServingSpec.model_construct(**{**ServingSpec(service_name="digits").model_dump(), "mig_profile": "1g.10g"})
     api = block._api()
     before = api.attempts
     with pytest.raises(ConfigurationError, match="'1g.10g' is not a MIG profile"):
-        block.deploy(typo, release("1"))
+        block.deploy(typo, unpulled())
     assert api.attempts == before
 
 
 def test_missing_namespace_is_a_clear_error(k8s: dict[str, str]) -> None:
     with pytest.raises(ConfigurationError, match="namespace='nope-404' does not exist"):
-        cluster(k8s, "nope-404").deploy(ServingSpec(service_name="digits"), release("1"))
+        admin(k8s, namespace="nope-404").deploy(ServingSpec(service_name="digits", smoke_request=SMOKE), unpulled())
 
 
 # ---- server-side apply conflict ---------------------------------------------------------------------
 
 
-def test_conflict_with_another_field_manager(k8s: dict[str, str], k8s_namespace: str) -> None:
-    block = cluster(k8s, k8s_namespace)
-    spec = ServingSpec(service_name="digits", replicas=1)
-    block.deploy(spec, release("1"))
+def test_conflict_with_another_field_manager(
+    k8s_namespace: str, cluster: Callable[..., KubernetesCluster], rel: Rel
+) -> None:
+    block = cluster()
+    spec = ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=1)
+    block.deploy(spec, rel("1"))
     # Another team takes over .spec.replicas with its own field manager.
     path = f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits"
     other = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "digits"}, "spec": {"replicas": 3}}
     block._api().apply(path, other, field_manager="other-team", force=True)
 
     with pytest.raises(ApplyConflict, match="other-team") as conflict:
-        block.deploy(ServingSpec(service_name="digits", replicas=2), release("1"))
+        block.deploy(ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=2), rel("1"))
     assert "force_conflicts" in str(conflict.value) and ".spec.replicas" in str(conflict.value)
     assert isinstance(conflict.value, ConfigurationError)
     assert deployment(block, "digits")["spec"]["replicas"] == 3  # nothing of ours was applied
 
-    forced = cluster(k8s, k8s_namespace, force_conflicts=True).deploy(
-        ServingSpec(service_name="digits", replicas=2), release("1")
-    )
+    forced = cluster(force_conflicts=True).deploy(ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=2), rel("1"))
     assert forced.detail["available_replicas"] == 2
 
 
@@ -240,6 +401,7 @@ class FlakyProxy:
         self.upstream = httpx.Client(base_url=k8s["K8S_API_URL"], verify=ctx, timeout=30)
         self.plan: list[str] = []  # per coming request: "503", "hang" (longer than the client's timeout)
         self.injected: list[str] = []
+        self.paths: list[str] = []
         self.lock = threading.Lock()
         proxy = self
 
@@ -254,6 +416,7 @@ class FlakyProxy:
                     action = proxy.plan.pop(0) if proxy.plan else None
                     if action:
                         proxy.injected.append(f"{action} {self.command} {self.path}")
+                    proxy.paths.append(f"{self.command} {self.path}")
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if action == "503":
                     self._send(503, b'{"kind":"Status","message":"injected"}', "application/json")
@@ -300,18 +463,19 @@ def proxy(k8s: dict[str, str]) -> Iterator[FlakyProxy]:
     p.close()
 
 
-def test_api_5xx_and_timeouts_are_retried(k8s: dict[str, str], k8s_namespace: str, proxy: FlakyProxy) -> None:
-    block = KubernetesCluster(
-        kubeconfig=SecretStr(proxy.kubeconfig()), namespace=k8s_namespace, request_timeout_seconds=1.5,
-        api_retries=4,
-        rollout_timeout_seconds=90, cpu_request="10m", memory_request="16Mi",
-    )  # fmt: skip
+def test_api_5xx_and_timeouts_are_retried(
+    cluster: Callable[..., KubernetesCluster], proxy: FlakyProxy, rel: Rel
+) -> None:
+    block = cluster(kubeconfig=SecretStr(proxy.kubeconfig()), request_timeout_seconds=1.5, api_retries=4)
     # The first requests of the deploy (preflight, discovery, the apply) fail: 503, a hang, 503.
     proxy.plan = ["503", "hang", "503", "503"]
-    endpoint = block.deploy(ServingSpec(service_name="digits"), release("1"))
+    endpoint = block.deploy(ServingSpec(service_name="digits", smoke_request=SMOKE), rel("1"))
     assert endpoint.model_version == "1"
     assert len(proxy.injected) == 4 and any(i.startswith("hang") for i in proxy.injected)
     assert block.current("digits")["available_replicas"] == 1
+    # The smoke request went through the API server's pod proxy, to the container port.
+    smoke = [p for p in proxy.paths if p.startswith("POST ") and "/proxy/invocations" in p]
+    assert len(smoke) == 1 and re.search(r"/pods/digits-[a-z0-9-]+:8080/proxy/invocations$", smoke[0]), smoke
 
     # More failures in a row than retries: a TransientError (the task's retry policy takes over).
     proxy.plan = ["503"] * 5
@@ -319,96 +483,17 @@ def test_api_5xx_and_timeouts_are_retried(k8s: dict[str, str], k8s_namespace: st
         block.current("digits")
 
 
-# ---- the real inference server, run by the stand-in with podman ----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def workload_image(workload_builder: DockerImageBuilder) -> str:
-    from blocks.workload import load_workload
-    from tests.examples import DIGITS
-
-    reference = workload_builder.build(load_workload(str(DIGITS))).reference
-    assert reference and "@sha256:" in reference
-    return reference
-
-
-def _model_dir(tmp_path: Path, scale: int) -> Path:
-    """An MLflow model (scikit-learn) that answers ``scale`` × the sum of its three inputs."""
-    import mlflow.sklearn
-    import numpy as np
-    from sklearn.linear_model import LinearRegression
-
-    from blocks.storage import write_manifest
-
-    path = tmp_path / f"model-{scale}"
-    x = np.eye(3)
-    mlflow.sklearn.save_model(LinearRegression().fit(x, x.sum(axis=1) * scale), str(path), input_example=x[:2],
-                              pip_requirements=["scikit-learn"])  # fmt: skip
-    write_manifest(path)  # the server serves only a checkpoint with a manifest
-    for p in [path, *path.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    return path
-
-
-def _answer(url: str) -> float:
-    answer = httpx.post(f"{url}/invocations", json={"inputs": [[1.0, 1.0, 1.0]]}, timeout=30)
-    assert answer.status_code == 200, answer.text
-    return float(answer.json()["predictions"][0])
-
-
-def _server_url(block: KubernetesCluster, name: str) -> str:
-    (pod,) = ready_pods(block, name)
-    return f"http://127.0.0.1:{pod['metadata']['annotations']['kubelet-standin.gpuferry.io/host-port']}"
-
-
-def test_real_server_rollout_and_crash_rollback(
-    k8s: dict[str, str], k8s_namespace: str, workload_image: str, tmp_path: Path
-) -> None:
-    models = tmp_path / "models"
-    models.mkdir()
-    models.chmod(0o755)
-    for scale in (1, 2):
-        _model_dir(models, scale)
-    block = cluster(k8s, k8s_namespace, host_path_mounts={str(models): "/models"}, env={"WARMUP_ITERATIONS": "1"},
-                    memory_limit=None, rollout_timeout_seconds=180)  # fmt: skip
-    spec = ServingSpec(service_name="digits", replicas=1, ready_timeout_seconds=120, smoke_request=SMOKE)
-
-    def rel(version: str, scale: int) -> Release:
-        return Release(model_name="digits-mlp", version=version, model_uri=f"file:///models/model-{scale}",
-                       image=ImageRef(builder="docker", content_tag="t", reference=workload_image, built=True))  # fmt: skip
-
-    block.deploy(spec, rel("1", 1))
-    url = _server_url(block, "digits")
-    assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
-    assert _answer(url) == pytest.approx(3.0)
-
-    block.deploy(spec, rel("2", 2))  # rolling: v2 becomes ready (its real /readyz) before v1 goes
-    url = _server_url(block, "digits")
-    assert _answer(url) == pytest.approx(6.0)
-
-    # v3's server exits at start (a setting it rejects): CrashLoopBackOff → back to v2, still serving.
-    crashing = cluster(k8s, k8s_namespace, host_path_mounts={str(models): "/models"},
-                       env={"WARMUP_ITERATIONS": "1", "MAX_QUEUE": "0"}, memory_limit=None,
-                       rollout_timeout_seconds=180)  # fmt: skip
-    with pytest.raises(RolledBack) as failed:
-        crashing.deploy(spec, rel("3", 1))
-    assert failed.value.reason == "CrashLoopBackOff" and failed.value.rolled_back_to == "2"
-    assert "exit code 2" in str(failed.value)
-    url = _server_url(block, "digits")
-    assert _answer(url) == pytest.approx(6.0)
-    assert block.current("digits")["version"] == "2"
-    block.undeploy("digits")
-
-
 # ---- the block as saved configuration ------------------------------------------------------------------
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_saved_block_keeps_the_kubeconfig_secret_and_deploys(k8s: dict[str, str], k8s_namespace: str) -> None:
+def test_saved_block_keeps_the_kubeconfig_secret_and_deploys(
+    k8s: dict[str, str], cluster: Callable[..., KubernetesCluster], rel: Rel
+) -> None:
     name = f"k8s-{uuid.uuid4().hex[:8]}"
-    cluster(k8s, k8s_namespace).save(name)
+    cluster().save(name)
     loaded = KubernetesCluster.load(name)
     assert "kubeconfig" in KubernetesCluster.model_json_schema()["secret_fields"]
     assert "BEGIN" not in repr(loaded) and "client-key-data" not in repr(loaded)
     assert loaded.kubeconfig.get_secret_value() == Path(k8s["KUBECONFIG"]).read_text()
-    assert loaded.deploy(ServingSpec(service_name="digits"), release("1")).model_version == "1"
+    assert loaded.deploy(ServingSpec(service_name="digits", smoke_request=SMOKE), rel("1")).model_version == "1"

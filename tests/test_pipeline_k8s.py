@@ -2,10 +2,11 @@
 
 The stack, saved as a Prefect block and given to the flow by name: the workload image built with
 podman and pushed to the registry stack (pinned by digest), checkpoints in the s3 stack, the MLflow
-server stack, training as local processes, serving on the local Kubernetes control plane, whose
-kubelet stand-in really runs the pod's container with podman. The pod loads the model from S3 by its
-MODEL_URI: the s3 stack listens on loopback, which a container does not share, so the test relays it on the
-address containers reach the host at, and hands the pod that endpoint and the credentials in a Secret.
+server stack, training as local processes, serving on the local Kubernetes cluster, whose node pulls
+the image with an image pull secret and runs it. The pod loads the model from S3 by its MODEL_URI:
+the s3 stack listens on the host's loopback, which pods do not share, so the test relays it from the
+node's address inside the node's network namespace, and hands the pod that endpoint and the
+credentials in a Secret. The test reaches the pod through the API server's pod proxy.
 
 A first retrain serves v1; a second one whose server cannot start rolls back to v1, fails the flow,
 and MLflow says so on the run and on the model version.
@@ -13,8 +14,6 @@ and MLflow says so on the run and on the model version.
 
 from __future__ import annotations
 
-import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from blocks.specs import ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.tracking import MlflowTracking
 from flows.retrain import retrain
+from tests.k8s_node import PULL_SECRET, NodeRelay, ready_pods
 from tests.examples import DIGITS, example_module
 from tests.stacks import stack_env
 
@@ -46,63 +46,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")
 SECRET = "model-store"  # the Secret holding the pod's S3 endpoint and credentials
 
 
-class Relay:
-    """TCP relay from ``listen_host``:<free port> to ``target`` (host, port), one thread per connection."""
-
-    def __init__(self, listen_host: str, target: tuple[str, int]) -> None:
-        self.target = target
-        self.server = socket.create_server((listen_host, 0))
-        self.address = self.server.getsockname()[:2]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return  # closed
-            try:
-                upstream = socket.create_connection(self.target, timeout=30)
-            except OSError:
-                client.close()
-                continue
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.server.close()
-
-
-def host_address() -> str:
-    """This machine's address on its default route: containers on podman's bridge reach the host there."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.254", 9))  # a UDP "connect" only picks the route; nothing is sent
-        return s.getsockname()[0]
-
-
 @pytest.fixture(scope="module")
-def s3_for_pods() -> Iterator[dict[str, str]]:
-    """The pods' view of the s3 stack: its endpoint relayed off loopback, and its credentials."""
+def s3_for_pods(k8s: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The pods' view of the s3 stack: its endpoint relayed to the node's address, and its credentials."""
     env = stack_env("s3")
-    host = host_address()
-    if host.startswith("127."):
-        pytest.skip("this machine has no address besides loopback: containers cannot reach the s3 stack")
     endpoint = httpx.URL(env["S3_ENDPOINT_URL"])
-    relay = Relay(host, (endpoint.host, endpoint.port))
+    relay = NodeRelay(k8s["K8S_NODE_NETNS"], k8s["K8S_NODE_IP"], (endpoint.host, endpoint.port))
     yield {
         "AWS_ENDPOINT_URL": f"http://{relay.address[0]}:{relay.address[1]}",
         "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
@@ -113,8 +62,8 @@ def s3_for_pods() -> Iterator[dict[str, str]]:
 
 def serving_block(k8s: dict[str, str], namespace: str, **fields: Any) -> KubernetesCluster:
     fields = {
-        "rollout_timeout_seconds": 400, "cpu_request": "10m", "memory_request": "16Mi", "memory_limit": None,
-        "env_from_secret": SECRET, **fields,
+        "rollout_timeout_seconds": 400, "cpu_request": "10m", "memory_request": "64Mi",
+        "env_from_secret": SECRET, "image_pull_secret": PULL_SECRET, **fields,
     }  # fmt: skip
     return KubernetesCluster(kubeconfig=SecretStr(Path(k8s["KUBECONFIG"]).read_text()), namespace=namespace, **fields)
 
@@ -126,13 +75,10 @@ def save_stack(serving: KubernetesCluster, images: Any, storage: Any, tracking: 
     return name
 
 
-def pod_url(block: KubernetesCluster, name: str) -> str:
-    """The ready pod's server, on the loopback port the kubelet stand-in published it on."""
-    pods = block._api().get(f"/api/v1/namespaces/{block.namespace}/pods", labelSelector=m.label_selector(name))
-    ready = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]  # fmt: skip
-    (pod,) = ready
-    return f"http://127.0.0.1:{pod['metadata']['annotations']['kubelet-standin.gpuferry.io/host-port']}"
+def ready_pod(block: KubernetesCluster, name: str) -> str:
+    """The name of the service's one ready pod (reached through the API server's pod proxy)."""
+    (pod,) = ready_pods(block, name)
+    return pod["metadata"]["name"]
 
 
 def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
@@ -162,13 +108,14 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     assert dep["status"]["availableReplicas"] == 1
 
     # The pod's server loaded the checkpoint from S3 by its MODEL_URI, and classifies held-out digits.
-    url = pod_url(block, "digits")
-    ready = httpx.get(f"{url}/readyz", timeout=30).json()
-    assert ready["model"]["checkpoint_sha256"] == first.checkpoint.sha256 and first.checkpoint.uri.startswith("s3://")
+    pod = ready_pod(block, "digits")
+    status, ready = block.pod_request(pod, "/readyz")
+    assert status == 200 and ready["model"]["checkpoint_sha256"] == first.checkpoint.sha256
+    assert first.checkpoint.uri.startswith("s3://")
     x_test, y_test = example_module(DIGITS, "data").load_digits_split()["test"]
-    answer = httpx.post(f"{url}/invocations", json={"inputs": x_test.tolist()}, timeout=120)
-    assert answer.status_code == 200, answer.text
-    accuracy = (np.asarray(answer.json()["predictions"]).argmax(axis=1) == y_test).mean()
+    status, answer = block.pod_request(pod, "/invocations", {"inputs": x_test.tolist()})
+    assert status == 200
+    accuracy = float((np.asarray(answer["predictions"]).argmax(axis=1) == y_test).mean())  # class probabilities
     assert accuracy >= 0.9  # 0.95-0.97 with these settings (tests/test_pipeline_embedded.py)
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri)
@@ -185,7 +132,8 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     bad_stack = save_stack(crashing, workload_builder, s3_store, tracking)
     with pytest.raises(RolledBack, match="CrashLoopBackOff") as failed:
         retrain(workload=str(DIGITS), training=training.model_copy(update={"hyperparameters": {"epochs": 1}}),
-                serving=serving, stack=bad_stack, force_deploy=True)  # fmt: skip
+                serving=serving,
+                stack=bad_stack, force_deploy=True)  # fmt: skip
     assert failed.value.failed_version == "2" and failed.value.rolled_back_to == "1"
 
     run = client.get_run(client.get_model_version(model, "2").run_id)
@@ -204,9 +152,9 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     dep = block._api().get(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits")
     assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == image
-    url = pod_url(block, "digits")
-    assert httpx.get(f"{url}/readyz", timeout=30).json()["model"]["checkpoint_sha256"] == first.checkpoint.sha256
-    assert httpx.post(f"{url}/invocations", json={"inputs": [[0.0] * 64]}, timeout=60).status_code == 200
+    pod = ready_pod(block, "digits")
+    assert block.pod_request(pod, "/readyz")[1]["model"]["checkpoint_sha256"] == first.checkpoint.sha256
+    assert block.pod_request(pod, "/invocations", {"inputs": [[0.0] * 64]})[0] == 200
     block.undeploy("digits")
 
 

@@ -734,6 +734,7 @@ def test_sigterm_under_load_drops_no_request(models: Models, tmp_path: Path) -> 
             srv.proc.kill()
     assert outcome.failures == [], outcome.failures
     assert outcome.before_sigterm > 0 and all(n > 0 for n in outcome.after_not_ready)
+    assert outcome.closing == sum(outcome.after_not_ready)  # every answer while draining closes its connection
     assert "draining" in srv.log()
 
 
@@ -741,6 +742,7 @@ def test_sigterm_under_load_drops_no_request(models: Models, tmp_path: Path) -> 
 class _LoadOutcome:
     before_sigterm: int = 0
     after_not_ready: list[int] = field(default_factory=list)  # per worker: requests begun after readiness fell
+    closing: int = 0  # answers to those that said `connection: close` (the client reconnects)
     failures: list[str] = field(default_factory=list)
 
 
@@ -763,6 +765,7 @@ async def _load_through_sigterm(srv: Server, models: Models, workers: int = 8) -
                     response = await client.post("/invocations", json=digits_body(rows))
                     if response.status_code != 200 or response.json() != first:
                         outcome.failures.append(f"{response.status_code}: {response.text}")
+                    outcome.closing += began_after and response.headers.get("connection") == "close"
                 except httpx.HTTPError as exc:
                     outcome.failures.append(repr(exc))
                 completed += 1

@@ -1,0 +1,221 @@
+"""Test helpers for the k8s stack's node (scripts/k8s.sh): its image pull secret, a service's pods, sockets
+inside the node's network namespace, a relay from there to a server on the host's loopback, and a steady load through a
+Service's ClusterIP from inside the node.
+
+Traffic to pod IPs and ClusterIPs starts only inside the node's network namespace, which the stack itself
+created (its path is the stack's ``K8S_NODE_NETNS``). A thread enters it with setns(2), which moves only that
+thread; a socket belongs for good to the namespace it was made in, whichever thread uses it later.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+PULL_SECRET = "registry-pull"  # the image pull secret every test namespace gets (tests/conftest.py)
+_CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+def pull_secret(registry: dict[str, str]) -> dict[str, Any]:
+    """A kubernetes.io/dockerconfigjson Secret with the registry stack's credentials, as a cluster admin makes one."""
+    user, password = registry["REGISTRY_USER"], Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip()
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    config = {"auths": {registry["REGISTRY_URL"]: {"username": user, "password": password, "auth": auth}}}
+    return {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": PULL_SECRET},
+        "type": "kubernetes.io/dockerconfigjson", "data": {".dockerconfigjson": base64.b64encode(
+            json.dumps(config).encode()).decode()},
+    }  # fmt: skip
+
+
+def pods(block: Any, name: str) -> list[dict[str, Any]]:
+    """The pods of the KubernetesCluster ``block``'s service object ``name``."""
+    from blocks import k8s_manifests
+
+    path = f"/api/v1/namespaces/{block.namespace}/pods"
+    return block._api().get(path, labelSelector=k8s_manifests.label_selector(name))["items"]
+
+
+def ready_pods(block: Any, name: str) -> list[dict[str, Any]]:
+    """Those of ``pods`` that are Ready and not terminating."""
+    return [p for p in pods(block, name) if not p["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]  # fmt: skip
+
+
+def _enter_netns(path: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def in_netns(path: str, fn: Callable[[], T]) -> T:
+    """``fn()`` run on a fresh thread inside the network namespace at ``path``; its result or its exception."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            _enter_netns(path)
+            out["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+class NodeRelay:
+    """Listens inside the node on ``host``:<free port> and relays each connection to ``target`` on this
+    machine's loopback: how pods reach a server of another stack (``address`` is what to give them)."""
+
+    def __init__(self, netns: str, host: str, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = in_netns(netns, lambda: socket.create_server((host, 0)))
+        self.address = self.server.getsockname()[:2]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(self.target, timeout=30)  # this thread: the host's namespace
+            except OSError:
+                client.close()
+                continue
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@dataclass
+class Answer:
+    at: float  # seconds since the load started
+    path: str
+    status: int | None  # None: no HTTP answer (the error says why)
+    error: str = ""
+    body: Any = None
+
+
+@dataclass
+class ServiceLoad:
+    """A steady load on ``url`` (a Service's ClusterIP) from inside the node: ``rate`` requests per second,
+    alternating ``POST /invocations`` with ``body`` and ``GET /`` (which names the model that answered), for at
+    most ``max_requests`` requests and ``max_seconds`` seconds, on one keep-alive client as a caller would."""
+
+    netns: str
+    url: str
+    body: dict[str, Any]
+    rate: float = 20.0
+    max_requests: int = 4000
+    max_seconds: float = 240.0
+    timeout: float = 10.0
+    answers: list[Answer] = field(default_factory=list)
+    t0: float = 0.0  # time.monotonic() when the load started: Answer.at counts from here
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _error: BaseException | None = None
+
+    def start(self) -> ServiceLoad:
+        self.t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[Answer]:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(self.timeout + 5)
+        if self._error:
+            raise self._error
+        return self.answers
+
+    @property
+    def failed(self) -> list[Answer]:
+        return [a for a in self.answers if a.status != 200]
+
+    def models(self) -> list[tuple[float, str]]:
+        """(when, the served checkpoint's sha256) of every ``GET /`` answer."""
+        return [(a.at, a.body["model"]["checkpoint_sha256"]) for a in self.answers
+                if a.path == "/" and a.status == 200 and isinstance(a.body, dict) and a.body.get("model")]  # fmt: skip
+
+    def _run(self) -> None:
+        try:
+            _enter_netns(self.netns)
+            started = self.t0
+            with httpx.Client(base_url=self.url, timeout=self.timeout) as client:
+                for i in range(self.max_requests):
+                    due = started + i / self.rate
+                    if self._stop.wait(max(0.0, due - time.monotonic())) or due - started > self.max_seconds:
+                        return
+                    path = "/invocations" if i % 2 == 0 else "/"
+                    at = time.monotonic() - started
+                    try:
+                        r = client.post(path, json=self.body) if path == "/invocations" else client.get(path)
+                        self.answers.append(Answer(at, path, r.status_code, body=r.json() if path == "/" else None))
+                    except (httpx.HTTPError, ValueError) as exc:
+                        self.answers.append(Answer(at, path, None, error=f"{type(exc).__name__}: {exc}"))
+        except BaseException as exc:
+            self._error = exc
+
+
+def write_test_models(root: Path, hidden: tuple[int, ...] = (16, 24, 32)) -> dict[str, int]:
+    """Small MLflow models under ``root`` (model-16/, model-24/, ...: an MLP of that hidden width taking 64
+    features, saved with mlflow.pytorch), each with its manifest, readable by the pods. Returns each model's
+    sha256 (what the server's ``/readyz`` names) -> its hidden width."""
+    import mlflow.pytorch
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from blocks.storage import write_manifest
+
+    models: dict[str, int] = {}
+    for width in hidden:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10), nn.Softmax(dim=1)).eval()
+        path = root / f"model-{width}"
+        mlflow.pytorch.save_model(net, str(path), input_example=np.zeros((2, 64), dtype=np.float32),
+                                  pip_requirements=["torch"])  # fmt: skip
+        models[write_manifest(path)] = width  # the server serves only a checkpoint with a manifest
+    for p in (root, *root.rglob("*")):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return models
