@@ -59,13 +59,14 @@ PREFIX = "gfssh"
 LOCK = Path("/run/lock/gpuferry-testhosts.lock")
 
 A100 = {
-    "query": "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n",
+    "query": "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0001\n"
+             "1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002\n",
     "driver": "550.54.15", "cuda": "12.4",
     "rows": [("0", "NVIDIA A100-SXM4-80GB", "00000000:07:00.0", "61W /  400W", "81920MiB"),
              ("1", "NVIDIA A100-SXM4-80GB", "00000000:0F:00.0", "63W /  400W", "81920MiB")],
 }  # fmt: skip
 RTX3090 = {
-    "query": "0, NVIDIA GeForce RTX 3090, 24576, 535.171.04\n",
+    "query": "0, NVIDIA GeForce RTX 3090, 24576, 535.171.04, GPU-2b1f9d33-7c6e-4d0a-9e8b-3a4c5d6e0003\n",
     "driver": "535.171.04", "cuda": "12.2",
     "rows": [("0", "NVIDIA GeForce RTX 3090", "00000000:01:00.0", "22W /  350W", "24576MiB")],
 }  # fmt: skip
@@ -97,7 +98,7 @@ LOG_CALL = 'printf "%s\\n" "$(basename "$0") $*" >>"$STATE/calls.log"\n'
 NVIDIA_SMI = """#!/bin/bash
 STATE={state}
 {log}case "$*" in
-  "--query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits") cat {data}/query.csv ;;
+  "--query-gpu=index,name,memory.total,driver_version,uuid --format=csv,noheader,nounits") cat {data}/query.csv ;;
   "") cat {data}/banner.txt ;;
   *) echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help." >&2; exit 2 ;;
 esac
