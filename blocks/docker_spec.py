@@ -16,8 +16,8 @@ GPUs (``gpu_mode``):
 
 Secrets never go into the container's configuration (which ``docker inspect`` shows): their values are
 in a 0600 file (``secret_env_text``) on the host, and the container's argv becomes
-``sh -c 'set -a; . "$0"; set +a; exec "$@"' FILE ARGV...`` — the file's path and the argv are
-arguments of the shell, never parsed by it.
+``sh -c 'set -a; . "$1"; set +a; shift; exec "$@"' gpuferry-env FILE ARGV...`` — the file's path and the
+argv are arguments of the shell, never parsed by it.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ GPU_MODES = ("nvidia", "cdi")
 RESTART_POLICIES = ("no", "on-failure", "always", "unless-stopped")
 SECRET_ENV_NAME = ".secret.env"
 EXIT_RECORD = "exit.json"  # in a job's directory once its backend has ended it: how, and when
-# Sources the 0600 file named by $0 (exporting what it sets), then becomes the program: signals reach it as PID 1.
-ENV_FILE_LAUNCHER = 'set -a; . "$0"; set +a; exec "$@"'
+# Sources the 0600 file named by $1 (exporting what it sets), then becomes the program: signals reach it as PID 1.
+ENV_FILE_LAUNCHER = 'set -a; . "$1"; set +a; shift; exec "$@"'
+LAUNCHER_NAME = "gpuferry-env"  # $0: how the shell names itself in its errors
 MLFLOW_SERVER_COMMAND = ("python", "-m", "runtime.serve")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -156,7 +157,7 @@ def secret_env_text(values: Mapping[str, str]) -> str:
 
 def with_env_file(command: Sequence[str], path: str) -> tuple[str, ...]:
     """``command`` run after the variables of the file at ``path`` are exported (see the module's docstring)."""
-    return ("sh", "-c", ENV_FILE_LAUNCHER, path, *command)
+    return ("sh", "-c", ENV_FILE_LAUNCHER, LAUNCHER_NAME, path, *command)
 
 
 def training_container(

@@ -72,9 +72,9 @@ def test_golden_training_job_docker_cdi_and_podman() -> None:
     assert docker["HostConfig"]["DeviceRequests"] == [{"Driver": "cdi", "DeviceIDs": names}]
     assert podman["devices"] == [{"path": n} for n in names]
     assert podman["netns"] == {"nsmode": "host"}
-    # The argv is the shell's arguments, never its script: the file's path is $0, the job's argv "$@".
-    assert podman["command"] == ["sh", "-c", ENV_FILE_LAUNCHER, "/shared/jobs/run7-train/.secret.env", "python",
-                                 "train.py"]  # fmt: skip
+    # The argv is the shell's arguments, never its script: the file's path is $1, the job's argv the rest.
+    assert podman["command"] == ["sh", "-c", ENV_FILE_LAUNCHER, "gpuferry-env", "/shared/jobs/run7-train/.secret.env",
+                                 "python", "train.py"]  # fmt: skip
 
 
 def test_golden_server_docker_and_podman() -> None:
