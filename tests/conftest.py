@@ -117,3 +117,26 @@ def s3_store() -> Iterator[S3CheckpointStore]:
         if keys:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
     s3.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture(scope="module")
+def s3_for_pods() -> Iterator[dict[str, str]]:
+    """The s3 stack as containers (pods, Docker servers) see it: its endpoint relayed off loopback (moto listens on
+    loopback, which a container on a bridge network does not share) to this machine's own address, and its
+    credentials."""
+    import httpx
+
+    from tests.stacks import Relay, host_address, stack_env
+
+    env = stack_env("s3")
+    host = host_address()
+    if host.startswith("127."):
+        pytest.skip("this machine has no address besides loopback: containers cannot reach the s3 stack")
+    endpoint = httpx.URL(env["S3_ENDPOINT_URL"])
+    relay = Relay(host, (endpoint.host, endpoint.port))
+    yield {
+        "AWS_ENDPOINT_URL": f"http://{relay.address[0]}:{relay.address[1]}",
+        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+        "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
+    }  # fmt: skip
+    relay.close()

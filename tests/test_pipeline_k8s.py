@@ -13,10 +13,7 @@ and MLflow says so on the run and on the model version.
 
 from __future__ import annotations
 
-import socket
-import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,71 +40,6 @@ from workload.data import load_digits_split
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
 SECRET = "model-store"  # the Secret holding the pod's S3 endpoint and credentials
-
-
-class Relay:
-    """TCP relay from ``listen_host``:<free port> to ``target`` (host, port), one thread per connection."""
-
-    def __init__(self, listen_host: str, target: tuple[str, int]) -> None:
-        self.target = target
-        self.server = socket.create_server((listen_host, 0))
-        self.address = self.server.getsockname()[:2]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return  # closed
-            try:
-                upstream = socket.create_connection(self.target, timeout=30)
-            except OSError:
-                client.close()
-                continue
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.server.close()
-
-
-def host_address() -> str:
-    """This machine's address on its default route: containers on podman's bridge reach the host there."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.254", 9))  # a UDP "connect" only picks the route; nothing is sent
-        return s.getsockname()[0]
-
-
-@pytest.fixture(scope="module")
-def s3_for_pods() -> Iterator[dict[str, str]]:
-    """The pods' view of the s3 stack: its endpoint relayed off loopback, and its credentials."""
-    env = stack_env("s3")
-    host = host_address()
-    if host.startswith("127."):
-        pytest.skip("this machine has no address besides loopback: containers cannot reach the s3 stack")
-    endpoint = httpx.URL(env["S3_ENDPOINT_URL"])
-    relay = Relay(host, (endpoint.host, endpoint.port))
-    yield {
-        "AWS_ENDPOINT_URL": f"http://{relay.address[0]}:{relay.address[1]}",
-        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
-        "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
-    }  # fmt: skip
-    relay.close()
 
 
 def serving_block(k8s: dict[str, str], namespace: str, **fields: Any) -> KubernetesCluster:
