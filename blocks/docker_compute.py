@@ -100,6 +100,9 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
         False, description="Keep a job's container once it ended (docker inspect/logs); its log and end are saved "
         "in the job's directory either way.",
     )
+    poll_interval_start: float = Field(
+        0.1, gt=0, description="First wait between two polls, in seconds (a poll is one inspect of the container)."
+    )
     poll_interval_max: float = Field(5.0, gt=0, description="Longest wait between two polls, in seconds.")
 
     # ---- checks ------------------------------------------------------------------------------

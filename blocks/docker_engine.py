@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import docker
+import docker.constants
 import docker.errors
 import requests.exceptions
 from prefect_docker.credentials import DockerRegistryCredentials
@@ -85,18 +86,30 @@ class Engine:
 
     @property
     def client(self) -> docker.DockerClient:
+        """The SDK's client. Its API version comes from ``/_ping`` as the docker CLI negotiates it (the SDK's own
+        ``version="auto"`` asks ``/version``, which podman answers in ~0.5 s), and so does what the engine is."""
         with self._lock:
             if self._client is None:
                 host = self.docker_host
+                negotiate = host.version == "auto"
+                update: dict[str, Any] = {"version": docker.constants.MINIMUM_DOCKER_API_VERSION} if negotiate else {}
                 if host.timeout is None:
-                    host = host.model_copy(update={"timeout": int(self.timeout)})
+                    update["timeout"] = int(self.timeout)
                 try:
-                    self._client = host.get_client()
+                    client = host.model_copy(update=update).get_client()
+                    with self.calling("answer /_ping"):
+                        ping = client.api._get(client.api._url("/_ping", versioned_api=False))
+                        client.api._raise_for_status(ping)
                 except docker.errors.DockerException as exc:
                     raise TransientError(
                         f"cannot reach the Docker engine at {self.where}: {exc} — is it (or `podman system "
                         "service`) running, and is docker_host.base_url right?"
                     ) from exc
+                if negotiate and ping.headers.get("Api-Version"):
+                    client.api._version = ping.headers["Api-Version"]  # what version="auto" would have set
+                if self._api is None:
+                    self._api = "libpod" if ping.headers.get("Libpod-Api-Version") else "docker"
+                self._client = client
             return self._client
 
     def close(self) -> None:
@@ -126,15 +139,12 @@ class Engine:
 
     @property
     def api(self) -> str:
-        """``libpod`` on podman (unless ``api`` says otherwise), else ``docker``."""
+        """``libpod`` on podman (its ``/_ping`` says Libpod-Api-Version), else ``docker``; ``api`` may fix it."""
         if self.api_choice != "auto":
             return self.api_choice
         with self._lock:
-            if self._api is None:
-                with self.calling("report its version"):
-                    version = self.client.version()
-                names = [str(c.get("Name", "")) for c in version.get("Components") or []]
-                self._api = "libpod" if any("podman" in n.lower() for n in names) else "docker"
+            self.client  # noqa: B018 - its /_ping says what the engine is
+            assert self._api is not None
             return self._api
 
     @property
