@@ -404,6 +404,8 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
     ]
     assert a100.labels["toolkit"] == "1.15.0" and a100.labels["container_runtime"] == "docker (nvidia)"
     assert a100.cpus > 0 and a100.memory_mib > 0
+    assert [g.uuid for g in a100.gpus] == ["GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0001",
+                                           "GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002"]  # what a Docker host's GPUs go by
     for name in ("a100", "rtx3090"):
         assert [c for c in hosts[name].calls() if c in CHANGING] == list(CHANGING)
         assert (hosts[name].state / "running-nvidia").exists()
@@ -421,6 +423,12 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
     assert rows[0]["state"] == "ready"
     # The read-only preflight passes now.
     assert [n.state for n in block.check(nodes, NodeRequirements(gpus=1))] == [STATE_READY] * 2
+    # Every host's inventory, read without acquiring or changing anything (what a Docker backend chooses GPUs from).
+    before = {name: len(hosts[name].calls()) for name in ("a100", "rtx3090")}
+    inventory = block.host_inventory()
+    assert [(n.name, len(n.gpus)) for n in inventory] == [("a100", 2), ("rtx3090", 1)]
+    assert inventory[1].gpus[0].uuid == "GPU-2b1f9d33-7c6e-4d0a-9e8b-3a4c5d6e0003"
+    assert not [c for name in ("a100", "rtx3090") for c in hosts[name].calls()[before[name]:] if c in CHANGING]
 
 
 def test_host_without_gpus_fails_preflight_naming_host_and_check(hosts: FakeHosts) -> None:
