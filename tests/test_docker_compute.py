@@ -383,9 +383,9 @@ def test_cancel_stops_the_job_for_good(stack: dict[str, str], gpus: FakeGpus, im
 
 
 def test_out_of_memory_is_an_actionable_error(stack: dict[str, str], gpus: FakeGpus, image: ImageRef,
-                                              tmp_path: Path, keys: list[str]) -> None:  # fmt: skip
-    c = compute(stack, gpus, tmp_path)
-    job = make_job(c, image, keys, "oom", "hog", mem_gb=0.25)
+                                              engine: docker.DockerClient, tmp_path: Path, keys: list[str]) -> None:  # fmt: skip
+    c = compute(stack, gpus, tmp_path, keep_finished_containers=True)
+    job = make_job(c, image, keys, "oom", "hog", mem_gb=0.25, gpus_per_node=4)
     handle = c.submit(job)
     status = c.watch(handle, timeout_seconds=600)
     assert status.state == "OUT_OF_MEMORY" and status.exit_code == 137, status
@@ -393,6 +393,12 @@ def test_out_of_memory_is_an_actionable_error(stack: dict[str, str], gpus: FakeG
     with pytest.raises(JobFailed, match=r"exceeding its memory limit \(256 MiB.*raise resources.mem_gb") as caught:
         c.result(handle, status)
     assert caught.value.state == "OUT_OF_MEMORY"
+    # Kept for inspection, its end recorded: it holds no GPU any more, so a job that needs all four starts.
+    assert [x.status for x in containers_of(engine, job.key)] == ["exited"]
+    after = make_job(c, image, keys, "after-oom", "wait", gpus_per_node=4)
+    (Path(after.workdir)).mkdir(parents=True)
+    (Path(after.workdir) / "release").touch()
+    assert c.watch(c.submit(after), timeout_seconds=600).state == "COMPLETED"
 
 
 def test_the_docker_api_path_and_secrets_through_a_0600_file(stack: dict[str, str], gpus: FakeGpus, image: ImageRef,
