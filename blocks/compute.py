@@ -304,6 +304,11 @@ class LocalProcesses(ComputeBackend):
 
     def validate_job(self, job: TrainingJob) -> None:
         res = job.resources
+        if res.gpu_devices:
+            raise ConfigurationError(
+                f"resources.gpu_devices={res.gpu_devices}: local processes get the first gpus_per_node GPUs; use a "
+                "Docker stack to name GPUs by index or UUID"
+            )
         if res.nodes != 1:
             raise ConfigurationError(
                 f"resources.nodes={res.nodes}: the local-process backend runs on this one machine; "

@@ -185,6 +185,9 @@ class KubernetesCluster(ServingBackend):
             )
         if spec.mig_profile and spec.gpus:
             raise ConfigurationError("set either gpus or mig_profile, not both")
+        if spec.gpu_devices:
+            raise ConfigurationError(f"gpu_devices={spec.gpu_devices}: Kubernetes' device plugin chooses a pod's GPUs; "
+                                     "ask for a count (gpus), or use a Docker stack to name GPUs")  # fmt: skip
         manifests.service_object_name(spec)
         opts = self._options()
         if opts.autoscale_max_replicas is not None and opts.autoscale_max_replicas < spec.replicas:

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.specs import GpuInfo, Node
 
-NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total,driver_version,uuid", "--format=csv,noheader,nounits"]
 TOOLKIT_MISSING = "missing"  # labels["toolkit"] of a node without the NVIDIA Container Toolkit
 _CTK_VERSION = re.compile(r"version\s+v?([0-9][0-9A-Za-z.+~-]*)")
 
@@ -92,12 +92,17 @@ def raise_for_failures(action: str, outcomes: list[tuple[Node, BaseException | N
 
 
 def parse_nvidia_smi(csv_text: str, cuda_version: str | None = None) -> list[GpuInfo]:
-    """Parse ``nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits``."""
+    """Parse ``nvidia-smi --query-gpu=index,name,memory.total,driver_version,uuid --format=csv,noheader,nounits``
+    (the UUID column may be missing: older callers asked without it)."""
     gpus = []
     for line in csv_text.strip().splitlines():
-        index, name, memory, driver = (part.strip() for part in line.split(","))
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) not in (4, 5):
+            raise ValueError(f"expected 4 or 5 comma-separated fields, got {len(parts)} in {line!r}")
+        index, name, memory, driver = parts[:4]
+        uuid = parts[4] if len(parts) == 5 and parts[4] else None
         gpus.append(GpuInfo(index=int(index), name=name, memory_mib=int(float(memory)), driver_version=driver,
-                            cuda_version=cuda_version))  # fmt: skip
+                            cuda_version=cuda_version, uuid=uuid))  # fmt: skip
     return gpus
 
 
@@ -156,6 +161,11 @@ class NodeProvider(Block, ABC):
     def release(self, nodes: list[Node]) -> None:
         """Give the nodes back; releasing twice is harmless."""
 
+    def host_inventory(self) -> list[Node]:
+        """The hosts this provider always has, inspected (their GPUs), without acquiring anything; none for a
+        provider that makes nodes on demand. Backends that choose GPUs themselves (Docker hosts) read it."""
+        return []
+
     def bootstrap(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
         """Make the nodes ready for work and return them checked.
 
@@ -198,6 +208,9 @@ class LocalMachine(NodeProvider):
 
     def release(self, nodes: list[Node]) -> None:
         """Nothing to give back: the machine stays."""
+
+    def host_inventory(self) -> list[Node]:
+        return self.inspect(self.acquire(1, NodeRequirements(), "inventory"))
 
     def _gpus(self) -> list[GpuInfo]:
         exe = shutil.which(self.nvidia_smi)

@@ -256,6 +256,9 @@ class LocalServing(ServingBackend):
             )
         if spec.replicas != 1:
             raise ConfigurationError(f"replicas={spec.replicas}: local serving runs one replica; set replicas=1")
+        if spec.gpu_devices:
+            raise ConfigurationError(f"gpu_devices={spec.gpu_devices}: local serving does not choose GPUs; use a "
+                                     "Docker stack to name GPUs by index or UUID")  # fmt: skip
 
     def preflight(self, spec: ServingSpec) -> None:
         """``validate``, and the server's interpreter must exist."""

@@ -512,6 +512,11 @@ class SlurmCluster(ComputeBackend):
         res = job.resources
         check_name(job.key, "job key")
         self._workdir_ok(job.workdir)
+        if res.gpu_devices:
+            raise ConfigurationError(
+                f"resources.gpu_devices={res.gpu_devices}: Slurm chooses a job's GPUs itself; ask for a count "
+                "(gpus_per_node), or use a Docker stack to name GPUs by index or UUID"
+            )
         image = job.image.reference if job.image is not None else None
         if not image and job.code is None:
             raise ConfigurationError("the job has neither an image nor the workload's code (job.code) to ship")

@@ -16,11 +16,38 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
+_GPU_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
+
+
 def check_name(value: str, field: str) -> str:
     """Validate a name that ends up in paths, job names and labels (no shell metacharacters)."""
     if not _NAME.match(value):
         raise ValueError(f"{field}={value!r} is not allowed: use {_NAME_HELP}")
     return value
+
+
+def check_gpu_devices(values: list[str], field: str) -> list[str]:
+    """GPUs named by index ('0') or UUID ('GPU-...', 'MIG-...'), each once."""
+    for value in values:
+        if not isinstance(value, str) or not _GPU_ID.match(value):
+            raise ValueError(f"{field}: {value!r} is not a GPU index or UUID (e.g. '0' or 'GPU-8f6e...')")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{field} names {', '.join(repeated)} more than once")
+    return values
+
+
+def _gpus_from_devices(data: Any, count_field: str) -> Any:
+    """Fill the GPU count from ``gpu_devices`` when only the devices are given; refuse a count that disagrees."""
+    if not isinstance(data, dict) or not data.get("gpu_devices"):
+        return data
+    devices, count = data["gpu_devices"], data.get(count_field) or 0
+    if not count:
+        return {**data, count_field: len(devices)}
+    if isinstance(devices, list) and count != len(devices):
+        raise ValueError(f"{count_field}={count} but gpu_devices names {len(devices)} GPU(s): give one of the two, "
+                         "or make them agree")
+    return data
 
 
 class _Spec(BaseModel):
@@ -43,6 +70,25 @@ class Resources(_Spec):
     max_requeues: int = Field(
         3, ge=0, le=100, description="How often a preempted job is requeued and resumed before giving up."
     )
+    gpu_devices: list[str] = Field(
+        default_factory=list,
+        description="Particular GPUs of a Docker host, by index ('0') or UUID ('GPU-...'); empty: any free ones "
+        "(gpus_per_node of them). Schedulers (Slurm, Kubernetes) choose GPUs themselves and refuse this.",
+    )
+    share_gpus: bool = Field(
+        False, description="On a Docker host: the job may use GPUs that other sharing jobs or servers use too (no "
+        "isolation between them); off: its GPUs are its own.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_count(cls, data: Any) -> Any:
+        return _gpus_from_devices(data, "gpus_per_node")
+
+    @field_validator("gpu_devices")
+    @classmethod
+    def _gpu_devices(cls, value: list[str]) -> list[str]:
+        return check_gpu_devices(value, "gpu_devices")
 
     @field_validator("partition")
     @classmethod
@@ -132,6 +178,13 @@ class ServingSpec(_Spec):
     )
     replicas: int = Field(1, ge=1, le=1000, description="Serving replicas (Kubernetes).")
     gpus: int = Field(0, ge=0, le=16, description="Whole GPUs per replica (0: CPU).")
+    gpu_devices: list[str] = Field(
+        default_factory=list,
+        description="Particular GPUs of a Docker host, by index ('0') or UUID ('GPU-...'); empty: any free ones.",
+    )
+    share_gpus: bool = Field(
+        False, description="On a Docker host: the server may use GPUs that other sharing jobs or servers use too.",
+    )
     mig_profile: str | None = Field(
         None, description="A MIG slice per replica instead of whole GPUs, e.g. '1g.10gb'."
     )
@@ -152,6 +205,16 @@ class ServingSpec(_Spec):
     @classmethod
     def _service_name(cls, value: str | None) -> str | None:
         return None if value is None else check_name(value, "service_name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_count(cls, data: Any) -> Any:
+        return _gpus_from_devices(data, "gpus")
+
+    @field_validator("gpu_devices")
+    @classmethod
+    def _gpu_devices(cls, value: list[str]) -> list[str]:
+        return check_gpu_devices(value, "gpu_devices")
 
     @property
     def service(self) -> str:
@@ -212,6 +275,7 @@ class GpuInfo(_Record):
     memory_mib: int
     driver_version: str
     cuda_version: str | None = None
+    uuid: str | None = Field(None, description="nvidia-smi's GPU UUID (GPU-...), which stays when indices move.")
 
 
 class Node(_Record):

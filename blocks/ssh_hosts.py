@@ -8,7 +8,7 @@ names the host, the fingerprint it offered and the fix. Every command is an argv
 
 ``inspect(nodes)`` reads, on every node at once (one thread each, up to ``max_parallel``):
 
-* ``nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits``
+* ``nvidia-smi --query-gpu=index,name,memory.total,driver_version,uuid --format=csv,noheader,nounits``
   and the banner of plain ``nvidia-smi`` (CUDA version);
 * ``nvidia-ctk --version`` (NVIDIA Container Toolkit);
 * ``docker info --format '{{json .Runtimes}}'``: is docker configured with the ``nvidia`` runtime?
@@ -509,6 +509,10 @@ class SshHosts(NodeProvider):
             return self._with_facts(node, facts)
 
         return raise_for_failures("inspect", self._each(nodes, one))
+
+    def host_inventory(self) -> list[Node]:
+        """Every host, inspected (nothing is changed or acquired)."""
+        return self.inspect(self.acquire(len(self.hosts), NodeRequirements(), "inventory"))
 
     def check(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
         """The preflight without changing anything: a host whose docker lacks the nvidia runtime fails it."""

@@ -12,7 +12,10 @@ from prefect.filesystems import LocalFileSystem
 from pydantic import Field
 
 from blocks.compute import ComputeBackend, LocalProcesses
+from blocks.docker_compute import DockerCompute
+from blocks.docker_gpu_host import DockerGpuHost
 from blocks.docker_image import DockerImageBuilder
+from blocks.docker_serving import DockerServing
 from blocks.home import gpuferry_home
 from blocks.kubernetes import KubernetesCluster
 from blocks.images import CurrentEnvironment, ImageBuilder
@@ -22,6 +25,7 @@ from blocks.ssh_hosts import SshHosts
 from blocks.s3 import S3CheckpointStore
 from blocks.serving import LocalServing, ServingBackend
 from blocks.slurm import SlurmCluster
+from blocks.specs import Node
 from blocks.storage import CheckpointStore, LocalCheckpointStore
 from blocks.tracking import MlflowTracking
 
@@ -30,9 +34,9 @@ from blocks.tracking import MlflowTracking
 # (an ABC) cannot be registered: each field names the concrete choices, and the UI offers them.
 ProviderChoice = LocalMachine | ClusterManaged | SshHosts | Ec2Provider
 ImageChoice = CurrentEnvironment | DockerImageBuilder
-ComputeChoice = LocalProcesses | SlurmCluster
+ComputeChoice = LocalProcesses | SlurmCluster | DockerCompute
 StorageChoice = LocalCheckpointStore | S3CheckpointStore
-ServingChoice = LocalServing | KubernetesCluster
+ServingChoice = LocalServing | KubernetesCluster | DockerServing
 
 
 class Stack(Block):
@@ -62,6 +66,17 @@ class Stack(Block):
 
     def step_blocks(self) -> dict[str, NodeProvider | ImageBuilder | ComputeBackend | CheckpointStore | MlflowTracking | ServingBackend]:
         return {step: getattr(self, step) for step in ("provider", "images", "compute", "storage", "tracking", "serving")}
+
+    def needs_inventory(self) -> bool:
+        """Whether a backend chooses GPUs itself (a Docker host) and does not know its host's GPUs yet."""
+        return any(isinstance(b, DockerGpuHost) and b.gpu_inventory is None for b in (self.compute, self.serving))
+
+    def with_inventory(self, nodes: list[Node]) -> Stack:
+        """The stack with the provider's inspected ``nodes`` handed to the backends that choose GPUs themselves
+        (Docker hosts: each takes its own node's GPU inventory)."""
+        update = {step: block.with_inventory(nodes) for step in ("compute", "serving")
+                  if isinstance(block := getattr(self, step), DockerGpuHost)}  # fmt: skip
+        return self.model_copy(update=update) if update else self
 
     def backends(self) -> dict[str, str]:
         """The block type of each step, for the run's tags."""

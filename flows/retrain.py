@@ -60,6 +60,7 @@ def retrain(
     nodes = provision_nodes(
         blocks.provider, run.resources.nodes, NodeRequirements(gpus=run.resources.gpus_per_node), run_key
     )
+    blocks = blocks.with_inventory(nodes)  # backends that choose GPUs themselves learn their host's
     try:
         image = build_image(blocks.images, work)
         run_id = start_run(

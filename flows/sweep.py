@@ -71,6 +71,7 @@ def sweep(
     nodes = provision_nodes(
         blocks.provider, run.resources.nodes, NodeRequirements(gpus=run.resources.gpus_per_node), run_key
     )
+    blocks = blocks.with_inventory(nodes)  # backends that choose GPUs themselves learn their host's
     try:
         image = build_image(blocks.images, work)
         params = {k: v for k, v in run.params().items() if k not in grid.values}

@@ -15,7 +15,8 @@ def inventory_rows(nodes: list[Node]) -> list[dict[str, str]]:
         {
             "host": n.name,
             "provider": n.provider,
-            "gpus": ", ".join(f"{g.index}: {g.name} ({g.memory_mib} MiB)" for g in n.gpus) or "none (CPU only)",
+            "gpus": ", ".join(f"{g.index}: {g.name} ({g.memory_mib} MiB{', ' + g.uuid if g.uuid else ''})"
+                              for g in n.gpus) or "none (CPU only)",
             "driver": n.gpus[0].driver_version if n.gpus else "-",
             "cuda": (n.gpus[0].cuda_version or "-") if n.gpus else "-",
             "toolkit": n.labels.get("toolkit", "-"),
@@ -52,6 +53,15 @@ def _release_after_failure(provider: NodeProvider, nodes: list[Node], cause: Bas
         names = ", ".join(n.name for n in nodes)
         get_run_logger().error("releasing %s after a failed bootstrap failed too: %s", names, exc)
         cause.add_note(f"releasing the nodes ({names}) afterwards failed too: {exc} — release them by hand")
+
+
+@task(name="host-inventory", **retry_options(retries=3))
+def host_inventory(provider: NodeProvider) -> list[Node]:
+    """The provider's standing hosts with their GPUs (nvidia-smi), for backends that choose GPUs themselves."""
+    nodes = provider.host_inventory()
+    if nodes:
+        create_table_artifact(key="host-inventory", table=inventory_rows(nodes), description="The provider's hosts")
+    return nodes
 
 
 @task(name="release", **retry_options(retries=5))

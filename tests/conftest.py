@@ -123,3 +123,18 @@ def s3_store() -> Iterator[S3CheckpointStore]:
         if keys:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
     s3.delete_bucket(Bucket=bucket)
+
+
+@pytest.fixture(scope="module")
+def s3_for_containers() -> Iterator[dict[str, str]]:
+    """The s3 stack as containers on a bridge network (Docker servers) see it: its endpoint relayed off loopback
+    (the s3 stack listens on loopback, which such a container does not share) to this machine's own address,
+    and its credentials."""
+    from tests.stacks import Relay, host_address, s3_seen_from, s3_target
+
+    host = host_address()
+    if host.startswith("127."):
+        pytest.skip("this machine has no address besides loopback: containers cannot reach the s3 stack")
+    relay = Relay(host, s3_target())
+    yield s3_seen_from(relay)
+    relay.close()

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import httpx
 
+from tests.stacks import Relay
+
 PULL_SECRET = "registry-pull"  # the image pull secret every test namespace gets (tests/conftest.py)
 _CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
@@ -84,46 +86,16 @@ def in_netns(path: str, fn: Callable[[], T]) -> T:
     return out["value"]
 
 
-class NodeRelay:
+class NodeRelay(Relay):
     """Listens inside the node on ``host``:<free port> and relays each connection to ``target`` on this
     machine's loopback: how pods reach a server of another stack (``address`` is what to give them)."""
 
     def __init__(self, netns: str, host: str, target: tuple[str, int]) -> None:
-        self.target = target
-        self.server = in_netns(netns, lambda: socket.create_server((host, 0)))
-        self.address = self.server.getsockname()[:2]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.netns = netns
+        super().__init__(host, target)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return  # closed
-            try:
-                upstream = socket.create_connection(self.target, timeout=30)  # this thread: the host's namespace
-            except OSError:
-                client.close()
-                continue
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.server.close()
+    def _listen(self, host: str) -> socket.socket:
+        return in_netns(self.netns, lambda: socket.create_server((host, 0)))  # connections go out from the host
 
 
 @dataclass

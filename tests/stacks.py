@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,72 @@ def s3_store(bucket: str, create: bool = True):  # type: ignore[no-untyped-def]
         except s3.exceptions.BucketAlreadyOwnedByYou:
             pass
     return S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials))
+
+
+class Relay:
+    """TCP relay from ``listen_host``:<free port> to ``target`` (host, port), one thread per connection."""
+
+    def __init__(self, listen_host: str, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = self._listen(listen_host)
+        self.address = self.server.getsockname()[:2]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _listen(self, host: str) -> socket.socket:
+        return socket.create_server((host, 0))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(self.target, timeout=30)
+            except OSError:
+                client.close()
+                continue
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def s3_seen_from(relay: Relay) -> dict[str, str]:
+    """The s3 stack's endpoint as reached through ``relay``, and its credentials: what a container is given."""
+    env = stack_env("s3")
+    return {
+        "AWS_ENDPOINT_URL": f"http://{relay.address[0]}:{relay.address[1]}",
+        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+        "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
+    }  # fmt: skip
+
+
+def s3_target() -> tuple[str, int]:
+    """The s3 stack's (host, port) on this machine."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(stack_env("s3")["S3_ENDPOINT_URL"])
+    return url.hostname or "127.0.0.1", url.port or 80
+
+
+def host_address() -> str:
+    """This machine's address on its default route: containers on podman's bridge reach the host there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.254", 9))  # a UDP "connect" only picks the route; nothing is sent
+        return s.getsockname()[0]

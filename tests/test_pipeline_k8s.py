@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from mlflow import MlflowClient
@@ -39,7 +38,7 @@ from blocks.tracking import MlflowTracking
 from flows.retrain import retrain
 from tests.k8s_node import PULL_SECRET, NodeRelay, ready_pods
 from tests.examples import DIGITS, example_module
-from tests.stacks import stack_env
+from tests.stacks import s3_seen_from, s3_target, stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
@@ -49,14 +48,8 @@ SECRET = "model-store"  # the Secret holding the pod's S3 endpoint and credentia
 @pytest.fixture(scope="module")
 def s3_for_pods(k8s: dict[str, str]) -> Iterator[dict[str, str]]:
     """The pods' view of the s3 stack: its endpoint relayed to the node's address, and its credentials."""
-    env = stack_env("s3")
-    endpoint = httpx.URL(env["S3_ENDPOINT_URL"])
-    relay = NodeRelay(k8s["K8S_NODE_NETNS"], k8s["K8S_NODE_IP"], (endpoint.host, endpoint.port))
-    yield {
-        "AWS_ENDPOINT_URL": f"http://{relay.address[0]}:{relay.address[1]}",
-        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
-        "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
-    }  # fmt: skip
+    relay = NodeRelay(k8s["K8S_NODE_NETNS"], k8s["K8S_NODE_IP"], s3_target())
+    yield s3_seen_from(relay)
     relay.close()
 
 

@@ -117,3 +117,12 @@ def test_failed_release_after_failed_bootstrap_keeps_the_cause(prefect_server: N
     with pytest.raises(ConfigurationError, match="nvidia-smi missing") as info:
         provision()
     assert any("controller unreachable" in note and "release them by hand" in note for note in info.value.__notes__)
+
+
+def test_local_machine_inventory_carries_gpu_uuids(tmp_path: Path) -> None:
+    smi = fake_nvidia_smi(tmp_path)
+    (tmp_path / "query.txt").write_text("0, NVIDIA H100 80GB HBM3, 81559, 550.54.15, GPU-1a2b3c4d-0000-1111-2222-333344445555\n")
+    nodes = LocalMachine(nvidia_smi=smi, nvidia_ctk=str(tmp_path / "absent")).host_inventory()
+    assert len(nodes) == 1 and [(g.index, g.uuid) for g in nodes[0].gpus] == [(0, "GPU-1a2b3c4d-0000-1111-2222-333344445555")]
+    assert "GPU-1a2b3c4d" in inventory_rows(nodes)[0]["gpus"]
+    assert ClusterManaged().host_inventory() == []  # a scheduler's nodes: nothing to read

@@ -59,13 +59,14 @@ PREFIX = "gfssh"
 LOCK = Path("/run/lock/gpuferry-testhosts.lock")
 
 A100 = {
-    "query": "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n",
+    "query": "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0001\n"
+             "1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002\n",
     "driver": "550.54.15", "cuda": "12.4",
     "rows": [("0", "NVIDIA A100-SXM4-80GB", "00000000:07:00.0", "61W /  400W", "81920MiB"),
              ("1", "NVIDIA A100-SXM4-80GB", "00000000:0F:00.0", "63W /  400W", "81920MiB")],
 }  # fmt: skip
 RTX3090 = {
-    "query": "0, NVIDIA GeForce RTX 3090, 24576, 535.171.04\n",
+    "query": "0, NVIDIA GeForce RTX 3090, 24576, 535.171.04, GPU-2b1f9d33-7c6e-4d0a-9e8b-3a4c5d6e0003\n",
     "driver": "535.171.04", "cuda": "12.2",
     "rows": [("0", "NVIDIA GeForce RTX 3090", "00000000:01:00.0", "22W /  350W", "24576MiB")],
 }  # fmt: skip
@@ -97,7 +98,7 @@ LOG_CALL = 'printf "%s\\n" "$(basename "$0") $*" >>"$STATE/calls.log"\n'
 NVIDIA_SMI = """#!/bin/bash
 STATE={state}
 {log}case "$*" in
-  "--query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits") cat {data}/query.csv ;;
+  "--query-gpu=index,name,memory.total,driver_version,uuid --format=csv,noheader,nounits") cat {data}/query.csv ;;
   "") cat {data}/banner.txt ;;
   *) echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help." >&2; exit 2 ;;
 esac
@@ -403,6 +404,8 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
     ]
     assert a100.labels["toolkit"] == "1.15.0" and a100.labels["container_runtime"] == "docker (nvidia)"
     assert a100.cpus > 0 and a100.memory_mib > 0
+    assert [g.uuid for g in a100.gpus] == ["GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0001",
+                                           "GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002"]  # what a Docker host's GPUs go by
     for name in ("a100", "rtx3090"):
         assert [c for c in hosts[name].calls() if c in CHANGING] == list(CHANGING)
         assert (hosts[name].state / "running-nvidia").exists()
@@ -420,6 +423,12 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
     assert rows[0]["state"] == "ready"
     # The read-only preflight passes now.
     assert [n.state for n in block.check(nodes, NodeRequirements(gpus=1))] == [STATE_READY] * 2
+    # Every host's inventory, read without acquiring or changing anything (what a Docker backend chooses GPUs from).
+    before = {name: len(hosts[name].calls()) for name in ("a100", "rtx3090")}
+    inventory = block.host_inventory()
+    assert [(n.name, len(n.gpus)) for n in inventory] == [("a100", 2), ("rtx3090", 1)]
+    assert inventory[1].gpus[0].uuid == "GPU-2b1f9d33-7c6e-4d0a-9e8b-3a4c5d6e0003"
+    assert not [c for name in ("a100", "rtx3090") for c in hosts[name].calls()[before[name]:] if c in CHANGING]
 
 
 def test_host_without_gpus_fails_preflight_naming_host_and_check(hosts: FakeHosts) -> None:
