@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 from prefect_aws import S3Bucket
 from pydantic import Field
 
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ChecksumMismatch, ConfigurationError, TransientError
 from blocks.home import gpuferry_home
 from blocks.specs import CheckpointRef
@@ -310,6 +311,13 @@ class S3CheckpointStore(CheckpointStore):
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The endpoint, the bucket, and a probe object put, read back and deleted (``blocks/check_services.py``)."""
+        from blocks.check_services import check_s3
+
+        check_s3(self, probe)
+        return probe.rows
 
 
 def _error_code(exc: BaseException) -> str | None:

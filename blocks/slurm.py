@@ -46,6 +46,7 @@ import paramiko
 from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import Field, PrivateAttr, SecretStr
 
+from blocks.checks import CheckRow, Probe
 from blocks.compute import ComputeBackend, run_logger
 from blocks.secrets import secret_values
 from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
@@ -1140,3 +1141,13 @@ class SlurmCluster(ComputeBackend):
             requeues=int(usage["requeues"]), wall_seconds=usage["wall_seconds"] or status.elapsed_seconds,
             gpu_hours=usage["gpu_hours"], cpu_hours=usage["cpu_hours"],
         )  # fmt: skip
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """SSH (reach, host key, login), the Slurm version, partitions and their GPUs, the user's account and
+        QoS, the container runtime, the interpreter and the jobs' directory (``blocks/check_slurm.py``)."""
+        from blocks.check_slurm import check_slurm
+
+        check_slurm(self, probe)
+        return probe.rows
