@@ -87,6 +87,7 @@ def _partitions(text: str) -> dict[str, dict[str, Any]]:
 
 
 def check_slurm(cluster: SlurmCluster, probe: Probe) -> None:
+    c = cluster.model_copy(update={"connect_timeout": probe.left, "command_timeout": probe.left})
     if cluster.local:
         probe.info("login node", "local=True: Slurm commands run on this machine")
     else:
@@ -98,27 +99,66 @@ def check_slurm(cluster: SlurmCluster, probe: Probe) -> None:
         )  # fmt: skip
         if client is None:
             return
-        client.close()
-    c = cluster.model_copy(update={"connect_timeout": probe.left, "command_timeout": probe.left})
+        # The commands below go over this (verified) connection instead of opening another.
+        c._client, c._sftp_client = client, None
+        c._client_for = (c.host, c.port, c.user, c.private_key, c.known_hosts)
     try:
         _slurm_rows(c, probe)
     finally:
         c.close()
 
 
+# What the checks ask the login node, in ONE command (each costs the login shell's start-up): every
+# section's output and exit code, between markers. "$1" the user (empty: who logs in), "$2" the interpreter of
+# image-less jobs, "$3" the jobs' directory.
+_FACTS_SH = (
+    'u="${1:-$(id -un)}"; echo "@@user"; echo "$u"; echo "@@rc 0"; '
+    'echo "@@version"; sinfo --version 2>&1; echo "@@rc $?"; '
+    'echo "@@partitions"; sinfo -h -o "%R|%a|%D|%G" 2>&1; echo "@@rc $?"; '
+    'echo "@@assoc"; sacctmgr -n -P show assoc where user="$u" format=Account,Partition,QOS 2>&1; echo "@@rc $?"; '
+    'echo "@@python"; "$2" --version 2>&1; echo "@@rc $?"; '
+    'echo "@@workdir"; d="$3"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; echo "$d"; test -w "$d"; echo "@@rc $?"'
+)
+
+
+def _sections(text: str) -> dict[str, tuple[int, str]]:
+    """``@@name`` … ``@@rc N`` sections → name → (exit code, output)."""
+    out: dict[str, tuple[int, str]] = {}
+    name, lines = None, []
+    for line in text.splitlines():
+        if line.startswith("@@rc ") and name is not None:
+            code = line[5:].strip()
+            out[name] = (int(code) if code.isdigit() else 1, "\n".join(lines).strip())
+            name, lines = None, []
+        elif line.startswith("@@") and name is None:
+            name = line[2:].strip()
+        elif name is not None:
+            lines.append(line)
+    return out
+
+
 def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
+    root = c.workdir_root or c.job_workdir("x").rsplit("/", 1)[0]
+    facts: dict[str, tuple[int, str]] = {}
+
+    def section(name: str, fix: str) -> str:
+        rc, out = facts.get(name, (1, "no answer"))
+        if rc != 0:
+            raise CheckFailed(out[:400] or f"exit code {rc}", fix)
+        return out
+
     def version() -> str:
-        _, out, _ = c.run(["sinfo", "--version"], timeout=probe.left)
-        return out.strip() or "unknown"
+        _, out, _ = c.run(["sh", "-c", _FACTS_SH, "sh", c.user or "", c.python, root], timeout=probe.left, check=False)
+        facts.update(_sections(out))
+        return section("version", "") or "unknown"
 
     if not probe.step("Slurm version", version, "install the Slurm client commands on the login node, or fix "
                       "slurm_conf; `sinfo --version` must work there"):
         return
     found: dict[str, dict[str, Any]] = {}
 
-    def partitions() -> str:
-        _, out, _ = c.run(["sinfo", "-h", "-o", "%R|%a|%D|%G"], timeout=probe.left)
-        found.update(_partitions(out))
+    def partitions() -> Any:
+        found.update(_partitions(section("partitions", "`sinfo` must work on the login node")))
         names = ", ".join(f"{n} ({p['state']}, {p['nodes']} nodes)" for n, p in found.items()) or "none"
         if c.partition is not None and c.partition not in found:
             raise CheckFailed(f"partition {c.partition!r} does not exist; the cluster has: {names}",
@@ -139,27 +179,24 @@ def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
 
     if found:
         probe.step("GPUs (gres)", gpus)
-    user: list[str] = [c.user or ""]
+    user = facts.get("user", (0, c.user or "?"))[1]
 
     def associations() -> Any:
-        if not user[0]:
-            user[0] = c.run(["id", "-un"], timeout=probe.left)[1].strip()
-        rc, out, err = c.run(["sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user[0]}",
-                              "format=Account,Partition,QOS"], timeout=probe.left, check=False)  # fmt: skip
+        rc, out = facts.get("assoc", (1, "no answer"))
         if rc != 0:
-            return Warn(f"sacctmgr failed: {(err or out).strip()[:200]} (no accounting database?)",
+            return Warn(f"sacctmgr failed: {out[:200]} (no accounting database?)",
                         "associations not checked: sbatch says so if the account or QoS is refused")
         rows = [line.split("|") for line in out.splitlines() if line.count("|") >= 2]
         if not rows:
-            return Warn(f"user {user[0]!r} has no associations", "ask the admins to add you to an account "
+            return Warn(f"user {user!r} has no associations", "ask the admins to add you to an account "
                         "(`sacctmgr add user NAME account=ACCOUNT`) if the cluster enforces them")
         accounts = {r[0]: {q for q in r[2].split(",") if q} for r in rows}
         if c.account is not None and c.account not in accounts:
-            raise CheckFailed(f"user {user[0]!r} is not in account {c.account!r}; their accounts: "
+            raise CheckFailed(f"user {user!r} is not in account {c.account!r}; their accounts: "
                               f"{', '.join(accounts)}", f"set account to one of: {', '.join(accounts)}")  # fmt: skip
         allowed = accounts.get(c.account, set()) if c.account else set().union(*accounts.values())
         if c.qos is not None and c.qos not in allowed:
-            raise CheckFailed(f"QoS {c.qos!r} is not allowed for {user[0]!r}; allowed: {', '.join(sorted(allowed))}",
+            raise CheckFailed(f"QoS {c.qos!r} is not allowed for {user!r}; allowed: {', '.join(sorted(allowed))}",
                               f"set qos to one of: {', '.join(sorted(allowed)) or '(none)'}")  # fmt: skip
         return "; ".join(f"account {a}: QoS {', '.join(sorted(q)) or '-'}" for a, q in accounts.items())
 
@@ -167,7 +204,7 @@ def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
 
     def runtime() -> Any:
         try:
-            found_runtime = c.job_container_runtime()
+            found_runtime = c.job_container_runtime()  # what a job with an image would use, asked as submit asks
         except ConfigurationError as exc:
             if probe.needs_image:
                 raise
@@ -177,21 +214,14 @@ def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
 
     probe.step("container runtime", runtime, "install pyxis, podman or apptainer on the nodes, or set container_runtime")
     if not probe.needs_image:
-
-        def python() -> str:
-            _, out, err = c.run([c.python, "--version"], timeout=probe.left)
-            return f"{c.python}: {(out or err).strip()}"
-
-        probe.step("python", python, "set python to an interpreter on the cluster's shared filesystem")
-
-    root = c.workdir_root or c.job_workdir("x").rsplit("/", 1)[0]
+        probe.step("python", lambda: f"{c.python}: {section('python', '')}",
+                   "set python to an interpreter on the cluster's shared filesystem")
 
     def workdir() -> str:
-        script = 'd="$1"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; test -w "$d" && echo "$d"'
-        rc, out, _ = c.run(["sh", "-c", script, "sh", root], timeout=probe.left, check=False)
+        rc, out = facts.get("workdir", (1, "?"))
         if rc != 0:
-            raise CheckFailed(f"{root}: its nearest existing directory ({out.strip() or '?'}) is not writable by the user")
-        return f"{root} ({'exists' if out.strip() == root else 'created by the first job under ' + out.strip()})"
+            raise CheckFailed(f"{root}: its nearest existing directory ({out or '?'}) is not writable by {user}")
+        return f"{root} ({'exists' if out == root else 'created by the first job under ' + out})"
 
     probe.step("jobs' directory", workdir, "set workdir_root to a directory on the shared filesystem the user may write")
 

@@ -15,6 +15,7 @@ checked alongside (``check_prefect``).
 
 from __future__ import annotations
 
+import contextvars
 import os
 import socket
 import threading
@@ -177,7 +178,9 @@ def _group(probe: Probe, run: Callable[[Probe], Any]) -> threading.Thread:
         except Exception as exc:  # noqa: BLE001 - a check that crashed is a failed row, not a crashed command
             probe.add(probe.current or "check", "failed", _one_line(exc), "this is a bug in the check: report it")
 
-    thread = threading.Thread(target=target, name=f"check-{probe.step_name}", daemon=True)
+    # The caller's context (Prefect's settings, e.g. its API URL) goes with the thread.
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(target,), name=f"check-{probe.step_name}", daemon=True)
     thread.start()
     return thread
 
