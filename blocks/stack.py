@@ -87,7 +87,7 @@ class Stack(Block):
         saved = cls.saved_names()
         raise ConfigurationError(
             f"stack={name!r}: no saved Stack block has that name; saved stacks: {', '.join(saved) or 'none'}. "
-            "Save one with `gpuferry stack apply FILE`, or pick one of these"
+            "Give one of those, or save this one with `gpuferry stack apply FILE`"
         )
 
     def step_blocks(self) -> dict[str, NodeProvider | ImageBuilder | ComputeBackend | CheckpointStore | MlflowTracking | ServingBackend]:

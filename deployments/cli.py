@@ -13,10 +13,12 @@ them. Exit codes: 0 done, 1 a check or run failed, 2 bad input (the message name
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,6 +42,20 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def explained(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A command whose errors the blocks explain ends with the message (exit 2 for bad input, else 1), no
+    traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except GpuferryError as exc:
+            raise fail(str(exc), 2 if isinstance(exc, ConfigurationError) else 1) from None
+
+    return wrapper
+
+
 def console() -> Any:
     from rich.console import Console
 
@@ -51,6 +67,7 @@ def console() -> Any:
 
 
 @stack_app.command("apply")
+@explained
 def stack_apply(
     file: Annotated[Path, typer.Argument(help="The stack file (YAML).")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; save nothing.")] = False,
@@ -58,10 +75,7 @@ def stack_apply(
     """Save each stack FILE declares, with its nested blocks; only a stack that changed is saved."""
     from blocks.stack_file import apply, load_stack_file
 
-    try:
-        results = apply(load_stack_file(file), dry_run=dry_run)
-    except ConfigurationError as exc:
-        raise fail(str(exc)) from None
+    results = apply(load_stack_file(file), dry_run=dry_run)
     would = "would be " if dry_run else ""
     for result in results:
         if result.action == "unchanged":
@@ -77,6 +91,7 @@ def stack_apply(
 
 
 @stack_app.command("list")
+@explained
 def stack_list() -> None:
     """The saved stacks and the backend of each step."""
     from rich.table import Table
@@ -96,15 +111,13 @@ def stack_list() -> None:
 
 
 @stack_app.command("show")
+@explained
 def stack_show(name: Annotated[str, typer.Argument(help="A saved stack.")]) -> None:
     """The saved stack NAME as a stack file declares it (fields not at their default; secrets masked)."""
     from blocks.stack import Stack
     from blocks.stack_file import describe
 
-    try:
-        stack = Stack.named(name)
-    except ConfigurationError as exc:
-        raise fail(str(exc)) from None
+    stack = Stack.named(name)
     typer.echo(yaml.safe_dump({"stacks": {name: describe(stack)}}, sort_keys=False).rstrip())
 
 
@@ -172,6 +185,7 @@ def render_rows(rows: list[Any]) -> None:
 
 
 @app.command("check")
+@explained
 def check(
     stack: Annotated[str | None, typer.Argument(help="A saved stack (none: the embedded stack).")] = None,
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Check a stack of this file, unsaved.")] = None,
@@ -185,10 +199,7 @@ def check(
     from blocks.checks import check_stack
 
     started = time.monotonic()
-    try:
-        label, chosen = resolve_stack(stack, file)
-    except ConfigurationError as exc:
-        raise fail(str(exc)) from None
+    label, chosen = resolve_stack(stack, file)
     rows = check_stack(chosen, timeout=timeout, prefect=prefect, work_pool=pool)
     if workload is not None:
         rows += workload_rows(chosen, workload, timeout)
@@ -211,8 +222,8 @@ def check(
 def _register() -> None:
     from deployments import cli_run, skeleton
 
-    app.command("init")(skeleton.init)
-    app.command("deploy")(cli_run.deploy)
+    app.command("init")(explained(skeleton.init))
+    app.command("deploy")(explained(cli_run.deploy))
     app.add_typer(cli_run.run_app, name="run")
 
 
@@ -221,6 +232,8 @@ _register()
 
 def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Without PREFECT_API_URL, --local runs start a temporary server: give a busy machine time to start it.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     try:
         app()
     except GpuferryError as exc:  # a problem the blocks explain: say it, without a traceback

@@ -13,6 +13,7 @@ a name no stack has is an error listing the saved ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import typer
 import yaml
 
 from blocks.errors import ConfigurationError
-from deployments.cli import DEFAULT_POOL, PoolOption, fail
+from deployments.cli import DEFAULT_POOL, PoolOption, explained, fail
 
 REPO = Path(__file__).resolve().parent.parent  # this checkout: prefect.yaml, the flows' entrypoints
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
@@ -96,7 +97,11 @@ def deploy(
 
     sources = [workload_source(w) for w in workload or []]
     names = register(sources, pool)
-    formed = apply_forms([n for n in names if n.split("/")[0] in ("retrain", "sweep")] if sources else ())
+    if sources:
+        formed = apply_forms([n for n in names if n.split("/")[0] in ("retrain", "sweep")])
+    else:
+        with contextlib.chdir(REPO):  # prefect.yaml's workloads are paths relative to the checkout
+            formed = apply_forms()
     typer.echo(f"registered on work pool {pool}: {', '.join(names)}")
     typer.echo(f"with their workload's form: {', '.join(formed) or 'none'}")
 
@@ -201,9 +206,24 @@ def summary(flow_run_id: Any) -> list[str]:
     return lines
 
 
-def start(flow: str, deployment: str | None, default_name: str, parameters: dict[str, Any], local: bool,
-          follow_run: bool) -> None:  # fmt: skip
-    """Run ``flow`` with ``parameters``: through the deployment (``flow/name``), or in this process."""
+def deployment_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            return False
+    return True
+
+
+def start(flow: str, deployment: str | None, default_name: str, parameters: dict[str, Any], *, local: bool,
+          follow_run: bool, pool: str = DEFAULT_POOL) -> None:  # fmt: skip
+    """Run ``flow`` with ``parameters``: through the deployment (``flow/name``), or in this process.
+
+    Without ``deployment``, the workload's own (``flow/<workload name>``) is used, and registered first (with
+    its form, on ``pool``) when the server does not have it yet."""
     if local:
         run_local(flow, parameters)
         return
@@ -212,13 +232,16 @@ def start(flow: str, deployment: str | None, default_name: str, parameters: dict
     name = deployment or f"{flow}/{default_name}"
     if "/" not in name:
         name = f"{flow}/{name}"
-    try:
-        run = run_deployment(name, parameters=parameters, timeout=0)
-    except Exception as exc:  # noqa: BLE001 - the server's answer, said plainly
-        if "not found" in str(exc).lower() or "ObjectNotFound" in type(exc).__name__:
-            raise ConfigurationError(f"no deployment {name!r} on the server: register it with `gpuferry deploy "
-                                     "--workload DIR` (or name another with --deployment)") from None  # fmt: skip
-        raise
+    if not deployment_exists(name):
+        if deployment is not None or "workload" not in parameters:
+            raise ConfigurationError(f"no deployment {name!r} on the server: register it (`gpuferry deploy`), or "
+                                     "name another with --deployment")  # fmt: skip
+        from deployments.forms import apply_forms
+
+        names = register([parameters["workload"]], pool)
+        apply_forms(names)
+        typer.echo(f"registered {', '.join(names)} on work pool {pool} (`gpuferry deploy --workload` refreshes them)")
+    run = run_deployment(name, parameters=parameters, timeout=0)
     typer.echo(f"{run.name}: {ui_link(run.id)}")
     if not follow_run:
         return
@@ -238,6 +261,7 @@ def run_local(flow: str, parameters: dict[str, Any]) -> None:
 
     fn = {"retrain": retrain, "sweep": sweep, "deploy-model": deploy_model}[flow]
     state = fn(**parameters, return_state=True)
+    typer.echo(f"{flow}: {ui_link(state.state_details.flow_run_id)}")
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise fail(f"{flow} failed: {result}", 1)
@@ -279,21 +303,23 @@ def _training_parameters(workload: str, stack: str | None, hp: list[str] | None,
 
 
 @run_app.command("retrain")
+@explained
 def run_retrain(workload: WorkloadOption = ".", stack: StackOption = None, deployment: DeploymentOption = None,
                 hp: HpOption = None, param: ParamOption = None, local: LocalOption = False,
-                follow_run: FollowOption = True,
+                follow_run: FollowOption = True, pool: PoolOption = DEFAULT_POOL,
                 force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False) -> None:
     """Train the workload on the stack, register the model, and serve it when it beats the champion."""
     name, parameters = _training_parameters(workload, stack, hp, param, force_deploy)
-    start("retrain", deployment, name, parameters, local, follow_run)
+    start("retrain", deployment, name, parameters, local=local, follow_run=follow_run, pool=pool)
 
 
 @run_app.command("sweep")
+@explained
 def run_sweep(workload: WorkloadOption = ".", stack: StackOption = None, deployment: DeploymentOption = None,
               grid: Annotated[list[str] | None, typer.Option("--grid", "-g", help="NAME=V1,V2,... (JSON values); "
                                                              "repeatable: the grid is their product.")] = None,
               hp: HpOption = None, param: ParamOption = None, local: LocalOption = False,
-              follow_run: FollowOption = True,
+              follow_run: FollowOption = True, pool: PoolOption = DEFAULT_POOL,
               parallelism: Annotated[int | None, typer.Option(help="Configurations running at once.")] = None,
               force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False) -> None:
     """Train every configuration of the grid as one job array and ship the best one."""
@@ -309,7 +335,7 @@ def run_sweep(workload: WorkloadOption = ".", stack: StackOption = None, deploym
     parameters["grid"] = {"values": values}
     if parallelism is not None:
         parameters["parallelism"] = parallelism
-    start("sweep", deployment, name, parameters, local, follow_run)
+    start("sweep", deployment, name, parameters, local=local, follow_run=follow_run, pool=pool)
 
 
 def grid_values(raw: str) -> list[Any]:
@@ -330,6 +356,7 @@ def grid_values(raw: str) -> list[Any]:
 
 
 @run_app.command("deploy")
+@explained
 def run_deploy(model: Annotated[str, typer.Option("--model", "-m", help="The registered model.")],
                version: Annotated[str | None, typer.Option(help="The version (default: the alias's).")] = None,
                alias: Annotated[str, typer.Option(help="The alias used when no version is given.")] = "champion",
@@ -339,7 +366,7 @@ def run_deploy(model: Annotated[str, typer.Option("--model", "-m", help="The reg
     """Serve a registered model version on the stack's serving backend."""
     check_stack_name(stack)
     parameters = {"model_name": model, "version": version, "alias": alias, "stack": stack or None}
-    start("deploy-model", deployment, "on-champion", parameters, local, follow_run)
+    start("deploy-model", deployment, "on-champion", parameters, local=local, follow_run=follow_run)
     if follow_run and not local:
         from flows.retrain import load_stack
 
