@@ -60,9 +60,28 @@ def workload_deployments(config: dict[str, Any], sources: list[str], pool: str) 
     return out
 
 
+def ensure_pool(pool: str) -> None:
+    """Create the work pool (a process pool, as prefect.yaml's) when the server has none by that name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+            return
+        except ObjectNotFound:
+            pass
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                               base_job_template=ProcessWorker.get_default_base_job_template()))
+    typer.echo(f"created work pool {pool} (process): start a worker on it, `python -m deployments.worker --pool {pool}`")
+
+
 def register(sources: list[str], pool: str) -> list[str]:
-    """``prefect deploy`` of prefect.yaml's deployments (none given) or of the given workloads' own; the names
-    registered (``flow/name``)."""
+    """``prefect deploy`` of prefect.yaml's deployments (none given) or of the given workloads' own, on ``pool``
+    (created when missing); the names registered (``flow/name``)."""
+    ensure_pool(pool)
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())
     if sources:
         config["deployments"] = workload_deployments(config, sources, pool)
@@ -265,14 +284,16 @@ def run_local(flow: str, parameters: dict[str, Any]) -> None:
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise fail(f"{flow} failed: {result}", 1)
-    pipeline = getattr(result, "pipeline", result)
-    version = getattr(pipeline, "model_version", None)
-    if version is not None:
+    from blocks.specs import Endpoint, PipelineResult, SweepResult
+
+    if isinstance(result, SweepResult | PipelineResult):
+        pipeline = result.pipeline if isinstance(result, SweepResult) else result
+        version = pipeline.model_version
         typer.echo(f"MLflow run: {pipeline.run_url}")
         typer.echo(f"model version: {version.name} v{version.version} ({version.metric}={version.value:.4g}, "
                    f"{'promoted' if version.promoted else 'not promoted'})")  # fmt: skip
-    endpoint = getattr(pipeline, "endpoint", None) if version is not None else result
-    typer.echo(f"endpoint: {endpoint.url if endpoint is not None else 'not deployed'}")
+        result = pipeline.endpoint
+    typer.echo(f"endpoint: {result.url if isinstance(result, Endpoint) else 'not deployed'}")
 
 
 WorkloadOption = Annotated[str, typer.Option("--workload", "-w", help="The workload (a directory with gpuferry.yaml, "

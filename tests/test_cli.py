@@ -55,6 +55,11 @@ def test_init_writes_a_workload_that_passes_check_and_runs(tmp_path: Path) -> No
                                        "data": [[0.0] * 10]}}  # fmt: skip
         answer = httpx.post(f"{url.group(1)}/invocations", json=example, timeout=60)
         assert answer.status_code == 200 and len(answer.json()["predictions"]) == 1
+        # Serving the champion again changes nothing: the same server answers at the same address.
+        again = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "run", "deploy", "--model", "house-prices",
+                                "--local"], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
+        assert f"endpoint: {url.group(1)}" in again.stdout
     finally:
         LocalServing().undeploy("house-prices")
 
