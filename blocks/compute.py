@@ -40,6 +40,7 @@ from pydantic import Field
 
 from blocks import _job_runner
 from blocks._proc import alive, start_time
+from blocks.checks import CheckRow, Probe, executable, writable_dir
 from blocks.home import gpuferry_home
 from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
 from blocks.launch import launch_command
@@ -442,3 +443,12 @@ class LocalProcesses(ComputeBackend):
         tmp.write_text(json.dumps(state))
         os.replace(tmp, workdir / "job.json")
 
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The interpreter and the jobs' directory; a stack that builds an image cannot train here."""
+        if probe.needs_image:
+            probe.add("image", "failed", "local processes do not run container images",
+                      "use CurrentEnvironment as the stack's images, or a compute backend that runs images (Slurm)")
+        probe.step("python", lambda: executable(self.python), "set python to an interpreter on this machine")
+        probe.step("jobs' directory", lambda: writable_dir(self.workdir_root or str(gpuferry_home() / "jobs")),
+                   "set workdir_root to a writable directory")
+        return probe.rows

@@ -64,13 +64,16 @@ def _model_at(model: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
-def explain(exc: ValidationError, model: type[BaseModel], where: str, lines: dict[Loc, int]) -> str:
-    """Every error of ``exc`` as ``where:LINE: FIELD: message`` (the valid fields for an unknown one)."""
+def explain(exc: ValidationError, model: type[BaseModel], where: str, lines: dict[Loc, int], prefix: Loc = ()) -> str:
+    """Every error of ``exc`` as ``where:LINE: FIELD: message`` (the valid fields for an unknown one).
+
+    ``prefix``: where ``model`` sits in the file (its errors' fields and lines are looked up under it)."""
     problems = []
     for error in exc.errors():
         loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and "[" in p))  # drop union branch tags
-        field = ".".join(str(p) for p in loc) or "(top level)"
-        line = next((lines[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in lines), None)
+        full = (*prefix, *loc)
+        field = ".".join(str(p) for p in full) or "(top level)"
+        line = next((lines[full[:n]] for n in range(len(full), -1, -1) if full[:n] in lines), None)
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             parent = _model_at(model, loc[:-1])

@@ -41,6 +41,7 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 from pydantic import Field, field_validator
 
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.images import BuildContext, ImageBuilder, build_context
 from blocks.specs import ImageRef
@@ -170,6 +171,40 @@ class RegistryClient:
         body = self._send("GET", url, headers=headers, auth=None if "Authorization" in headers else self._basic)
         self._raise_for_status(body, f"GET {repository}:{tag}")
         return "sha256:" + hashlib.sha256(body.content).hexdigest()
+
+
+    def _authorized(self, method: str, url: str, repository: str, **kwargs: Any) -> httpx.Response:
+        """``method url`` with Basic auth, again with a Bearer token when the registry asks for one."""
+        response = self._send(method, url, auth=self._basic, **kwargs)
+        challenge = response.headers.get("www-authenticate", "")
+        if response.status_code == 401 and challenge.lower().startswith("bearer"):
+            token = self._token(challenge[len("bearer") :].strip(), repository)
+            headers = {**kwargs.pop("headers", {}), "Authorization": f"Bearer {token}"}
+            response = self._send(method, url, headers=headers, **kwargs)
+        return response
+
+    def check_login(self, repository: str = "library/gpuferry-check") -> str:
+        """The registry answers its API and takes the credentials (``GET /v2/``)."""
+        response = self._authorized("GET", f"{self.base_url}/v2/", repository)
+        if response.status_code in (401, 403):
+            raise self._refused(response)
+        self._raise_for_status(response, "GET /v2/")
+        return f"{self.base_url} takes the login of {self._username!r}"
+
+    def check_push(self, repository: str) -> str:
+        """The credentials may push to ``repository``: a blob upload is started and cancelled, nothing stored."""
+        response = self._authorized("POST", f"{self.base_url}/v2/{repository}/blobs/uploads/", repository)
+        if response.status_code in (401, 403):
+            raise ConfigurationError(
+                f"registry {self.base_url} does not let {self._username!r} push to {repository} "
+                f"(HTTP {response.status_code}): grant the user push on the repository, or fix repository"
+            )
+        self._raise_for_status(response, f"POST /v2/{repository}/blobs/uploads/")
+        location = response.headers.get("location", "")
+        if location:
+            url = location if "://" in location else f"{self.base_url}{location}"
+            self._authorized("DELETE", url, repository)
+        return f"{self._username!r} may push to {repository} (an upload was started and cancelled)"
 
 
 def _classify_push_error(message: str, image: str) -> GpuferryError:
@@ -391,3 +426,10 @@ class DockerImageBuilder(ImageBuilder):
             )
         finally:
             registry.close()
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The engine, the registry's login and push permission (``blocks/check_services.py``)."""
+        from blocks.check_services import check_docker_builder
+
+        check_docker_builder(self, probe)
+        return probe.rows

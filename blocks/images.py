@@ -32,6 +32,7 @@ from pydantic import Field
 
 import runtime
 from blocks.archive import deterministic_tar
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError
 from blocks.specs import ImageRef
 from blocks.workload_file import GENERATED_WORKDIR
@@ -201,3 +202,7 @@ class CurrentEnvironment(ImageBuilder):
             built=False,
             note=f"no image: runs from the current environment ({sys.executable}, {os.uname().machine})",
         )
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        probe.info("image", f"none: jobs run from this Python environment ({sys.executable})")
+        return probe.rows

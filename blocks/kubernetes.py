@@ -37,6 +37,7 @@ from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import k8s_manifests as manifests
 from blocks import k8s_rollout as rollout
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.k8s_api import Connection, KubeApi, connection_from_kubeconfig, connection_in_cluster
 from blocks.serving import Release, ServingBackend, parsed_body, require_smoke_request, smoke_check
@@ -444,6 +445,16 @@ class KubernetesCluster(ServingBackend):
                 "available_replicas": state.available, "replicas": state.desired,
             },
         )  # fmt: skip
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """Reach, namespace, the RBAC permissions a deploy needs, the pods' Secrets and the GPU/MIG nodes
+        (``blocks/check_k8s.py``)."""
+        from blocks.check_k8s import check_kubernetes
+
+        check_kubernetes(self, probe)
+        return probe.rows
 
 
 def _annotation(obj: dict[str, Any] | None, key: str) -> str | None:

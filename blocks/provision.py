@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field
 
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.specs import GpuInfo, Node
 
@@ -234,6 +235,14 @@ class LocalMachine(NodeProvider):
             return TOOLKIT_MISSING  # present but broken: not usable
         return parse_ctk_version(out) or TOOLKIT_MISSING
 
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The GPUs nvidia-smi lists here (none is fine: the jobs run on CPUs)."""
+        gpus = self._gpus()
+        probe.info("GPUs", ", ".join(f"{g.name} ({g.memory_mib} MiB)" for g in gpus) if gpus else
+                   f"none ({self.nvidia_smi} {'finds no GPU' if shutil.which(self.nvidia_smi) else 'not installed'}): "
+                   "jobs run on CPUs")
+        return probe.rows
+
 
 class ClusterManaged(NodeProvider):
     """Nodes the cluster's scheduler owns (a standing Slurm cluster): nothing to acquire or release.
@@ -259,3 +268,7 @@ class ClusterManaged(NodeProvider):
 
     def release(self, nodes: list[Node]) -> None:
         """Nothing to give back: the cluster's nodes stay."""
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        probe.info("nodes", f"owned by the scheduler of {self.cluster_name} (checked with the compute backend)")
+        return probe.rows

@@ -43,6 +43,7 @@ from urllib.parse import urlparse
 from prefect_aws import S3Bucket
 from pydantic import Field, SecretStr, field_validator
 
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.s3_requests import (
     UploadJournal,
@@ -260,6 +261,13 @@ class S3CheckpointStore(CheckpointStore):
                     client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
                     deleted += len(keys)
         return deleted
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The endpoint, the bucket, and a probe object put, read back and deleted (``blocks/check_services.py``)."""
+        from blocks.check_services import check_s3
+
+        check_s3(self, probe)
+        return probe.rows
 
 
 # ---- helpers ----------------------------------------------------------------------------------

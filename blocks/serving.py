@@ -32,6 +32,7 @@ from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from blocks._proc import alive, free_port, start_time, stop
+from blocks.checks import CheckRow, Probe, executable, writable_dir
 from blocks.compute import INHERITED_ENV
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.home import gpuferry_home
@@ -369,6 +370,14 @@ class LocalServing(ServingBackend):
             previous_version=previous_version,
             detail={"pid": state["pid"], "log": state["log"], "changed": changed},
         )
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The server's interpreter and the state directory."""
+        probe.step("python", lambda: executable(self.python),
+                   "set python to an interpreter with the workload's packages")
+        probe.step("state directory", lambda: writable_dir(self.state_dir or str(gpuferry_home() / "serving")),
+                   "set state_dir to a writable directory")
+        return probe.rows
 
 
 def _ready(url: str, path: str = "/readyz") -> bool:

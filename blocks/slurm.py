@@ -47,6 +47,7 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import remote_store
+from blocks.checks import CheckRow, Probe
 from blocks.compute import ComputeBackend, run_logger
 from blocks.mlflow_model import ModelInfo
 from blocks.storage import CheckpointStore
@@ -1180,3 +1181,13 @@ class SlurmCluster(ComputeBackend):
             requeues=int(usage["requeues"]), wall_seconds=usage["wall_seconds"] or status.elapsed_seconds,
             gpu_hours=usage["gpu_hours"], cpu_hours=usage["cpu_hours"],
         )  # fmt: skip
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """SSH (reach, host key, login), the Slurm version, partitions and their GPUs, the user's account and
+        QoS, the container runtime, the interpreter and the jobs' directory (``blocks/check_slurm.py``)."""
+        from blocks.check_slurm import check_slurm
+
+        check_slurm(self, probe)
+        return probe.rows

@@ -66,6 +66,7 @@ from prefect.logging import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.provision import (
     NVIDIA_SMI_QUERY,
@@ -903,3 +904,10 @@ class SshHosts(NodeProvider):
             raise ConfigurationError(f"{host.node_name}: {exc}") from exc
         except (OSError, EOFError, paramiko.SSHException) as exc:
             raise TransientError(str(exc) or type(exc).__name__) from exc
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """SSH reach, host key and login of every host (``blocks/check_slurm.py``); nothing is changed."""
+        from blocks.check_slurm import check_ssh_hosts
+
+        check_ssh_hosts(self, probe)
+        return probe.rows

@@ -20,6 +20,7 @@ from blocks.home import gpuferry_home
 from blocks.kubernetes import KubernetesCluster
 from blocks.images import CurrentEnvironment, ImageBuilder
 from blocks.ec2 import Ec2Provider
+from blocks.errors import ConfigurationError
 from blocks.provision import ClusterManaged, LocalMachine, NodeProvider
 from blocks.ssh_hosts import SshHosts
 from blocks.s3 import S3CheckpointStore
@@ -62,6 +63,35 @@ class Stack(Block):
             storage=LocalCheckpointStore(filesystem=LocalFileSystem(basepath=str(home / "storage"))),
             tracking=MlflowTracking(),
             serving=LocalServing(),
+        )
+
+    @classmethod
+    def saved_names(cls) -> list[str]:
+        """The names of the saved Stack blocks on the Prefect server."""
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+
+        with get_client(sync_client=True) as client:
+            try:
+                documents = client.read_block_documents_by_type(cls.get_block_type_slug(), include_secrets=False)
+            except (ObjectNotFound, PrefectHTTPStatusError) as exc:
+                if isinstance(exc, PrefectHTTPStatusError) and exc.response.status_code != 404:
+                    raise
+                return []  # no Stack was ever saved: the block type is not registered yet
+        return sorted(d.name for d in documents if d.name and not d.is_anonymous)
+
+    @classmethod
+    def named(cls, name: str) -> Stack:
+        """The saved Stack block ``name``; when there is none, an error that lists the saved ones."""
+        try:
+            return cls.load(name)
+        except ValueError as exc:
+            if "Unable to find block document" not in str(exc) and "not found" not in str(exc).lower():
+                raise
+        saved = cls.saved_names()
+        raise ConfigurationError(
+            f"stack={name!r}: no saved Stack block has that name; saved stacks: {', '.join(saved) or 'none'}. "
+            "Give one of those, or save this one with `gpuferry stack apply FILE`"
         )
 
     def step_blocks(self) -> dict[str, NodeProvider | ImageBuilder | ComputeBackend | CheckpointStore | MlflowTracking | ServingBackend]:

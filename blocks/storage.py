@@ -28,6 +28,7 @@ from prefect.blocks.core import Block
 from prefect.filesystems import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from blocks.checks import CheckRow, Probe, writable_dir
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.home import gpuferry_home
 from blocks.specs import CheckpointRef, check_name
@@ -210,6 +211,11 @@ class LocalCheckpointStore(CheckpointStore):
         for entry in manifest["files"]:
             _copy_verified(source / entry["path"], out / entry["path"], entry["sha256"])
         return out
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The directory is writable (nothing is created)."""
+        probe.step("directory", lambda: writable_dir(str(self.root())), "set filesystem.basepath to a writable directory")
+        return probe.rows
 
 
 def local_path(uri: str) -> Path:

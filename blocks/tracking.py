@@ -23,6 +23,7 @@ from typing import Any
 from prefect.blocks.core import Block
 from pydantic import Field
 
+from blocks.checks import CheckRow, Probe
 from blocks.home import gpuferry_home
 from blocks.specs import CheckpointRef
 
@@ -282,6 +283,15 @@ class MlflowTracking(Block):
             token = page.token
             if not token:
                 return out
+
+    # ---- checks ----
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        """The server and its version, the tracking and registry APIs, webhooks (``blocks/check_services.py``)."""
+        from blocks.check_services import check_mlflow
+
+        check_mlflow(self, probe)
+        return probe.rows
 
 
 def sqlite_path(uri: str) -> str | None:

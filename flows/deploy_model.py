@@ -18,6 +18,7 @@ from blocks.errors import ConfigurationError
 from blocks.plan import IMAGE_TAG, IMAGE_WORKDIR_TAG, INPUT_EXAMPLE_TAG, SERVER_TAG, SERVICE_TAG, server_of
 from blocks.serving import Release
 from blocks.specs import Endpoint, ImageRef, ServerSpec, ServingSpec
+from blocks.stack import Stack
 from flows.retrain import check_images_for_serving, load_stack
 from flows.ship import deploy_and_record
 from tasks.build import build_image
@@ -35,7 +36,7 @@ def deploy_model(
     model_name: str,
     version: str | None = None,
     alias: str | None = "champion",
-    stack: str | None = None,
+    stack: Stack | str | None = None,
     serving: ServingSpec = ServingSpec(),
     skip_if_moved: bool = False,
     workload: str | None = None,
@@ -49,7 +50,7 @@ def deploy_model(
         model_name: registered model name in the stack's MLflow registry.
         version: the version to deploy; empty: the version ``alias`` points at.
         alias: registry alias used when ``version`` is empty.
-        stack: name of a saved ``Stack`` block (empty: embedded).
+        stack: a saved ``Stack`` block, or its name (empty: embedded).
         serving: how the inference service runs (service name, smoke request: empty means the version's own).
         skip_if_moved: with both ``version`` and ``alias`` given, deploy nothing when the alias no
             longer points at ``version`` (an event that arrives after a newer one is stale).

@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from blocks.errors import ConfigurationError
 from blocks.provision import NodeRequirements
 from blocks.specs import Node
+from blocks.stack import Stack
 from flows.retrain import load_stack
 from tasks.provision import provision_nodes, release_nodes
 
@@ -21,7 +22,7 @@ from tasks.provision import provision_nodes, release_nodes
 def provision(
     count: int = 1,
     requirements: NodeRequirements = NodeRequirements(),
-    stack: str | None = None,
+    stack: Stack | str | None = None,
     key: str | None = None,
 ) -> list[Node]:
     """Acquire, bootstrap and check ``count`` nodes; return them (give them to ``release`` when done).
@@ -29,7 +30,7 @@ def provision(
     Args:
         count: how many nodes.
         requirements: what each node must offer (GPUs, GPU memory, driver version).
-        stack: name of a saved ``Stack`` block whose provider hands out the nodes (empty: embedded).
+        stack: a saved ``Stack`` block, or its name, whose provider hands out the nodes (empty: embedded).
         key: what the nodes are acquired for (a second run with the same key gets the same nodes);
             empty: this flow run's id.
     """
@@ -40,12 +41,12 @@ def provision(
 
 
 @flow(name="release", log_prints=True)
-def release(nodes: list[Node], stack: str | None = None) -> None:
+def release(nodes: list[Node], stack: Stack | str | None = None) -> None:
     """Give ``nodes`` back to the stack's provider (the inventory ``provision`` returned).
 
     Args:
         nodes: the nodes to release.
-        stack: name of the saved ``Stack`` block they were provisioned with (empty: embedded).
+        stack: the saved ``Stack`` block they were provisioned with, or its name (empty: embedded).
     """
     if not nodes:
         raise ConfigurationError("nodes is empty: give the nodes the provision flow returned")

@@ -32,7 +32,7 @@ def retrain(
     training: TrainingSpec = TrainingSpec(),
     serving: ServingSpec = ServingSpec(),
     promotion: PromotionPolicy = PromotionPolicy(),
-    stack: str | None = None,
+    stack: Stack | str | None = None,
     force_deploy: bool = False,
     wait: Literal["block", "suspend"] = "block",
 ) -> PipelineResult:
@@ -44,7 +44,8 @@ def retrain(
             from the workload.
         serving: how the inference service runs.
         promotion: when the new version replaces the champion (only a promoted version is deployed).
-        stack: name of a saved ``Stack`` block choosing the backend of each step (empty: embedded).
+        stack: the saved ``Stack`` block choosing the backend of each step (the UI offers the saved ones), or its
+            name (empty: embedded).
         force_deploy: deploy the new version even when it is not promoted.
         wait: how the run waits for the training job: ``block`` keeps this run's process polling it;
             ``suspend`` suspends the run (no process) until deployments/job_watcher.py resumes it.
@@ -74,7 +75,7 @@ def retrain(
             )  # fmt: skip
             timeout = run.resources.time_limit_minutes * 60
             if wait == "suspend":
-                result = train_suspending(blocks.compute, job, stack=stack or "", timeout_seconds=timeout)
+                result = train_suspending(blocks.compute, job, stack=stack_name(stack), timeout_seconds=timeout)
             else:
                 result = train(blocks.compute, job, timeout_seconds=timeout)
 
@@ -110,9 +111,23 @@ def retrain(
 # ---- composition helpers (no outside calls) ------------------------------------------------
 
 
-def load_stack(name: str | None) -> Stack:
-    """The saved ``Stack`` block called ``name``, or the embedded stack."""
-    return Stack.embedded() if not name else Stack.load(name)
+def load_stack(stack: Stack | str | None) -> Stack:
+    """The stack a run was given: a ``Stack`` block (picked in the UI), the name of a saved one (an error lists
+    the saved stacks when there is none by that name), or nothing: the embedded stack."""
+    if isinstance(stack, Stack):
+        return stack
+    return Stack.embedded() if not stack else Stack.named(stack)
+
+
+def stack_name(stack: Stack | str | None) -> str:
+    """The saved name of the run's stack ('' = embedded), for what must find it again (the job watcher)."""
+    if isinstance(stack, Stack):
+        name = stack._block_document_name
+        if not name or stack._is_anonymous:
+            raise ConfigurationError("wait='suspend' needs a saved stack (the job watcher loads it by name): save it "
+                                     "with `gpuferry stack apply FILE` and pass it, or its name")  # fmt: skip
+        return name
+    return stack or ""
 
 
 def preflight(blocks: Stack, run: RunPlan) -> None:

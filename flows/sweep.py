@@ -21,6 +21,7 @@ from prefect.runtime import flow_run
 from blocks.errors import ConfigurationError, JobFailed
 from blocks.provision import NodeRequirements
 from blocks.specs import PipelineResult, PromotionPolicy, ServingSpec, SweepGrid, SweepResult, TrainingSpec
+from blocks.stack import Stack
 from flows.retrain import load_stack, preflight, report, run_tags
 from flows.ship import ship
 from runtime import contract
@@ -39,7 +40,7 @@ def sweep(
     training: TrainingSpec = TrainingSpec(),
     serving: ServingSpec = ServingSpec(),
     promotion: PromotionPolicy = PromotionPolicy(),
-    stack: str | None = None,
+    stack: Stack | str | None = None,
     parallelism: int | None = None,
     force_deploy: bool = False,
 ) -> SweepResult:
@@ -51,7 +52,7 @@ def sweep(
         training: the base hyperparameters and the resources of EACH configuration.
         serving: how the inference service runs.
         promotion: the metric that picks the best configuration, and when it replaces the champion.
-        stack: name of a saved ``Stack`` block (its compute backend must run job arrays, e.g. Slurm).
+        stack: a saved ``Stack`` block, or its name (its compute backend must run job arrays, e.g. Slurm).
         parallelism: the most configurations running at once (None: as many as the cluster fits).
         force_deploy: deploy the best version even when it is not promoted.
     """

@@ -138,3 +138,15 @@ def s3_for_containers() -> Iterator[dict[str, str]]:
     relay = Relay(host, s3_target())
     yield s3_seen_from(relay)
     relay.close()
+
+
+@pytest.fixture(scope="module")
+def s3_for_pods(k8s: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The s3 stack as the k8s stack's pods see it: its endpoint relayed from inside the node's network
+    namespace (the node's address) to this machine's loopback, and its credentials."""
+    from tests.k8s_node import NodeRelay
+    from tests.stacks import s3_seen_from, s3_target
+
+    relay = NodeRelay(k8s["K8S_NODE_NETNS"], k8s["K8S_NODE_IP"], s3_target())
+    yield s3_seen_from(relay)
+    relay.close()

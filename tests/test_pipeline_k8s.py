@@ -5,8 +5,8 @@ podman and pushed to the registry stack (pinned by digest), checkpoints in the s
 server stack, training as local processes, serving on the local Kubernetes cluster, whose node pulls
 the image with an image pull secret and runs it. The pod loads the model from S3 by its MODEL_URI:
 the s3 stack listens on the host's loopback, which pods do not share, so the test relays it from the
-node's address inside the node's network namespace, and hands the pod that endpoint and the
-credentials in a Secret. The test reaches the pod through the API server's pod proxy.
+node's address inside the node's network namespace (``s3_for_pods`` in conftest.py), and hands the pod
+that endpoint and the credentials in a Secret. The test reaches the pod through the API server's pod proxy.
 
 A first retrain serves v1; a second one whose server cannot start rolls back to v1, fails the flow,
 and MLflow says so on the run and on the model version.
@@ -15,7 +15,6 @@ and MLflow says so on the run and on the model version.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +35,13 @@ from blocks.specs import ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.tracking import MlflowTracking
 from flows.retrain import retrain
-from tests.k8s_node import PULL_SECRET, NodeRelay, ready_pods
+from tests.k8s_node import PULL_SECRET, ready_pods
 from tests.examples import DIGITS, example_module
-from tests.stacks import s3_seen_from, s3_target, stack_env
+from tests.stacks import stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
 SECRET = "model-store"  # the Secret holding the pod's S3 endpoint and credentials
-
-
-@pytest.fixture(scope="module")
-def s3_for_pods(k8s: dict[str, str]) -> Iterator[dict[str, str]]:
-    """The pods' view of the s3 stack: its endpoint relayed to the node's address, and its credentials."""
-    relay = NodeRelay(k8s["K8S_NODE_NETNS"], k8s["K8S_NODE_IP"], s3_target())
-    yield s3_seen_from(relay)
-    relay.close()
 
 
 def serving_block(k8s: dict[str, str], namespace: str, **fields: Any) -> KubernetesCluster:

@@ -306,3 +306,80 @@ def test_each_workload_deployment_has_its_own_form(prefect: dict[str, str], page
     with SyncPrefectClient(prefect["PREFECT_API_URL"]) as client:
         states = {name: client.read_flow_run(runs[name].id).state.name for name in (diabetes_run, digits_run)}
     assert states == {diabetes_run: "Completed", digits_run: "Completed"}, states
+
+
+# ---- the stack, picked from the saved ones ---------------------------------------------------------------
+
+
+def test_the_stack_is_picked_from_the_saved_stacks(prefect: dict[str, str], page: Any, tmp_path: Path) -> None:
+    """The run form's `stack` offers the saved Stack blocks; the run made with the one picked trains with it."""
+    import uuid
+
+    from mlflow import MlflowClient
+    from playwright.sync_api import expect
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.filesystems import LocalFileSystem
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks.compute import LocalProcesses
+    from blocks.images import CurrentEnvironment
+    from blocks.provision import LocalMachine
+    from blocks.serving import LocalServing
+    from blocks.stack import Stack
+    from blocks.storage import LocalCheckpointStore
+    from blocks.tracking import MlflowTracking
+    from deployments import skeleton
+    from tests import private_worker
+
+    api, uid = prefect["PREFECT_API_URL"], uuid.uuid4().hex[:8]
+    name, pool = f"ui-pick-{uid}", f"gpuferry-ui-pick-{uid}"
+    workload = tmp_path / name
+    skeleton.write(workload)
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    serving = LocalServing(state_dir=str(tmp_path / "serving"), drain_seconds=5)
+    picked = Stack(provider=LocalMachine(), images=CurrentEnvironment(),
+                   compute=LocalProcesses(workdir_root=str(tmp_path / "jobs")),
+                   storage=LocalCheckpointStore(filesystem=LocalFileSystem(basepath=str(tmp_path / "storage"))),
+                   tracking=MlflowTracking(tracking_uri=tracking_uri), serving=serving)  # fmt: skip
+    with temporary_settings({PREFECT_API_URL: api}):
+        block_id = picked.save(name, _sync=True)  # a sync call: playwright runs an event loop in this thread
+    env = {**_env_without_home(), "PREFECT_API_URL": api, "GPUFERRY_WORK_POOL": pool}
+    worker = None
+    try:
+        deploy = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "deploy", "--workload", str(workload)], env=env,
+                                capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        worker = private_worker.start_worker(pool, name, private_worker.worker_env(api, tmp_path / "worker-home"),
+                                             tmp_path / "worker.log")  # fmt: skip
+        with screenshot_on_failure(page, tmp_path):
+            open_custom_run(page, prefect["PREFECT_UI_URL"].rstrip("/"), "retrain", name)
+            stack = form_property(page, "stack")
+            stack.get_by_role("button", name="Stack", exact=True).click()
+            stack.locator(".block-documents-select button.p-select-button__control").focus()
+            page.keyboard.press("Space")
+            expect(page.get_by_role("option", name=name, exact=True)).to_be_visible()  # among the saved stacks
+            page.get_by_role("option", name=name, exact=True).click()
+            expect(stack.locator(".p-select-button__value")).to_have_text(name)
+            run_name = submit_and_read_toast(page)
+        with SyncPrefectClient(api) as client:
+            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+            (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
+        assert run.parameters["stack"] == {"$ref": {"block_document_id": str(block_id)}}
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        while True:
+            with SyncPrefectClient(api) as client:
+                state = client.read_flow_run(run.id).state
+            if state is not None and state.is_final():
+                break
+            assert time.monotonic() < deadline, f"{run_name} did not finish in time"
+            time.sleep(2)
+        assert state.is_completed(), f"{run_name}: {state.name} {state.message}"
+        # It ran on the stack picked: its MLflow store is that stack's.
+        assert str(MlflowClient(tracking_uri).get_model_version_by_alias(name, "champion").version) == "1"
+    finally:
+        serving.undeploy(name)
+        private_worker.stop(worker)
+        private_worker.remove(api, [f"retrain/{name}", f"sweep/{name}"], pool)
+        with SyncPrefectClient(api) as client:
+            client.delete_block_document(block_id)

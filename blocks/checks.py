@@ -1,0 +1,298 @@
+"""Checks of a stack against the systems it names: each backend says what works, what does not, and the fix.
+
+Every block of a stack has a ``self_check(probe)`` method (a default on each step's interface, the real
+ones next to the clients they use: ``blocks/check_*.py``). It runs its checks one after the other through
+``probe.step(what, fn, fix)``, which turns each into a ``CheckRow``: ``fn`` returns what it found, or raises
+(the row fails with the error and ``fix``), or returns ``Warn(...)``. A check that needs an earlier one (the
+Slurm version needs the SSH login) is not run when that one failed. Checks read, or write a probe object
+and delete it: nothing is left behind.
+
+``check_stack`` runs every backend's checks at once, each group in a thread of its own with its own
+deadline: a backend that does not answer gets a failed row for the check it was on ("no answer within
+N s"), and the others' rows are not held up. The Prefect server, its work pool and an online worker are
+checked alongside (``check_prefect``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from blocks.errors import GpuferryError
+
+if TYPE_CHECKING:
+    from blocks.stack import Stack
+
+Status = Literal["ok", "warn", "failed", "skipped"]
+DEFAULT_TIMEOUT_S = 10.0
+PROBE_PREFIX = ".gpuferry-check-"  # probe objects and files: written, read back and deleted by a check
+
+
+class CheckRow(BaseModel):
+    """One thing checked: which step and backend, what, how it went, and what to do about a failure."""
+
+    step: str = Field(description="The stack's step (provider, images, compute, storage, tracking, serving) or prefect.")
+    backend: str = Field(description="The block's type, e.g. SlurmCluster.")
+    check: str = Field(description="What was checked, e.g. 'SSH host key'.")
+    status: Status
+    detail: str = Field("", description="What was found (on failure: the error).")
+    fix: str = Field("", description="What to change when it failed or warned.")
+    seconds: float = Field(0.0, description="How long the check took.")
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+
+@dataclass
+class Warn:
+    """What a check found that works but deserves attention (status ``warn``)."""
+
+    detail: str
+    fix: str = ""
+
+
+class CheckFailed(GpuferryError):
+    """A check found something wrong; ``fix`` says what to do (it replaces the step's default fix)."""
+
+    def __init__(self, detail: str, fix: str = "") -> None:
+        super().__init__(detail)
+        self.fix = fix
+
+
+class Probe:
+    """Runs one backend's checks in order and records them as rows (read while it runs: ``rows``, ``current``)."""
+
+    def __init__(self, step: str, backend: str, *, timeout: float = DEFAULT_TIMEOUT_S, needs_image: bool = False,
+                 probe_id: str | None = None) -> None:  # fmt: skip
+        self.step_name = step
+        self.backend = backend
+        self.timeout = timeout
+        self.needs_image = needs_image  # the stack builds an image: compute must run containers, serving pull it
+        self.probe_id = probe_id or uuid.uuid4().hex[:12]
+        self.rows: list[CheckRow] = []
+        self.current: str | None = None
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        self.closed = False  # set when the group ran out of time: later rows are dropped
+
+    @property
+    def left(self) -> float:
+        """Seconds left of the group's deadline (at least 1: a client timeout of 0 means none)."""
+        return max(1.0, self.timeout - (time.monotonic() - self._started))
+
+    def add(self, check: str, status: Status, detail: str = "", fix: str = "", seconds: float = 0.0) -> CheckRow:
+        row = CheckRow(step=self.step_name, backend=self.backend, check=check, status=status, detail=detail,
+                       fix=fix if status in ("failed", "warn") else "", seconds=round(seconds, 3))  # fmt: skip
+        with self._lock:
+            if not self.closed:
+                self.rows.append(row)
+        return row
+
+    def step(self, check: str, fn: Callable[[], Any], fix: str = "") -> bool:
+        """Run ``fn`` as the check ``check``; True when it passed (ok or warn)."""
+        self.current = check
+        started = time.monotonic()
+        try:
+            found = fn()
+        except CheckFailed as exc:
+            self.add(check, "failed", str(exc), exc.fix or fix, time.monotonic() - started)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a check reports every error as its row
+            self.add(check, "failed", _one_line(exc), fix, time.monotonic() - started)
+            return False
+        finally:
+            self.current = None
+        if isinstance(found, Warn):
+            self.add(check, "warn", found.detail, found.fix or fix, time.monotonic() - started)
+        else:
+            self.add(check, "ok", "" if found is None else str(found), "", time.monotonic() - started)
+        return True
+
+    def info(self, check: str, detail: str) -> None:
+        """A row that needs no call (what the block is set to do)."""
+        self.add(check, "ok", detail)
+
+    def skip(self, check: str, why: str) -> None:
+        self.add(check, "skipped", why)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())[:600]
+
+
+def tcp_reach(host: str, port: int, timeout: float) -> str:
+    """Open and close a TCP connection to ``host:port``; what answered, or an error naming the address."""
+    started = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        reason = "nothing listens there (connection refused)" if isinstance(exc, ConnectionRefusedError) else \
+            f"no answer within {timeout:.0f} s" if isinstance(exc, TimeoutError | socket.timeout) else str(exc)  # fmt: skip
+        raise CheckFailed(f"{host}:{port}: {reason}") from None
+    return f"{host}:{port} answers ({(time.monotonic() - started) * 1000:.0f} ms)"
+
+
+def writable_dir(path: str) -> str:
+    """The nearest existing directory of ``path`` is writable (nothing is created)."""
+    target = Path(path).expanduser()
+    existing = next((p for p in (target, *target.parents) if p.exists()), None)
+    if existing is None or not os.access(existing if existing.is_dir() else existing.parent, os.W_OK):
+        raise CheckFailed(f"{existing or target} is not writable")
+    return f"{target} ({'exists' if target.exists() else 'created on first use'})"
+
+
+def executable(name: str) -> str:
+    """The path of the program ``name`` (a path, or a name on PATH)."""
+    import shutil
+
+    found = shutil.which(name)
+    if found is None:
+        raise CheckFailed(f"{name}: no such executable here")
+    return found
+
+
+def backend_name(block: Any) -> str:
+    return type(block).__name__
+
+
+# ---- the whole stack, at once ------------------------------------------------------------------------
+
+
+def _group(probe: Probe, run: Callable[[Probe], Any]) -> threading.Thread:
+    def target() -> None:
+        try:
+            run(probe)
+        except Exception as exc:  # noqa: BLE001 - a check that crashed is a failed row, not a crashed command
+            probe.add(probe.current or "check", "failed", _one_line(exc), "this is a bug in the check: report it")
+
+    # The caller's context (Prefect's settings, e.g. its API URL) goes with the thread.
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(target,), name=f"check-{probe.step_name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def run_groups(groups: Iterable[tuple[Probe, Callable[[Probe], Any]]]) -> list[CheckRow]:
+    """Run each ``(probe, checks)`` group in a thread of its own; the rows, in the groups' order.
+
+    A group still running at its probe's deadline gets a failed row for the check it was on (or
+    "no answer within N s" after its last row), and whatever it records later is dropped.
+    """
+    groups = list(groups)
+    threads = [_group(probe, run) for probe, run in groups]
+    started = time.monotonic()
+    out: list[CheckRow] = []
+    for (probe, _), thread in zip(groups, threads):
+        thread.join(max(0.0, probe.timeout - (time.monotonic() - started)))
+        if thread.is_alive():
+            with probe._lock:
+                probe.closed = True
+                current = probe.current or "next check"
+                rows = list(probe.rows)
+            rows.append(CheckRow(
+                step=probe.step_name, backend=probe.backend, check=current, status="failed",
+                detail=f"no answer within {probe.timeout:.0f} s", seconds=round(probe.timeout, 3),
+                fix=f"{probe.backend} does not answer: is it up and reachable from here (firewall, VPN, address)? "
+                "`gpuferry check --timeout` waits longer",
+            ))  # fmt: skip
+        else:
+            rows = list(probe.rows)
+        out.extend(rows)
+    return out
+
+
+def _no_checks(probe: Probe) -> None:
+    probe.skip("checks", f"{probe.backend} has no checks of its own yet")
+
+
+STEPS = ("provider", "images", "compute", "storage", "tracking", "serving")
+
+
+def check_stack(stack: Stack, *, timeout: float = DEFAULT_TIMEOUT_S, prefect: bool = True,
+                work_pool: str | None = None) -> list[CheckRow]:  # fmt: skip
+    """Every backend of ``stack`` checked at once (and the Prefect server, its pool and a worker)."""
+    probe_id = uuid.uuid4().hex[:12]
+    needs_image = bool(stack.images.produces_image)
+    groups: list[tuple[Probe, Callable[[Probe], Any]]] = []
+    for step in STEPS:
+        block = getattr(stack, step)
+        probe = Probe(step, backend_name(block), timeout=timeout, needs_image=needs_image, probe_id=probe_id)
+        groups.append((probe, getattr(block, "self_check", _no_checks)))
+    if prefect:
+        probe = Probe("prefect", "Prefect server", timeout=timeout, probe_id=probe_id)
+        groups.append((probe, lambda p: check_prefect(p, work_pool)))
+    return run_groups(groups)
+
+
+# ---- the Prefect side ----------------------------------------------------------------------------------
+
+
+def check_prefect(probe: Probe, work_pool: str | None) -> None:
+    """The Prefect server the CLI talks to (PREFECT_API_URL), the work pool and an online worker on it."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        probe.add("server", "warn", "PREFECT_API_URL is not set: runs use a temporary local server",
+                  "for deployments, a UI and workers: `prefect config set PREFECT_API_URL=http://HOST:4200/api`")  # fmt: skip
+        return
+
+    def server() -> str:
+        try:
+            response = httpx.get(f"{api.rstrip('/')}/health", timeout=probe.left)
+        except httpx.HTTPError as exc:
+            raise CheckFailed(f"{api}: {_one_line(exc)}") from None
+        if response.status_code != 200:
+            raise CheckFailed(f"{api}/health answered HTTP {response.status_code}")
+        version = httpx.get(f"{api.rstrip('/')}/admin/version", timeout=probe.left).json()
+        return f"{api} (Prefect {version})"
+
+    if not probe.step("server", server, "start the Prefect server, or point PREFECT_API_URL at the one you use"):
+        return
+    if work_pool is None:
+        probe.skip("work pool", "no work pool given (--pool)")
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+
+        def pool() -> str:
+            try:
+                found = client.read_work_pool(work_pool)
+            except ObjectNotFound:
+                raise CheckFailed(
+                    f"the server has no work pool {work_pool!r}",
+                    f"create it: `prefect work-pool create {work_pool} --type process` (or pass --pool)",
+                ) from None
+            return f"{work_pool} ({found.type}{', paused' if found.is_paused else ''})"
+
+        if not probe.step("work pool", pool):
+            return
+
+        def worker() -> Any:
+            workers = client.read_workers_for_work_pool(work_pool)
+            online = [w.name for w in workers if str(getattr(w.status, "value", w.status)).upper() == "ONLINE"]
+            if not online:
+                raise CheckFailed(
+                    f"no worker of pool {work_pool!r} is online ({len(workers)} known, none polling)",
+                    f"start one where the flows should run: `python -m deployments.worker --pool {work_pool}` "
+                    f"(or `prefect worker start --pool {work_pool}`)",
+                )
+            return f"{len(online)} online: {', '.join(sorted(online)[:5])}"
+
+        probe.step("online worker", worker)

@@ -1,0 +1,245 @@
+"""The ``gpuferry`` command: stacks from a file, a check of every backend, runs, deployments and a new workload.
+
+    gpuferry init [DIR]                         a workload skeleton (gpuferry.yaml, train.py, requirements.txt)
+    gpuferry stack apply FILE [--dry-run]       save the stacks a file declares (only what changed)
+    gpuferry stack list | show NAME             the saved stacks (secrets masked)
+    gpuferry check [STACK] [--workload DIR]     contact every backend of the stack; one table, exit 1 on a failure
+    gpuferry deploy [--workload DIR]            register the deployments (each workload with its own form)
+    gpuferry run retrain|sweep|deploy ...       a run through its deployment (or --local), followed to its end
+
+The checks live in the blocks (``blocks/checks.py`` and each block's ``self_check``); this module renders
+them. Exit codes: 0 done, 1 a check or run failed, 2 bad input (the message names the field and the fix).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from blocks.errors import ConfigurationError, GpuferryError
+
+app = typer.Typer(name="gpuferry", help="From your training code to a served model: stacks, checks, runs.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)  # fmt: skip
+stack_app = typer.Typer(help="Stacks declared in a YAML file, saved as Prefect blocks.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
+
+# The work pool the deployments run on (prefect.yaml's); GPUFERRY_WORK_POOL or --pool chooses another.
+DEFAULT_POOL = "gpuferry"
+PoolOption = Annotated[str, typer.Option("--pool", envvar="GPUFERRY_WORK_POOL", help="Work pool of the deployments.")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def explained(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A command whose errors the blocks explain ends with the message (exit 2 for bad input, else 1), no
+    traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except GpuferryError as exc:
+            raise fail(str(exc), 2 if isinstance(exc, ConfigurationError) else 1) from None
+
+    return wrapper
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    # Piped output (CI, a test) gets wide lines instead of rich's 80 columns.
+    return Console(width=None if sys.stdout.isatty() else 220, highlight=False, soft_wrap=False)
+
+
+# ---- stack -----------------------------------------------------------------------------------------------
+
+
+@stack_app.command("apply")
+@explained
+def stack_apply(
+    file: Annotated[Path, typer.Argument(help="The stack file (YAML).")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; save nothing.")] = False,
+) -> None:
+    """Save each stack FILE declares, with its nested blocks; only a stack that changed is saved."""
+    from blocks.stack_file import apply, load_stack_file
+
+    results = apply(load_stack_file(file), dry_run=dry_run)
+    would = "would be " if dry_run else ""
+    for result in results:
+        if result.action == "unchanged":
+            typer.echo(f"{result.name}: unchanged")
+        elif result.action == "created":
+            typer.echo(f"{result.name}: {would}created")
+        else:
+            typer.echo(f"{result.name}: {would}updated ({len(result.changes)} change{'s' * (len(result.changes) != 1)})")
+            for change in result.changes:
+                typer.echo(f"  {change}")
+    if dry_run:
+        typer.echo("dry run: nothing saved")
+
+
+@stack_app.command("list")
+@explained
+def stack_list() -> None:
+    """The saved stacks and the backend of each step."""
+    from rich.table import Table
+
+    from blocks.stack import Stack
+    from blocks.stack_file import STEPS
+
+    names = Stack.saved_names()
+    if not names:
+        typer.echo("no saved stacks: `gpuferry stack apply FILE` saves the stacks a file declares")
+        return
+    table = Table("name", *STEPS)
+    for name in names:
+        stack = Stack.load(name)
+        table.add_row(name, *(type(getattr(stack, step)).__name__ for step in STEPS))
+    console().print(table)
+
+
+@stack_app.command("show")
+@explained
+def stack_show(name: Annotated[str, typer.Argument(help="A saved stack.")]) -> None:
+    """The saved stack NAME as a stack file declares it (fields not at their default; secrets masked)."""
+    from blocks.stack import Stack
+    from blocks.stack_file import describe
+
+    stack = Stack.named(name)
+    typer.echo(yaml.safe_dump({"stacks": {name: describe(stack)}}, sort_keys=False).rstrip())
+
+
+# ---- check -----------------------------------------------------------------------------------------------
+
+
+def resolve_stack(name: str | None, file: Path | None) -> tuple[str, Any]:
+    """(label, Stack) for ``check``: a stack of FILE, a saved one, or the embedded stack."""
+    from blocks.stack import Stack
+
+    if file is not None:
+        from blocks.stack_file import load_stack_file
+
+        stacks = load_stack_file(file)
+        if name is None and len(stacks) == 1:
+            name = next(iter(stacks))
+        if name not in stacks:
+            raise ConfigurationError(f"{file} declares {', '.join(stacks)}: name one of them")
+        return name, stacks[name]
+    if not name:
+        return "embedded", Stack.embedded()
+    return name, Stack.named(name)
+
+
+def workload_rows(stack: Any, source: str, timeout: float) -> list[Any]:
+    """The workload's file loads, and a run of it with its defaults is planned and checked against the stack
+    (every check that needs no outside call, as retrain does before it acquires anything)."""
+    from blocks.checks import Probe, run_groups
+    from blocks.plan import plan_run
+    from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
+    from blocks.workload import load_workload
+    from flows.retrain import preflight
+
+    def checks(probe: Probe) -> None:
+        found: list[Any] = []
+
+        def load() -> str:
+            found.append(load_workload(source))
+            work = found[0]
+            return f"{work.name} from {work.root} ({work.code.files} files, {len(work.definition.schema.names)} " \
+                "hyperparameters)"  # fmt: skip
+
+        if not probe.step("gpuferry.yaml", load, "fix what the message names in the workload's gpuferry.yaml"):
+            return
+
+        def plan() -> str:
+            run = plan_run(found[0], TrainingSpec(), ServingSpec(), PromotionPolicy())
+            preflight(stack, run)
+            return f"a run with the defaults fits the stack ({run.resources.nodes} node(s), " \
+                f"{run.resources.gpus_per_node} GPU(s) per node)"  # fmt: skip
+
+        probe.step("run plan", plan, "change the workload's resources or image, or the stack's backends")
+
+    return run_groups([(Probe("workload", Path(source).name or source, timeout=timeout), checks)])
+
+
+def render_rows(rows: list[Any]) -> None:
+    from rich.table import Table
+
+    marks = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "failed": "[red]FAILED[/]", "skipped": "[dim]skipped[/]"}
+    table = Table("step", "backend", "check", "status", "found", "fix", show_lines=False)
+    for row in rows:
+        table.add_row(row.step, row.backend, row.check, marks[row.status], row.detail, row.fix)
+    console().print(table)
+
+
+@app.command("check")
+@explained
+def check(
+    stack: Annotated[str | None, typer.Argument(help="A saved stack (none: the embedded stack).")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Check a stack of this file, unsaved.")] = None,
+    workload: Annotated[str | None, typer.Option("--workload", "-w", help="Also check this workload.")] = None,
+    pool: PoolOption = DEFAULT_POOL,
+    timeout: Annotated[float, typer.Option(help="Seconds each backend's checks may take.")] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON.")] = False,
+    prefect: Annotated[bool, typer.Option(help="Check the Prefect server, the pool and a worker.")] = True,
+) -> None:
+    """Contact every backend of STACK, all at once, and print what works, what does not, and the fix."""
+    from blocks.checks import check_stack
+
+    started = time.monotonic()
+    label, chosen = resolve_stack(stack, file)
+    rows = check_stack(chosen, timeout=timeout, prefect=prefect, work_pool=pool)
+    if workload is not None:
+        rows += workload_rows(chosen, workload, timeout)
+    seconds = time.monotonic() - started
+    failed = [r for r in rows if r.failed]
+    if as_json:
+        typer.echo(json.dumps({"stack": label, "ok": not failed, "seconds": round(seconds, 2),
+                               "rows": [r.model_dump() for r in rows]}, indent=2))  # fmt: skip
+    else:
+        render_rows(rows)
+        verdict = f"{len(failed)} check(s) failed" if failed else "all checks passed"
+        typer.echo(f"stack {label}: {verdict} ({len(rows)} checks in {seconds:.1f} s)")
+    if failed:
+        raise typer.Exit(1)
+
+
+# ---- the other commands ------------------------------------------------------------------------------------
+
+
+def _register() -> None:
+    from deployments import cli_run, skeleton
+
+    app.command("init")(explained(skeleton.init))
+    app.command("deploy")(explained(cli_run.deploy))
+    app.add_typer(cli_run.run_app, name="run")
+
+
+_register()
+
+
+def main() -> None:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Without PREFECT_API_URL, --local runs start a temporary server: give a busy machine time to start it.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    try:
+        app()
+    except GpuferryError as exc:  # a problem the blocks explain: say it, without a traceback
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2 if isinstance(exc, ConfigurationError) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""``gpuferry deploy`` (register the deployments) and ``gpuferry run`` (a run through its deployment, followed).
+
+``gpuferry deploy`` runs ``prefect deploy`` on this checkout's prefect.yaml, then gives each deployment of a
+workload that workload's own parameter form (``deployments/forms.py``). With ``--workload`` it registers, for
+each workload given, a ``retrain/<name>`` and a ``sweep/<name>`` deployment of that workload (nothing else),
+so a team's own models get their own deployments and forms.
+
+``gpuferry run retrain|sweep|deploy`` creates the run through the deployment on the server, prints the
+Prefect UI's link, follows its state and logs to the end, and prints the summary (MLflow run, model version,
+endpoint); ``--local`` runs the flow in this process instead. The stack is given by name and looked up first:
+a name no stack has is an error listing the saved ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from blocks.errors import ConfigurationError
+from deployments.cli import DEFAULT_POOL, PoolOption, explained, fail
+
+REPO = Path(__file__).resolve().parent.parent  # this checkout: prefect.yaml, the flows' entrypoints
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+run_app = typer.Typer(help="Start a run through its deployment (or --local) and follow it to its end.",
+                      no_args_is_help=True)  # fmt: skip
+
+
+# ---- gpuferry deploy ------------------------------------------------------------------------------------
+
+
+def workload_source(path_or_url: str) -> str:
+    """A workload as a deployment records it: a git URL as given, a local path made absolute."""
+    return path_or_url if path_or_url.startswith("git+") else str(Path(path_or_url).expanduser().resolve())
+
+
+def workload_deployments(config: dict[str, Any], sources: list[str], pool: str) -> list[dict[str, Any]]:
+    """A retrain and a sweep deployment of each workload, named after it, from prefect.yaml's entrypoints."""
+    from blocks.workload import load_workload
+
+    entry = {d["entrypoint"].rsplit(":", 1)[1]: d["entrypoint"] for d in config["deployments"]}
+    out = []
+    for source in sources:
+        work = load_workload(source)
+        for flow in ("retrain", "sweep"):
+            out.append({
+                "name": work.name, "entrypoint": entry[flow], "work_pool": {"name": pool},
+                "description": f"{flow.capitalize()} {work.name} ({source}) on the stack given in `stack`.",
+                "parameters": {"workload": source, "stack": None},
+            })  # fmt: skip
+    return out
+
+
+def ensure_pool(pool: str) -> None:
+    """Create the work pool (a process pool, as prefect.yaml's) when the server has none by that name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+            return
+        except ObjectNotFound:
+            pass
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                               base_job_template=ProcessWorker.get_default_base_job_template()))
+    typer.echo(f"created work pool {pool} (process): start a worker on it, `python -m deployments.worker --pool {pool}`")
+
+
+def register(sources: list[str], pool: str) -> list[str]:
+    """``prefect deploy`` of prefect.yaml's deployments (none given) or of the given workloads' own, on ``pool``
+    (created when missing); the names registered (``flow/name``)."""
+    ensure_pool(pool)
+    config = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    if sources:
+        config["deployments"] = workload_deployments(config, sources, pool)
+    else:
+        for deployment in config["deployments"]:
+            deployment["work_pool"] = {**deployment.get("work_pool", {}), "name": pool}
+    with tempfile.TemporaryDirectory(prefix="gpuferry-deploy-") as tmp:
+        prefect_file = Path(tmp) / "prefect.yaml"
+        prefect_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                               str(prefect_file)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    if done.returncode != 0:
+        raise ConfigurationError(f"prefect deploy failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return [f"{_flow_of(d['entrypoint'])}/{d['name']}" for d in config["deployments"]]
+
+
+def _flow_of(entrypoint: str) -> str:
+    """The name of the flow at ``flows/retrain.py:retrain`` (its @flow's)."""
+    import importlib
+
+    path, _, function = entrypoint.partition(":")
+    return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), function).name
+
+
+def deploy(
+    workload: Annotated[list[str] | None, typer.Option("--workload", "-w", help="Register this workload's own "
+                        "retrain and sweep deployments (a path or git+URL@REF#subdirectory=PATH); repeatable.")] = None,
+    pool: PoolOption = DEFAULT_POOL,
+) -> None:
+    """Register the deployments with the Prefect server, each workload's with its own parameter form."""
+    from deployments.forms import apply_forms
+
+    sources = [workload_source(w) for w in workload or []]
+    names = register(sources, pool)
+    if sources:
+        formed = apply_forms([n for n in names if n.split("/")[0] in ("retrain", "sweep")])
+    else:
+        with contextlib.chdir(REPO):  # prefect.yaml's workloads are paths relative to the checkout
+            formed = apply_forms()
+    typer.echo(f"registered on work pool {pool}: {', '.join(names)}")
+    typer.echo(f"with their workload's form: {', '.join(formed) or 'none'}")
+
+
+# ---- gpuferry run -------------------------------------------------------------------------------------
+
+
+def parse_assignments(items: list[str] | None, option: str) -> dict[str, Any]:
+    """``NAME=VALUE`` items (VALUE as JSON when it parses, else a string) → {NAME: VALUE}."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigurationError(f"{option} {item!r}: write NAME=VALUE")
+        try:
+            out[name.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name.strip()] = raw
+    return out
+
+
+def nested(assignments: dict[str, Any]) -> dict[str, Any]:
+    """``{"training.resources.gpus_per_node": 1}`` → ``{"training": {"resources": {"gpus_per_node": 1}}}``."""
+    out: dict[str, Any] = {}
+    for dotted, value in assignments.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def check_stack_name(stack: str | None) -> None:
+    """A stack given by name must be saved (the error lists the saved ones)."""
+    if stack:
+        from blocks.stack import Stack
+
+        Stack.named(stack)
+
+
+def ui_link(flow_run_id: Any) -> str:
+    from prefect.settings import PREFECT_UI_URL
+
+    base = PREFECT_UI_URL.value()
+    return f"{base.rstrip('/')}/runs/flow-run/{flow_run_id}" if base else f"flow run {flow_run_id} (no PREFECT_UI_URL)"
+
+
+def follow(flow_run_id: Any, poll: float = 1.0) -> Any:
+    """Print the run's state changes and logs until it ends; the final flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    seen = 0
+    last_state = None
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            state = run.state.name if run.state else "?"
+            if state != last_state:
+                typer.echo(f"-- {datetime.now(timezone.utc):%H:%M:%S} {run.name}: {state}")
+                last_state = state
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), offset=seen,
+                                    sort=LogSort.TIMESTAMP_ASC, limit=200)  # fmt: skip
+            for log in logs:
+                typer.echo(f"{log.timestamp:%H:%M:%S} {_level(log.level)} {log.message}")
+            seen += len(logs)
+            if run.state and run.state.type.value in FINAL and len(logs) < 200:
+                return run
+            time.sleep(poll)
+
+
+def _level(number: int) -> str:
+    import logging
+
+    return logging.getLevelName(number)
+
+
+def summary(flow_run_id: Any) -> list[str]:
+    """The run's summary artifact (retrain, sweep) as ``key: value`` lines."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))  # fmt: skip
+    lines = []
+    for artifact in artifacts:
+        if artifact.key == "retrain-summary" and isinstance(artifact.data, str):
+            for row in artifact.data.splitlines():
+                cells = [c.strip().strip("`") for c in row.strip().strip("|").split("|")]
+                if len(cells) == 2 and cells[0] and not set(cells[0]) <= {"-"}:
+                    lines.append(f"{cells[0]}: {cells[1]}")
+    return lines
+
+
+def deployment_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            return False
+    return True
+
+
+def start(flow: str, deployment: str | None, default_name: str, parameters: dict[str, Any], *, local: bool,
+          follow_run: bool, pool: str = DEFAULT_POOL) -> None:  # fmt: skip
+    """Run ``flow`` with ``parameters``: through the deployment (``flow/name``), or in this process.
+
+    Without ``deployment``, the workload's own (``flow/<workload name>``) is used, and registered first (with
+    its form, on ``pool``) when the server does not have it yet."""
+    if local:
+        run_local(flow, parameters)
+        return
+    from prefect.deployments import run_deployment
+
+    name = deployment or f"{flow}/{default_name}"
+    if "/" not in name:
+        name = f"{flow}/{name}"
+    if not deployment_exists(name):
+        if deployment is not None or "workload" not in parameters:
+            raise ConfigurationError(f"no deployment {name!r} on the server: register it (`gpuferry deploy`), or "
+                                     "name another with --deployment")  # fmt: skip
+        from deployments.forms import apply_forms
+
+        names = register([parameters["workload"]], pool)
+        apply_forms(names)
+        typer.echo(f"registered {', '.join(names)} on work pool {pool} (`gpuferry deploy --workload` refreshes them)")
+    run = run_deployment(name, parameters=parameters, timeout=0)
+    typer.echo(f"{run.name}: {ui_link(run.id)}")
+    if not follow_run:
+        return
+    final = follow(run.id)
+    for line in summary(run.id):
+        typer.echo(line)
+    typer.echo(f"{final.name}: {final.state.name if final.state else '?'} — {ui_link(final.id)}")
+    if not (final.state and final.state.is_completed()):
+        raise typer.Exit(1)
+
+
+def run_local(flow: str, parameters: dict[str, Any]) -> None:
+    """The flow in this process (its run still goes to PREFECT_API_URL's server when one is set)."""
+    from flows.deploy_model import deploy_model
+    from flows.retrain import retrain
+    from flows.sweep import sweep
+
+    fn = {"retrain": retrain, "sweep": sweep, "deploy-model": deploy_model}[flow]
+    state = fn(**parameters, return_state=True)
+    typer.echo(f"{flow}: {ui_link(state.state_details.flow_run_id)}")
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        raise fail(f"{flow} failed: {result}", 1)
+    from blocks.specs import Endpoint, PipelineResult, SweepResult
+
+    if isinstance(result, SweepResult | PipelineResult):
+        pipeline = result.pipeline if isinstance(result, SweepResult) else result
+        version = pipeline.model_version
+        typer.echo(f"MLflow run: {pipeline.run_url}")
+        typer.echo(f"model version: {version.name} v{version.version} ({version.metric}={version.value:.4g}, "
+                   f"{'promoted' if version.promoted else 'not promoted'})")  # fmt: skip
+        result = pipeline.endpoint
+    typer.echo(f"endpoint: {result.url if isinstance(result, Endpoint) else 'not deployed'}")
+
+
+WorkloadOption = Annotated[str, typer.Option("--workload", "-w", help="The workload (a directory with gpuferry.yaml, "
+                                             "or git+URL@REF#subdirectory=PATH).")]  # fmt: skip
+StackOption = Annotated[str | None, typer.Option("--stack", "-s", help="A saved stack (none: embedded).")]
+DeploymentOption = Annotated[str | None, typer.Option("--deployment", "-d", help="flow/name of the deployment "
+                             "(default: the workload's own, from `gpuferry deploy --workload`).")]  # fmt: skip
+LocalOption = Annotated[bool, typer.Option("--local", help="Run in this process, not through the deployment.")]
+FollowOption = Annotated[bool, typer.Option("--follow/--no-follow", help="Follow the run to its end.")]
+HpOption = Annotated[list[str] | None, typer.Option("--hp", help="A hyperparameter, NAME=VALUE (JSON); repeatable.")]
+ParamOption = Annotated[list[str] | None, typer.Option("--param", "-p", help="Any flow parameter, dotted.path=VALUE "
+                        "(JSON), e.g. training.resources.gpus_per_node=1; repeatable.")]  # fmt: skip
+
+
+def _training_parameters(workload: str, stack: str | None, hp: list[str] | None, param: list[str] | None,
+                         force_deploy: bool) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    from blocks.workload import load_workload
+
+    check_stack_name(stack)
+    source = workload_source(workload)
+    name = load_workload(source).name
+    parameters: dict[str, Any] = {"workload": source, "stack": stack or None}
+    if hp:
+        parameters["training"] = {"hyperparameters": parse_assignments(hp, "--hp")}
+    if force_deploy:
+        parameters["force_deploy"] = True
+    return name, merge(parameters, nested(parse_assignments(param, "--param")))
+
+
+@run_app.command("retrain")
+@explained
+def run_retrain(workload: WorkloadOption = ".", stack: StackOption = None, deployment: DeploymentOption = None,
+                hp: HpOption = None, param: ParamOption = None, local: LocalOption = False,
+                follow_run: FollowOption = True, pool: PoolOption = DEFAULT_POOL,
+                force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False) -> None:
+    """Train the workload on the stack, register the model, and serve it when it beats the champion."""
+    name, parameters = _training_parameters(workload, stack, hp, param, force_deploy)
+    start("retrain", deployment, name, parameters, local=local, follow_run=follow_run, pool=pool)
+
+
+@run_app.command("sweep")
+@explained
+def run_sweep(workload: WorkloadOption = ".", stack: StackOption = None, deployment: DeploymentOption = None,
+              grid: Annotated[list[str] | None, typer.Option("--grid", "-g", help="NAME=V1,V2,... (JSON values); "
+                                                             "repeatable: the grid is their product.")] = None,
+              hp: HpOption = None, param: ParamOption = None, local: LocalOption = False,
+              follow_run: FollowOption = True, pool: PoolOption = DEFAULT_POOL,
+              parallelism: Annotated[int | None, typer.Option(help="Configurations running at once.")] = None,
+              force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False) -> None:
+    """Train every configuration of the grid as one job array and ship the best one."""
+    name, parameters = _training_parameters(workload, stack, hp, param, force_deploy)
+    values = {}
+    for item in grid or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigurationError(f"--grid {item!r}: write NAME=V1,V2,...")
+        values[key.strip()] = grid_values(raw)
+    if not values:
+        raise fail("a sweep needs a grid: --grid NAME=V1,V2 (repeatable)")
+    parameters["grid"] = {"values": values}
+    if parallelism is not None:
+        parameters["parallelism"] = parallelism
+    start("sweep", deployment, name, parameters, local=local, follow_run=follow_run, pool=pool)
+
+
+def grid_values(raw: str) -> list[Any]:
+    """``0.1,0.3`` or ``[0.1, 0.3]`` → [0.1, 0.3]; a value that is not JSON stays a string."""
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, list):
+        return parsed
+    out: list[Any] = []
+    for part in raw.split(","):
+        try:
+            out.append(json.loads(part))
+        except json.JSONDecodeError:
+            out.append(part.strip())
+    return out
+
+
+@run_app.command("deploy")
+@explained
+def run_deploy(model: Annotated[str, typer.Option("--model", "-m", help="The registered model.")],
+               version: Annotated[str | None, typer.Option(help="The version (default: the alias's).")] = None,
+               alias: Annotated[str, typer.Option(help="The alias used when no version is given.")] = "champion",
+               stack: StackOption = None, local: LocalOption = False, follow_run: FollowOption = True,
+               deployment: Annotated[str, typer.Option("--deployment", "-d", help="flow/name of the deployment.")]
+               = "deploy-model/on-champion") -> None:  # fmt: skip
+    """Serve a registered model version on the stack's serving backend."""
+    check_stack_name(stack)
+    parameters = {"model_name": model, "version": version, "alias": alias, "stack": stack or None}
+    start("deploy-model", deployment, "on-champion", parameters, local=local, follow_run=follow_run)
+    if follow_run and not local:
+        from flows.retrain import load_stack
+
+        tracking = load_stack(stack).tracking
+        resolved, _ = tracking.resolve_version(model, version, None if version else alias)
+        tags = tracking.version_tags(model, resolved)
+        typer.echo(f"model version: {model} v{resolved}: {tags.get('deploy.status', 'no deploy recorded')}, "
+                   f"endpoint {tags.get('deploy.endpoint', '-')}")  # fmt: skip

@@ -1,0 +1,264 @@
+"""`gpuferry check` against the local stacks: all green, then each backend made unreachable in turn.
+
+The shared stacks are never stopped: a backend is "down" by pointing its block at a port where nothing
+listens (what a stopped server looks like from here), or at a listener of this test's own that accepts and
+never answers (a hung server, which only the deadline ends). The failed row names the check and the fix, and
+every other backend's rows stay ok.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from blocks._proc import free_port
+from blocks.checks import PROBE_PREFIX, CheckRow, check_stack
+from blocks.s3 import S3CheckpointStore
+from blocks.stack_file import read_stack_file
+from deployments import skeleton
+from tests.stack_files import S3_SECRET_ENV, local_stack, write
+from tests.stacks import stack_env
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+GREEN = ("ok",)
+
+
+@pytest.fixture(scope="module")
+def steps(s3_store: S3CheckpointStore) -> Iterator[dict[str, Any]]:
+    """The local stack's steps (a bucket of this module's own), with the S3 secret in the environment."""
+    secret = stack_env("s3")["AWS_SECRET_ACCESS_KEY"]
+    old = os.environ.get(S3_SECRET_ENV)
+    os.environ[S3_SECRET_ENV] = secret
+    yield local_stack(s3_store.bucket.bucket_name)
+    if old is None:
+        os.environ.pop(S3_SECRET_ENV, None)
+    else:
+        os.environ[S3_SECRET_ENV] = old
+
+
+@pytest.fixture(scope="module")
+def prefect_api() -> Iterator[str]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    url = stack_env("prefect")["PREFECT_API_URL"]
+    with temporary_settings({PREFECT_API_URL: url}):
+        yield url
+
+
+def checked(steps: dict[str, Any], tmp_path: Path, timeout: float = 15.0, **kwargs: Any) -> list[CheckRow]:
+    path = write(tmp_path / "stack.yaml", {"local": steps})
+    stack = read_stack_file(path.read_text(), str(path), tmp_path)["local"]
+    return check_stack(stack, timeout=timeout, **kwargs)
+
+
+def by_step(rows: list[CheckRow]) -> dict[str, list[CheckRow]]:
+    out: dict[str, list[CheckRow]] = {}
+    for row in rows:
+        out.setdefault(row.step, []).append(row)
+    return out
+
+
+def table(rows: list[CheckRow]) -> str:
+    return "\n".join(f"{r.step} {r.check}: {r.status} {r.detail} | {r.fix}" for r in rows)
+
+
+def test_the_check_command_is_all_green_on_the_local_stacks(steps: dict[str, Any], tmp_path: Path) -> None:
+    path = write(tmp_path / "stack.yaml", {"local": steps})
+    skeleton.write(tmp_path / "house-prices")
+    env = {**os.environ, "PREFECT_API_URL": stack_env("prefect")["PREFECT_API_URL"]}
+    started = time.monotonic()
+    done = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "check", "-f", str(path), "--json", "--workload",
+                           str(tmp_path / "house-prices")], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    wall = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    rows = [CheckRow(**r) for r in report["rows"]]
+    assert report["ok"] is True
+    assert [r for r in rows if r.status not in GREEN] == [], table(rows)
+    checks = {(r.step, r.check) for r in rows}
+    assert {("compute", "SSH host key"), ("compute", "SSH login"), ("compute", "Slurm version"),
+            ("compute", "partitions"), ("compute", "GPUs (gres)"), ("compute", "account/QoS"),
+            ("compute", "container runtime"), ("storage", "put, get, delete"), ("tracking", "registry"),
+            ("tracking", "webhooks"), ("images", "registry login"), ("images", "push permission"),
+            ("serving", "RBAC"), ("serving", "GPU nodes"), ("prefect", "online worker"),
+            ("workload", "run plan")} <= checks  # fmt: skip
+    print(f"gpuferry check: {wall:.1f} s wall, {report['seconds']} s after start-up, {len(rows)} checks")
+
+
+def test_the_checks_leave_nothing_behind(steps: dict[str, Any], tmp_path: Path, s3_store: S3CheckpointStore) -> None:
+    rows = checked(steps, tmp_path, prefect=False)
+    assert not [r for r in rows if r.failed], table(rows)
+    client = s3_store.bucket.credentials.get_s3_client()
+    listed = client.list_objects_v2(Bucket=s3_store.bucket.bucket_name).get("Contents", [])
+    assert [o["Key"] for o in listed if PROBE_PREFIX in o["Key"]] == []
+    registry = stack_env("registry")
+    catalog = httpx.get(f"http://{registry['REGISTRY_URL']}/v2/_catalog", timeout=30, auth=(
+        registry["REGISTRY_USER"], Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip())).json()  # fmt: skip
+    assert steps["images"]["repository"] not in catalog.get("repositories", [])  # the upload was cancelled
+
+
+def _kubeconfig_at(path: Path, server: str) -> str:
+    config = yaml.safe_load(Path(stack_env("k8s")["KUBECONFIG"]).read_text())
+    for cluster in config["clusters"]:
+        cluster["cluster"]["server"] = server
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _other_key(tmp: Path) -> str:
+    """A known_hosts line for the login node's address with a key it does not have."""
+    import paramiko
+
+    env = stack_env("slurm")
+    path = tmp / "known_hosts"
+    key = paramiko.Ed25519Key.from_private_key_file(env["SLURM_SSH_KEY"])  # any ed25519 key but the host's
+    path.write_text(f"[{env['SLURM_SSH_HOST']}]:{env['SLURM_SSH_PORT']} ssh-ed25519 {key.get_base64()}\n")
+    return str(path)
+
+
+def _down(tmp: Path) -> dict[str, Callable[[dict[str, Any]], tuple[str, str, str, str]]]:
+    """Case → a change to the steps, and the (step, check, what the detail says, what the fix says)."""
+    port = free_port()
+
+    def slurm(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["port"] = port
+        return "compute", "SSH reach", "nothing listens there", "check host and port"
+
+    def host_key(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["known_hosts"] = {"file": _other_key(tmp)}
+        return "compute", "SSH host key", "CHANGED", "ssh-keyscan -p"
+
+    def partition(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["partition"] = "gpu-a100"
+        return "compute", "partitions", "partition 'gpu-a100' does not exist", "set partition to one of: debug"
+
+    def s3(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["storage"]["bucket"]["credentials"]["aws_client_parameters"]["endpoint_url"] = f"http://127.0.0.1:{port}"
+        return "storage", "reach", "nothing listens there", "start the S3 server"
+
+    def bucket(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["storage"]["bucket"]["bucket_name"] = "gpuferry-no-such-bucket"
+        return "storage", "bucket", "does not exist", "aws s3 mb s3://gpuferry-no-such-bucket"
+
+    def mlflow(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["tracking"]["tracking_uri"] = f"http://127.0.0.1:{port}"
+        return "tracking", "reach", "nothing listens there", "start the MLflow server"
+
+    def registry(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["images"]["credentials"]["registry_url"] = f"http://127.0.0.1:{port}"
+        return "images", "reach", "nothing listens there", "start the registry"
+
+    def password(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        (tmp / "wrong-password").write_text("not-the-password\n")
+        s["images"]["credentials"]["password"] = {"file": str(tmp / "wrong-password")}
+        return "images", "registry login", "refused the credentials", "fix credentials.username / credentials.password"
+
+    def engine(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["images"]["docker_host"]["base_url"] = f"unix://{tmp}/no-such.sock"
+        return "images", "engine", "", "start the engine"
+
+    def kubernetes(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["serving"]["kubeconfig"] = {"file": _kubeconfig_at(tmp / "kubeconfig", f"https://127.0.0.1:{port}")}
+        return "serving", "reach", "", "start the API server"
+
+    def namespace(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["serving"]["namespace"] = "gpuferry-no-such-namespace"
+        return "serving", "namespace", "does not exist", "kubectl create namespace gpuferry-no-such-namespace"
+
+    return {f.__name__: f for f in (slurm, host_key, partition, s3, bucket, mlflow, registry, password, engine,
+                                    kubernetes, namespace)}  # fmt: skip
+
+
+CASES = ["slurm", "host_key", "partition", "s3", "bucket", "mlflow", "registry", "password", "engine", "kubernetes",
+         "namespace"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_backend_down_fails_its_row_with_the_fix_and_the_others_stay_ok(
+    case: str, steps: dict[str, Any], tmp_path: Path
+) -> None:
+    changed = copy.deepcopy(steps)
+    step, check, detail, fix = _down(tmp_path)[case](changed)
+    rows = checked(changed, tmp_path, prefect=False)
+    failed = [r for r in rows if r.failed]
+    assert [(r.step, r.check) for r in failed] == [(step, check)], table(rows)
+    assert detail in failed[0].detail and fix in failed[0].fix, table(failed)
+    assert [r for r in rows if r.step != step and r.status not in GREEN] == [], table(rows)
+
+
+def test_the_prefect_server_down_fails_its_row(steps: dict[str, Any], tmp_path: Path) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        rows = checked(steps, tmp_path, work_pool="gpuferry")
+    failed = [r for r in rows if r.failed]
+    assert [(r.step, r.check) for r in failed] == [("prefect", "server")], table(rows)
+    assert "PREFECT_API_URL" in failed[0].fix
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_missing_work_pool_names_the_command_that_creates_it(steps: dict[str, Any], tmp_path: Path) -> None:
+    rows = checked(steps, tmp_path, work_pool="gpuferry-no-such-pool")
+    failed = [r for r in rows if r.failed]
+    assert [(r.step, r.check) for r in failed] == [("prefect", "work pool")], table(rows)
+    assert "prefect work-pool create gpuferry-no-such-pool" in failed[0].fix
+
+
+class Silent:
+    """A TCP listener that accepts connections and never answers: a hung server."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.held.append(self.server.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.server.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_backend_that_hangs_fails_within_its_timeout_and_holds_up_no_other(
+    steps: dict[str, Any], tmp_path: Path
+) -> None:
+    silent = Silent()
+    try:
+        changed = copy.deepcopy(steps)
+        changed["compute"]["port"] = silent.port
+        changed["storage"]["bucket"]["credentials"]["aws_client_parameters"]["endpoint_url"] = \
+            f"http://127.0.0.1:{silent.port}"  # fmt: skip
+        started = time.monotonic()
+        rows = checked(changed, tmp_path, timeout=4.0, prefect=False)
+        elapsed = time.monotonic() - started
+    finally:
+        silent.close()
+    failed = {(r.step, r.check): r for r in rows if r.failed}
+    assert set(failed) == {("compute", "SSH host key"), ("storage", "bucket")}, table(rows)
+    for row in failed.values():
+        assert "within 4 s" in row.detail or "timed out" in row.detail.lower() or "timeout" in row.detail.lower(), \
+            table(rows)  # fmt: skip
+    assert [r for r in rows if r.step not in ("compute", "storage") and r.status not in GREEN] == [], table(rows)
+    # The deadline is the behaviour under test: 4 s per backend, all at once (generous slack for a busy machine).
+    assert elapsed < 4.0 + 20.0, f"{elapsed:.1f} s"

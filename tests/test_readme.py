@@ -1,0 +1,191 @@
+"""README "Run it on your own cluster", run as written: its commands and its stack file, on the local stacks.
+
+The commands are taken from the README's code block and run one by one with bash; the stack file is the
+README's YAML block. Only the example's site values are replaced, each by a literal that must be in the
+README (so a changed README fails here instead of silently skipping a replacement): hosts, ports, paths,
+user, partition and account, the bucket, namespace, stack and workload names of this test (unique per run on
+the shared servers), and what this machine's Slurm nodes need on top of a site's (SLURM_CONF, podman's own
+config files for the plain-HTTP registry, stand-in GPUs as CUDA_VISIBLE_DEVICES). The pods reach the
+loopback-only S3 stack through a relay inside the k8s node (``s3_for_pods`` in conftest.py), and the node
+pulls with the namespace's image pull secret (``k8s_namespace``). The first line (git clone, make
+venv, activate) is not run: there is no network; the commands run in this checkout with its .venv/bin on
+PATH, which is what activating does. The run without --local goes through a worker of this checkout on a
+work pool of the test's own (GPUFERRY_WORK_POOL), as the shared pool's worker runs another checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from blocks.s3 import S3CheckpointStore
+from tests import private_worker
+from tests.k8s_node import ready_pods
+from tests.stacks import stack_env
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+SECTION = "## Run it on your own cluster"
+
+
+def readme_blocks() -> tuple[list[str], str]:
+    """The section's commands (one per line of its sh block) and its stack file (its yaml block)."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(SECTION):]
+    section = section[: section.index("\n## ", len(SECTION))]
+    sh = re.search(r"```sh\n(.*?)```", section, re.S)
+    stack_file = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert sh and stack_file, "the section has lost its sh or yaml block"
+    return [line for line in sh.group(1).splitlines() if line.strip()], stack_file.group(1)
+
+
+def substitute(text: str, values: list[tuple[str, str]]) -> str:
+    for old, new in values:
+        assert old in text, f"the README no longer has {old!r}: update this test's replacements with it"
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.fixture
+def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
+          s3_for_pods: dict[str, str]) -> Iterator[dict[str, Any]]:
+    uid = uuid.uuid4().hex[:8]
+    slurm, registry, s3, mlflow, k8s, prefect = (stack_env(n) for n in
+                                                 ("slurm", "registry", "s3", "mlflow", "k8s", "prefect"))  # fmt: skip
+    workdir = Path(slurm["SLURM_SHARED_DIR"]) / f"readme-{uid}"
+    stack, workload = f"readme-{uid}", f"house-prices-{uid}"
+    local_slurm = "\n".join([
+        f"host: {slurm['SLURM_SSH_HOST']}", f"      port: {slurm['SLURM_SSH_PORT']}",
+        f"      slurm_conf: {slurm['SLURM_CONF']}", "      podman_gpu_mode: env",
+        "      container_runtime_env: " + yaml.safe_dump({k: registry[k] for k in (
+            "CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")}, default_flow_style=True).strip(),
+    ])  # fmt: skip
+    file_values = [
+        ("unix:///run/podman/podman.sock", registry["DOCKER_HOST"]),
+        ("registry.example.org/mirror/python:3.11-slim", registry["BASE_IMAGE"]),
+        ("registry_url: registry.example.org", f"registry_url: 'http://{registry['REGISTRY_URL']}'"),
+        ("username: ci", f"username: {registry['REGISTRY_USER']}"),
+        ("repository: team/house-prices", "repository: gpuferry-test/readme"),
+        ("host: login.hpc.example.org", local_slurm),
+        ("user: alice", f"user: {slurm['SLURM_SSH_USER']}"),
+        ("~/.ssh/id_ed25519", slurm["SLURM_SSH_KEY"]), ("~/.ssh/known_hosts", slurm["SLURM_KNOWN_HOSTS"]),
+        ("partition: gpu", f"partition: {slurm['SLURM_PARTITION']}"), ("account: ml-team", f"account: {slurm['SLURM_ACCOUNT']}"),
+        ("/shared/gpuferry", str(workdir)),
+        ("bucket_name: models", f"bucket_name: {s3_store.bucket.bucket_name}"),
+        ("region_name: us-east-1", f"region_name: {s3['AWS_DEFAULT_REGION']}"),
+        ("https://s3.example.org", s3["S3_ENDPOINT_URL"]),
+        ("https://mlflow.example.org", mlflow["MLFLOW_TRACKING_URI"]),
+        ("~/.kube/config", k8s["KUBECONFIG"]),
+        ("namespace: models", f"namespace: {k8s_namespace}"),
+        ("cluster_name: hpc", f"cluster_name: {stack}"), ("  hpc:", f"  {stack}:"),
+    ]  # fmt: skip
+    command_values = [
+        ("house-prices", workload), ("-n models", f"-n {k8s_namespace}"),
+        ("https://s3.example.org", s3_for_pods["AWS_ENDPOINT_URL"]),
+        ("AWS_DEFAULT_REGION=us-east-1", f"AWS_DEFAULT_REGION={s3['AWS_DEFAULT_REGION']}"),
+        ("check hpc ", f"check {stack} "), ("--stack hpc", f"--stack {stack}"),
+    ]  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").symlink_to(k8s["K8S_KUBECTL"])
+    pool = f"gpuferry-readme-{uid}"
+    env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), str(REPO / ".venv/bin"), os.environ["PATH"]]),
+           "KUBECONFIG": k8s["KUBECONFIG"], "PREFECT_API_URL": prefect["PREFECT_API_URL"],
+           "PREFECT_UI_URL": prefect["PREFECT_UI_URL"], "GPUFERRY_WORK_POOL": pool,
+           "GPUFERRY_HOME": str(tmp_path / "home"),
+           "REGISTRY_PASSWORD": Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
+           "AWS_ACCESS_KEY_ID": s3["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": s3["AWS_SECRET_ACCESS_KEY"]}  # fmt: skip
+    env.pop("PREFECT_HOME", None)
+    worker = private_worker.start_worker(
+        pool, f"readme-{uid}", private_worker.worker_env(prefect["PREFECT_API_URL"], tmp_path / "worker-home"),
+        tmp_path / "worker.log",
+    )  # fmt: skip
+    try:
+        yield {"tmp": tmp_path, "env": env, "file_values": file_values, "command_values": command_values,
+               "stack": stack, "workload": workload, "namespace": k8s_namespace, "mlflow": mlflow["MLFLOW_TRACKING_URI"],
+               "kubeconfig": k8s["KUBECONFIG"]}  # fmt: skip
+    finally:
+        private_worker.stop(worker)
+        print((tmp_path / "worker.log").read_text()[-5000:])
+        private_worker.remove(prefect["PREFECT_API_URL"], [f"retrain/{workload}", f"sweep/{workload}"], pool)
+        _forget(prefect["PREFECT_API_URL"], stack, mlflow["MLFLOW_TRACKING_URI"], workload)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _forget(api_url: str, stack: str, tracking_uri: str, model: str) -> None:
+    """The shared servers keep nothing of this test: its Stack block and its registered model."""
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import SyncPrefectClient
+
+    with SyncPrefectClient(api_url) as client:
+        try:
+            doc = client.read_block_document_by_name(stack, block_type_slug="gpuferry-stack")
+            client.delete_block_document(doc.id)
+        except Exception as exc:  # noqa: BLE001 - best effort
+            print(f"cleanup: stack {stack}: {exc}")
+    try:
+        MlflowClient(tracking_uri).delete_registered_model(model)
+    except Exception as exc:  # noqa: BLE001
+        print(f"cleanup: model {model}: {exc}")
+
+
+def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(world: dict[str, Any]) -> None:
+    commands, stack_file = readme_blocks()
+    assert commands[0].startswith("git clone ") and commands[0].endswith(". .venv/bin/activate")
+    (world["tmp"] / "stack.yaml").write_text(substitute(stack_file, world["file_values"]))
+    for old, _ in world["command_values"]:
+        assert any(old in c for c in commands), f"the README's commands no longer have {old!r}: update this test"
+    outputs = []
+    for command in commands[1:]:
+        line = command
+        for old, new in world["command_values"]:
+            line = line.replace(old, new)
+        done = subprocess.run(["bash", "-c", line], cwd=world["tmp"], env=world["env"], capture_output=True,
+                              text=True, timeout=1800)  # fmt: skip
+        out = done.stdout + done.stderr
+        print(f"$ {line}\n{out[-4000:]}")
+        assert done.returncode == 0, f"{line}\n{out[-6000:]}"
+        outputs.append(out)
+    init, apply, secret, check, local, deployed = outputs
+    stack, model, ns = world["stack"], world["workload"], world["namespace"]
+    assert "wrote " in init and (world["tmp"] / model / "gpuferry.yaml").is_file()
+    assert f"{stack}: created" in apply
+    assert "all checks passed" in check
+    assert "secret/model-store created" in secret
+    assert f"model version: {model} v1 (val_rmse=" in local and "promoted" in local
+    assert f"endpoint: http://{model}.{ns}.svc.cluster.local:80" in local
+    assert f"registered retrain/{model}, sweep/{model}" in deployed  # the first run through a deployment
+    assert "promoted: yes" in deployed and f"endpoint: http://{model}.{ns}.svc.cluster.local:80" in deployed
+    assert re.search(r": Completed — http://\S+/runs/flow-run/", deployed)
+
+    # Version 2 serves on Kubernetes: its pod loaded the checkpoint from S3 and answers the model's input example.
+    from mlflow import MlflowClient
+    from pydantic import SecretStr
+
+    from blocks import k8s_manifests as m
+    from blocks.kubernetes import KubernetesCluster
+
+    client = MlflowClient(world["mlflow"])
+    assert client.get_model_version_by_alias(model, "champion").version == "2"
+    block = KubernetesCluster(kubeconfig=SecretStr(Path(world["kubeconfig"]).read_text()), namespace=ns)
+    dep = block._api().get(f"/apis/apps/v1/namespaces/{ns}/deployments/{model}")
+    assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "2"
+    (pod,) = ready_pods(block, model)
+    status, ready = block.pod_request(pod["metadata"]["name"], "/readyz")
+    assert status == 200
+    assert ready["model"]["checkpoint_sha256"] == client.get_model_version(model, "2").tags["checkpoint_sha256"]
+    columns = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]
+    status, answer = block.pod_request(pod["metadata"]["name"], "/invocations",
+                                       {"dataframe_split": {"columns": columns, "data": [[0.0] * 10]}})  # fmt: skip
+    assert status == 200 and len(answer["predictions"]) == 1
+    block.undeploy(model)
