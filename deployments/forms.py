@@ -98,6 +98,11 @@ def workload_schema(flow_schema: dict[str, Any], workload: Workload, source: str
         "description": f"This deployment trains {workload.name} ({source}); its form follows that workload's "
         "gpuferry.yaml. Another workload gets a deployment of its own.",
     }  # fmt: skip
+    # The deployment supplies it: not required of the run form, so the UI's Quick run starts a run at once
+    # (the UI opens the parameters dialog for a schema with required fields).
+    out["required"] = [name for name in out.get("required", []) if name != "workload"]
+    if not out["required"]:
+        del out["required"]
     return out
 
 

@@ -33,6 +33,7 @@ from blocks.storage import LocalCheckpointStore
 from blocks.tracking import MlflowTracking
 from tasks.provision import inventory_rows
 from tasks.retry import is_transient
+from tests.examples import DIABETES
 
 pytestmark = pytest.mark.integration
 
@@ -198,7 +199,7 @@ def test_failure_after_acquire_still_terminates_the_runs_instances(
     monkeypatch.setattr(retrain_module, "load_stack", lambda name: stack)
 
     with pytest.raises(ConfigurationError, match="the training job was rejected"):
-        retrain_module.retrain(training=TrainingSpec(model_name="ec2-release-test"))
+        retrain_module.retrain(workload=str(DIABETES), training=TrainingSpec(model_name="ec2-release-test"))
 
     pages = block.client().describe_instances(Filters=[{"Name": "tag:Name", "Values": [f"{prefix}-*"]}])
     instances = [i for r in pages["Reservations"] for i in r["Instances"]]

@@ -53,6 +53,12 @@ def prefect() -> dict[str, str]:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    forms = subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-m", "deployments.forms", "--deployment", DEPLOYMENT],
+        cwd=REPO, env={**_env_without_home(), "PREFECT_API_URL": env["PREFECT_API_URL"]},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert forms.returncode == 0, forms.stdout[-3000:] + forms.stderr[-3000:]
     return env
 
 

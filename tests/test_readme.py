@@ -91,8 +91,7 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
     ]  # fmt: skip
     command_values = [
         ("house-prices", workload), ("-n models", f"-n {k8s_namespace}"),
-        ("https://s3.example.org", s3_for_pods["AWS_ENDPOINT_URL"]),
-        ("AWS_DEFAULT_REGION=us-east-1", f"AWS_DEFAULT_REGION={s3['AWS_DEFAULT_REGION']}"),
+        ("https://s3.example.org us-east-1", f"{s3_for_pods['AWS_ENDPOINT_URL']} {s3['AWS_DEFAULT_REGION']}"),
         ("check hpc ", f"check {stack} "), ("--stack hpc", f"--stack {stack}"),
     ]  # fmt: skip
     bin_dir = tmp_path / "bin"

@@ -117,7 +117,9 @@ def test_gpus_per_node_gives_two_devices(cluster: SlurmCluster) -> None:
 
 def test_array_of_100_tasks(cluster: SlurmCluster, env: dict[str, str]) -> None:
     k = key("array")
-    handle = cluster.submit_command(k, ["bash", "-c", 'echo "task $SLURM_ARRAY_TASK_ID"'], array="0-99")
+    # sh, not bash: the job inherits the SSH session's SSH_CLIENT, so a bash would run the login user's
+    # ~/.bashrc (here pyenv's init, whose output 100 concurrent tasks would race into the logs).
+    handle = cluster.submit_command(k, ["sh", "-c", 'echo "task $SLURM_ARRAY_TASK_ID"'], array="0-99")
     status = cluster.watch(handle, timeout_seconds=150)
     assert status.state == "COMPLETED", status
     logs = [cluster.read_log(handle.model_copy(update={"log_path": handle.log_path.replace("%a", str(i))}))[0]

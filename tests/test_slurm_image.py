@@ -352,7 +352,7 @@ def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmC
 @pytest.mark.integration
 def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
                                           stacks: dict[str, str]) -> None:  # fmt: skip
-    ref, marker, _ = image
+    ref, marker, *_ = image
     assert slurm.job_container_runtime() == "podman"  # this srun has no --container-image
     probe = slurm
     job_ = _job(probe, ref, "probe", ("python", "probe.py"), gpus_per_node=2)

@@ -71,7 +71,7 @@ def test_preempted_training_is_requeued_and_resumes_from_its_checkpoint(
 
     assert check_mlflow_model(Path(job.workdir) / "checkpoints" / contract.FINAL_DIRNAME).pyfunc
     final = low.read_progress(handle) or {}
-    assert final["step"] == total and final["val_accuracy"] > 0.9, final
+    assert final["step"] == total and final["metrics"]["val_accuracy"] > 0.9, final
 
     result = low.result(handle, status)
     assert result.requeues == 1
