@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 # Block methods that do a step's work, grouped as the report shows them.
 WORK = {
     "training": [("blocks.compute", "LocalProcesses", "submit"), ("blocks.compute", "ComputeBackend", "watch")],
-    "checkpoint copy": [("blocks.storage", "LocalCheckpointStore", "put")],
+    "checkpoint copy": [("blocks.compute", "ComputeBackend", "store_model"), ("blocks.storage", "LocalCheckpointStore", "put")],
     "server start": [("blocks.serving", "LocalServing", "deploy"), ("blocks.serving", "LocalServing", "preflight")],
     "mlflow": [
         ("blocks.tracking", "MlflowTracking", name)
@@ -44,7 +44,7 @@ WORK = {
                      ("blocks.provision", "LocalMachine", "release")],  # fmt: skip
     "image": [("blocks.images", "CurrentEnvironment", "build")],
     # Module functions are timed where the tasks call them.
-    "workload": [("tasks.workload", None, "load_workload"), ("tasks.upload", None, "check_mlflow_model"),
+    "workload": [("tasks.workload", None, "load_workload"), ("blocks.compute", "ComputeBackend", "inspect_model"),
                  ("blocks.storage", "CheckpointStore", "read_file")],  # fmt: skip
 }
 # Hyperparameters of each run, per example: each run deploys a better or worse model alike.

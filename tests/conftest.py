@@ -13,6 +13,7 @@ import pytest
 if TYPE_CHECKING:
     from blocks.docker_image import DockerImageBuilder
     from blocks.s3 import S3CheckpointStore
+    from blocks.slurm import SlurmCluster
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -150,3 +151,38 @@ def s3_for_pods(k8s: dict[str, str]) -> Iterator[dict[str, str]]:
     relay = NodeRelay(k8s["K8S_NODE_NETNS"], k8s["K8S_NODE_IP"], s3_target())
     yield s3_seen_from(relay)
     relay.close()
+
+
+@pytest.fixture
+def slurm_in_images() -> Iterator[SlurmCluster]:
+    """The slurm stack as a stack file would declare it for jobs in the workload's image: over SSH, each job
+    pulling the image with the registry stack's login and running it with podman (the stack's nodes have
+    podman, and stand-in GPUs passed as CUDA_VISIBLE_DEVICES), in a job directory of the test's own."""
+    import shutil
+    import uuid
+
+    from prefect_docker.credentials import DockerRegistryCredentials
+    from pydantic import SecretStr
+
+    from blocks.slurm import SlurmCluster
+    from tests.stacks import stack_env
+
+    slurm, reg = stack_env("slurm"), stack_env("registry")
+    workdir_root = Path(slurm["SLURM_SHARED_DIR"]) / f"in-images-{uuid.uuid4().hex[:8]}"
+    cluster = SlurmCluster(
+        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), user=slurm["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=slurm["SLURM_CONF"],
+        workdir_root=str(workdir_root), partition=slurm["SLURM_PARTITION"],
+        container_runtime="podman", podman_gpu_mode="env",
+        container_runtime_env={k: reg[k] for k in ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF",
+                                                   "CONTAINERS_STORAGE_CONF")},
+        registry_credentials=DockerRegistryCredentials(
+            username=reg["REGISTRY_USER"], password=Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
+            registry_url=f"http://{reg['REGISTRY_URL']}",
+        ),
+    )  # fmt: skip
+    yield cluster
+    cluster.close()
+    if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":
+        shutil.rmtree(workdir_root, ignore_errors=True)

@@ -1,15 +1,18 @@
-"""The retrain flow end to end with serving on Kubernetes: every stack but compute is a real server.
+"""The retrain flow end to end on the real servers: Slurm trains, S3 holds, MLflow tracks, Kubernetes serves.
 
 The stack, saved as a Prefect block and given to the flow by name: the workload image built with
-podman and pushed to the registry stack (pinned by digest), checkpoints in the s3 stack, the MLflow
-server stack, training as local processes, serving on the local Kubernetes cluster, whose node pulls
-the image with an image pull secret and runs it. The pod loads the model from S3 by its MODEL_URI:
-the s3 stack listens on the host's loopback, which pods do not share, so the test relays it from the
-node's address inside the node's network namespace (``s3_for_pods`` in conftest.py), and hands the pod
-that endpoint and the credentials in a Secret. The test reaches the pod through the API server's pod proxy.
+podman and pushed to the registry stack (pinned by digest); training on the slurm stack over SSH, each
+job pulling that image and running it with podman, and storing its model in the s3 stack itself (the
+orchestrator does not read the cluster's filesystem); the MLflow server stack; serving on the local
+Kubernetes cluster, whose node pulls the image with an image pull secret and runs it. The pod loads the
+model from S3 by its MODEL_URI: the s3 stack listens on the host's loopback, which pods do not share, so
+the test relays it from the node's address inside the node's network namespace (``s3_for_pods`` in
+conftest.py), and hands the pod that endpoint and the credentials in a Secret. The test reaches the pod
+through the API server's pod proxy.
 
-A first retrain serves v1; a second one whose server cannot start rolls back to v1, fails the flow,
-and MLflow says so on the run and on the model version.
+Both examples go this way. For the digits MLP, a first retrain serves v1; a second one whose server cannot
+start rolls back to v1, fails the flow, and MLflow says so on the run and on the model version. The
+regressor is served and answers its own input example's columns.
 """
 
 from __future__ import annotations
@@ -25,18 +28,18 @@ from prefect.artifacts import Artifact
 from pydantic import SecretStr
 
 from blocks import k8s_manifests as m
-from blocks.compute import LocalProcesses
 from blocks.docker_image import DockerImageBuilder
 from blocks.errors import ConfigurationError, RolledBack
 from blocks.kubernetes import KubernetesCluster
-from blocks.provision import LocalMachine
+from blocks.provision import ClusterManaged
 from blocks.s3 import S3CheckpointStore
-from blocks.specs import ServingSpec, TrainingSpec
+from blocks.slurm import SlurmCluster
+from blocks.specs import Resources, ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.tracking import MlflowTracking
 from flows.retrain import retrain
 from tests.k8s_node import PULL_SECRET, ready_pods
-from tests.examples import DIGITS, example_module
+from tests.examples import DIABETES, DIGITS, example_module
 from tests.stacks import stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
@@ -52,11 +55,21 @@ def serving_block(k8s: dict[str, str], namespace: str, **fields: Any) -> Kuberne
     return KubernetesCluster(kubeconfig=SecretStr(Path(k8s["KUBECONFIG"]).read_text()), namespace=namespace, **fields)
 
 
-def save_stack(serving: KubernetesCluster, images: Any, storage: Any, tracking: MlflowTracking) -> str:
+# What a job asks of the slurm stack's nodes (the workloads' own defaults are for real GPU nodes).
+RESOURCES = Resources(gpus_per_node=1, mem_gb=2, time_limit_minutes=20)
+
+
+def save_stack(serving: KubernetesCluster, images: Any, compute: SlurmCluster, storage: Any,
+               tracking: MlflowTracking) -> str:  # fmt: skip
     name = f"k8s-pipeline-{uuid.uuid4().hex[:8]}"
-    Stack(provider=LocalMachine(), images=images, compute=LocalProcesses(), storage=storage, tracking=tracking,
-          serving=serving).save(name)  # fmt: skip
+    Stack(provider=ClusterManaged(cluster_name="gpuferry-test"), images=images, compute=compute, storage=storage,
+          tracking=tracking, serving=serving).save(name)  # fmt: skip
     return name
+
+
+def with_store_secret(block: KubernetesCluster, namespace: str, s3_for_pods: dict[str, str]) -> None:
+    block._api().request("POST", f"/api/v1/namespaces/{namespace}/secrets", body={
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET}, "stringData": s3_for_pods})  # fmt: skip
 
 
 def ready_pod(block: KubernetesCluster, name: str) -> str:
@@ -67,19 +80,19 @@ def ready_pod(block: KubernetesCluster, name: str) -> str:
 
 def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder, s3_store: S3CheckpointStore,
-    s3_for_pods: dict[str, str],
+    s3_for_pods: dict[str, str], slurm_in_images: SlurmCluster,
 ) -> None:  # fmt: skip
     block = serving_block(k8s, k8s_namespace, env={"WARMUP_ITERATIONS": "1"})
-    block._api().request("POST", f"/api/v1/namespaces/{k8s_namespace}/secrets", body={
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET}, "stringData": s3_for_pods})  # fmt: skip
+    with_store_secret(block, k8s_namespace, s3_for_pods)
     tracking = MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
     tag = uuid.uuid4().hex[:8]
     model, experiment = f"digits-k8s-{tag}", f"gpuferry-k8s-{tag}"
-    training = TrainingSpec(model_name=model, experiment=experiment, hyperparameters={"epochs": 15, "lr": 0.05})
+    training = TrainingSpec(model_name=model, experiment=experiment, hyperparameters={"epochs": 15, "lr": 0.05},
+                            resources=RESOURCES)  # fmt: skip
     serving = ServingSpec(service_name="digits", replicas=1, ready_timeout_seconds=300)
 
     # ---- a first version: built, trained, stored, registered, served --------------------------------
-    stack = save_stack(block, workload_builder, s3_store, tracking)
+    stack = save_stack(block, workload_builder, slurm_in_images, s3_store, tracking)
     first = retrain(workload=str(DIGITS), training=training, serving=serving, stack=stack)
 
     assert first.deployed and first.model_version.version == "1"
@@ -105,6 +118,7 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     client = MlflowClient(tracking_uri=tracking.tracking_uri)
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED"
+    assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster" and run.data.metrics["gpu_hours"] > 0
     for tags in (run.data.tags, client.get_model_version(model, "1").tags):
         assert tags["deploy.status"] == "deployed" and tags["deploy.version"] == "1"
         assert tags["deploy.endpoint"] == first.endpoint.url == f"http://digits.{k8s_namespace}.svc.cluster.local:80"
@@ -113,7 +127,7 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
 
     # ---- a bad release: v2's server exits at start (a setting it rejects) ---------------------------
     crashing = serving_block(k8s, k8s_namespace, env={"WARMUP_ITERATIONS": "1", "MAX_QUEUE": "0"})
-    bad_stack = save_stack(crashing, workload_builder, s3_store, tracking)
+    bad_stack = save_stack(crashing, workload_builder, slurm_in_images, s3_store, tracking)
     with pytest.raises(RolledBack, match="CrashLoopBackOff") as failed:
         retrain(workload=str(DIGITS), training=training.model_copy(update={"hyperparameters": {"epochs": 1}}),
                 serving=serving,
@@ -140,6 +154,42 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     assert block.pod_request(pod, "/readyz")[1]["model"]["checkpoint_sha256"] == first.checkpoint.sha256
     assert block.pod_request(pod, "/invocations", {"inputs": [[0.0] * 64]})[0] == 200
     block.undeploy("digits")
+
+
+def test_the_regressor_trains_on_slurm_and_serves_on_kubernetes(
+    k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder, s3_store: S3CheckpointStore,
+    s3_for_pods: dict[str, str], slurm_in_images: SlurmCluster,
+) -> None:  # fmt: skip
+    block = serving_block(k8s, k8s_namespace)
+    with_store_secret(block, k8s_namespace, s3_for_pods)
+    tracking = MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
+    tag = uuid.uuid4().hex[:8]
+    model = f"diabetes-k8s-{tag}"
+    stack = save_stack(block, workload_builder, slurm_in_images, s3_store, tracking)
+    outcome = retrain(workload=str(DIABETES), stack=stack,
+                      training=TrainingSpec(model_name=model, experiment=f"gpuferry-k8s-{tag}",
+                                            hyperparameters={"alpha": 0.05}, resources=RESOURCES),
+                      serving=ServingSpec(replicas=1, ready_timeout_seconds=300))  # fmt: skip
+
+    assert outcome.deployed and outcome.model_version.version == "1"
+    assert outcome.endpoint.url == f"http://diabetes.{k8s_namespace}.svc.cluster.local:80"  # the workload's service
+    assert outcome.image.reference and "@sha256:" in outcome.image.reference  # its own, from its requirements
+    run = MlflowClient(tracking_uri=tracking.tracking_uri).get_run(outcome.run_id)
+    assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster"
+    assert run.data.metrics["val_rmse"] == pytest.approx(outcome.model_version.value) and 0 < outcome.model_version.value < 80
+    assert run.data.params["alpha"] == "0.05"
+
+    pod = ready_pod(block, "diabetes")
+    status, ready = block.pod_request(pod, "/readyz")
+    assert status == 200 and ready["model"]["checkpoint_sha256"] == outcome.checkpoint.sha256
+    rows = example_module(DIABETES, "train").load_diabetes(as_frame=True).data.head(3)
+    split = {"columns": list(rows.columns), "data": rows.to_numpy().tolist()}
+    status, answer = block.pod_request(pod, "/invocations", {"dataframe_split": split})
+    assert status == 200 and len(answer["predictions"]) == 3
+    assert all(0 < p < 400 for p in answer["predictions"])  # disease progression: 25-346 in the data set
+    status, _ = block.pod_request(pod, "/invocations", {"dataframe_split": {**split, "columns": split["columns"][:-1]}})
+    assert status == 422  # a column short of the model's signature
+    block.undeploy("diabetes")
 
 
 def test_no_gpu_node_stops_the_retrain_before_it_trains(
