@@ -56,6 +56,9 @@ from blocks.serving import Release, ServingBackend, _ready, require_smoke_reques
 from blocks.specs import Endpoint, ServingSpec
 from runtime import contract
 
+# How long a deploy that saw its new container exit or restart waits to see the exit code of the failed run.
+RESTARTED_EXIT_WAIT_S = 10.0
+
 
 class DockerServing(ServingBackend, DockerGpuHost):
     """Serves the model as a container on one Docker host; a new version takes traffic once it answers."""
@@ -242,9 +245,22 @@ class DockerServing(ServingBackend, DockerGpuHost):
                 raise DeployFailed(f"the container of v{release.version} vanished before it was ready")
             seen["info"] = info
             state = info["State"]
-            if state["Status"] in ("exited", "dead", "restarting") or int(info.get("RestartCount") or 0) > 0:
+            restarts = int(info.get("RestartCount") or 0)
+            status = state["Status"]
+            if status in ("exited", "dead", "restarting") or restarts > 0:
+                # Under a restart policy the engine may already show the next run (exit code 0): the failed
+                # run's code shows when it exits again, which a server that cannot start does at once.
+                first = seen.setdefault("failed_at", time.monotonic())
+                if state.get("ExitCode"):
+                    seen["exit_code"] = state["ExitCode"]
+                if "exit_code" not in seen and time.monotonic() - first < RESTARTED_EXIT_WAIT_S:
+                    return False
+                if "exit_code" in seen or status in ("exited", "dead"):
+                    what = f"exit code {seen.get('exit_code', state.get('ExitCode'))}"
+                else:
+                    what = f"restarted {restarts}x, exit code not seen"
                 raise DeployFailed(
-                    f"the server of v{release.version} exited (exit code {state.get('ExitCode')}"
+                    f"the server of v{release.version} exited ({what}"
                     f"{', OOMKilled' if state.get('OOMKilled') else ''}) before it was ready"
                 )
             url = self._url(info)
