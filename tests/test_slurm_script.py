@@ -18,8 +18,8 @@ from blocks.slurm import SlurmCluster
 from blocks.slurm_state import map_state, sacct_exit, wait_status_to_exit
 from blocks.slurm_script import SBATCH_OPTIONS, sbatch_script
 from blocks.specs import CodeRef, Resources, TrainingJob
+from tests.golden_files import GOLDEN, check_text
 
-GOLDEN = Path(__file__).parent / "golden"
 
 CASES = {
     "single": dict(
@@ -54,11 +54,7 @@ CASES = {
 
 
 def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / f"{name}.sbatch"
-    if os.environ.get("GPUFERRY_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run with GPUFERRY_UPDATE_GOLDEN=1 once"
-    assert text == path.read_text(), f"{name}: the generated script differs from {path}"
+    check_text(GOLDEN / f"{name}.sbatch", text)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

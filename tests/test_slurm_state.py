@@ -9,9 +9,6 @@ assertions below say what matters in it.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,18 +19,15 @@ from blocks.slurm_state import (
     aggregate, array_task_rows, command_error, index_ranges, parse_squeue, squeue_argv, status_from_squeue,
     statuses_from_sacct, task_status, usage, usage_rows,
 )  # fmt: skip
+from tests.golden_files import GOLDEN as GOLDEN_DIR
+from tests.golden_files import check_json
 
-GOLDEN = Path(__file__).parent / "golden" / "slurm"
+GOLDEN = GOLDEN_DIR / "slurm"
 NOW = 1796175640.0  # a moment after the recorded squeue
 
 
 def check_golden(name: str, value: Any) -> Any:
-    path = GOLDEN / f"{name}.json"
-    text = json.dumps(value, indent=2, sort_keys=True) + "\n"
-    if os.environ.get("GPUFERRY_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run with GPUFERRY_UPDATE_GOLDEN=1 once"
-    assert text == path.read_text(), f"{name}: what the recorded output reads to differs from {path}"
+    check_json(GOLDEN / f"{name}.json", value)
     return value
 
 
