@@ -53,7 +53,7 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
     subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
-    from blocks.slurm import _index_ranges
+    from blocks.slurm_state import index_ranges
     from blocks.specs import HyperParameters, JobHandle, SweepGrid
     from tasks.sweep import FIRST_RELEASE, _release_as_runs_come
     from tests.private_worker import wait_until
@@ -84,7 +84,7 @@ def main() -> None:
             if whole_array:
                 release_array(handle.job_id)
             else:
-                sh("scontrol", "release", f"{handle.job_id}_[{_index_ranges(tasks)}]")
+                sh("scontrol", "release", f"{handle.job_id}_[{index_ranges(tasks)}]")
 
     configurations = SweepGrid(values={"seed": list(range(args.n))}, max_configurations=args.n).expand(HyperParameters())
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import select
 import socket
+import time
 
 import paramiko
 
@@ -107,3 +109,48 @@ def parse_known_hosts(text: str) -> paramiko.HostKeys:
             for name in entry.hostnames:
                 keys.add(name, entry.key.get_name(), entry.key)
     return keys
+
+
+def exec_command(client: paramiko.SSHClient, command: str, *, timeout: float, open_timeout: float,
+                 stdin: bytes | None = None) -> tuple[int, str, str]:  # fmt: skip
+    """Run ``command`` (one shell string, its words already quoted) on one new channel of ``client``:
+    (exit status, stdout, stderr). ``stdin`` is fed to it, then closed. A dead connection, a channel closed
+    before the exit status and ``timeout`` passing raise ``OSError`` / ``EOFError`` / ``paramiko.SSHException``
+    (``socket.timeout`` is an ``OSError``), for the caller to reconnect or give up."""
+    transport = client.get_transport()
+    if transport is None:
+        raise EOFError("no SSH transport")
+    chan = transport.open_session(timeout=open_timeout)
+    try:
+        chan.settimeout(timeout)
+        chan.exec_command(command)
+        if stdin:
+            chan.sendall(stdin)
+        chan.shutdown_write()
+        out, err = bytearray(), bytearray()
+        deadline = time.monotonic() + timeout
+        while True:
+            progressed = False
+            while chan.recv_ready():
+                out += chan.recv(1 << 16)
+                progressed = True
+            while chan.recv_stderr_ready():
+                err += chan.recv_stderr(1 << 16)
+                progressed = True
+            # Done at EOF *and* exit status: sshd may send the status while output is still queued.
+            if chan.eof_received and chan.exit_status_ready() and not progressed:
+                break
+            if chan.closed and not progressed and not chan.exit_status_ready():
+                raise EOFError("the SSH channel closed before the command's exit status arrived")
+            if time.monotonic() > deadline:
+                raise socket.timeout(f"no exit status within {timeout:.0f} s")
+            if not progressed:
+                select.select([chan], [], [], 0.05)
+        # Drain what arrived together with the exit status.
+        while chan.recv_ready():
+            out += chan.recv(1 << 16)
+        while chan.recv_stderr_ready():
+            err += chan.recv_stderr(1 << 16)
+        return chan.recv_exit_status(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+    finally:
+        chan.close()

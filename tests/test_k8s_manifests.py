@@ -6,9 +6,6 @@ Regenerate the golden files after an intended change with GPUFERRY_UPDATE_GOLDEN
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -19,8 +16,8 @@ from blocks.errors import ConfigurationError
 from blocks.kubernetes import KubernetesCluster
 from blocks.serving import Release
 from blocks.specs import ImageRef, ServerSpec, ServingSpec
+from tests.golden_files import GOLDEN, check_json
 
-GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "registry.example.com/gpuferry/serve@sha256:" + "ab" * 32
 
 
@@ -32,12 +29,7 @@ def build(spec: ServingSpec, version: str = "3", image: str | None = IMAGE, **op
 
 
 def check_golden(name: str, obj: object) -> None:
-    path = GOLDEN / f"{name}.json"
-    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-    if os.environ.get("GPUFERRY_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run with GPUFERRY_UPDATE_GOLDEN=1 once"
-    assert text == path.read_text(), f"{name} differs from {path} (GPUFERRY_UPDATE_GOLDEN=1 after an intended change)"
+    check_json(GOLDEN / f"{name}.json", obj)
 
 
 def env_of(deployment: dict) -> dict[str, str]:

@@ -26,7 +26,8 @@ from pydantic import SecretStr, ValidationError
 
 from blocks.errors import ConfigurationError, JobFailed
 from blocks.s3 import S3CheckpointStore
-from blocks.slurm import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME, SlurmCluster
+from blocks.slurm import SlurmCluster
+from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
 from blocks.slurm_script import Container, sbatch_script
 from blocks.mlflow_model import check_mlflow_model
 from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from blocks.errors import ConfigurationError
-from blocks.slurm import SlurmCluster, _sacct_exit, _wait_status_to_exit, map_state
+from blocks.slurm import SlurmCluster
+from blocks.slurm_state import map_state, sacct_exit, wait_status_to_exit
 from blocks.slurm_script import SBATCH_OPTIONS, sbatch_script
 from blocks.specs import CodeRef, Resources, TrainingJob
+from tests.golden_files import GOLDEN, check_text
 
-GOLDEN = Path(__file__).parent / "golden"
 
 CASES = {
     "single": dict(
@@ -53,11 +54,7 @@ CASES = {
 
 
 def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / f"{name}.sbatch"
-    if os.environ.get("GPUFERRY_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run with GPUFERRY_UPDATE_GOLDEN=1 once"
-    assert text == path.read_text(), f"{name}: the generated script differs from {path}"
+    check_text(GOLDEN / f"{name}.sbatch", text)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -222,8 +219,8 @@ def test_state_mapping(slurm: str, requeue: bool, ours: str, terminal: bool) -> 
 
 
 def test_exit_codes() -> None:
-    assert _wait_status_to_exit(3 << 8) == 3 and _wait_status_to_exit(9) == 137 and _wait_status_to_exit(0) == 0
-    assert _sacct_exit("3:0") == 3 and _sacct_exit("0:15") == 143 and _sacct_exit("") is None
+    assert wait_status_to_exit(3 << 8) == 3 and wait_status_to_exit(9) == 137 and wait_status_to_exit(0) == 0
+    assert sacct_exit("3:0") == 3 and sacct_exit("0:15") == 143 and sacct_exit("") is None
 
 
 def _run_with_fake_scontrol(tmp_path: Path, signal_number: int) -> tuple[int, str, list[str]]:

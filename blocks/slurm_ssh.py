@@ -1,0 +1,230 @@
+"""How ``SlurmCluster`` reaches the login node: one verified SSH connection, commands as argv lists, files.
+
+The connection is opened on first use with the host key checked against the block's ``known_hosts`` (an
+unknown or changed key is refused, never added), reused by every command and re-opened when it drops;
+with ``local=True`` the commands run on this machine instead (the flow runs on the login node). Every
+command is an argv list joined with ``shlex.quote``: no user value is ever formatted into a shell string.
+Files go in one ``tar`` on the command's stdin (many at once) or over SFTP (secrets: created 0600 before a
+byte is written).
+
+``SlurmTransport`` is a mixin of ``SlurmCluster``: it reads the block's connection fields (``local``,
+``host``, ``port``, ``user``, ``private_key``, ``private_key_passphrase``, ``known_hosts``,
+``connect_timeout``, ``command_timeout``, ``slurm_conf``) and keeps the connection in its private
+attributes (``_lock``, ``_client``, ``_sftp_client``, ``_client_for``).
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import shlex
+import subprocess
+import tarfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import paramiko
+
+from blocks._ssh import connect_verified, exec_command, load_private_key, parse_known_hosts
+from blocks.errors import ConfigurationError, GpuferryError, TransientError
+from blocks.slurm_state import command_error, command_name
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
+
+
+class SlurmTransport:
+    """Commands and files on the login node (see the module's docstring)."""
+
+    if TYPE_CHECKING:
+        local: bool
+        host: str | None
+        port: int
+        user: str | None
+        private_key: SecretStr | None
+        private_key_passphrase: SecretStr | None
+        known_hosts: str
+        connect_timeout: float
+        command_timeout: float
+        slurm_conf: str | None
+        _lock: Any
+        _client: paramiko.SSHClient | None
+        _sftp_client: paramiko.SFTPClient | None
+        _client_for: tuple[Any, ...] | None
+
+    # ---- connection ------------------------------------------------------------------------
+
+    def _connect(self) -> paramiko.SSHClient:
+        if not self.host or not self.user or self.private_key is None:
+            raise ConfigurationError("host, user and private_key are required unless local=True")
+        key = load_private_key(
+            self.private_key.get_secret_value(),
+            self.private_key_passphrase.get_secret_value() if self.private_key_passphrase else None,
+        )
+        try:
+            return connect_verified(
+                address=self.host, port=self.port, user=self.user, key=key, known=parse_known_hosts(self.known_hosts),
+                timeout=self.connect_timeout, name=f"{self.host}:{self.port}",
+                check_against="matches the one the cluster's admins publish",
+            )  # fmt: skip
+        except GpuferryError:
+            raise
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            raise TransientError(f"cannot reach the login node {self.host}:{self.port}: {exc}") from exc
+
+    def _ssh(self) -> paramiko.SSHClient:
+        with self._lock:
+            client = self._client
+            transport = client.get_transport() if client is not None else None
+            # A copy of the block (model_copy) with other settings must not reuse this connection.
+            wanted = (self.host, self.port, self.user, self.private_key, self.known_hosts)
+            if client is None or transport is None or not transport.is_active() or self._client_for != wanted:
+                self.close()
+                self._client = self._connect()
+                self._client_for = wanted
+            assert self._client is not None
+            return self._client
+
+    def _sftp(self) -> paramiko.SFTPClient:
+        with self._lock:
+            client = self._ssh()
+            if self._sftp_client is None or self._sftp_client.get_channel() is None or \
+                    self._sftp_client.get_channel().get_transport() is not client.get_transport():  # fmt: skip
+                self._sftp_client = client.open_sftp()
+            return self._sftp_client
+
+    def close(self) -> None:
+        """Close the SSH connection (the next command opens a new one)."""
+        with self._lock:
+            if self._client_for != (self.host, self.port, self.user, self.private_key, self.known_hosts):
+                # A copy's inherited connection belongs to the original block: forget it, don't close it.
+                self._sftp_client = self._client = None
+                return
+            for closable in (self._sftp_client, self._client):
+                try:
+                    if closable is not None:
+                        closable.close()
+                except Exception:  # noqa: BLE001 - closing a broken connection
+                    pass
+            self._sftp_client = None
+            self._client = None
+
+    # ---- commands --------------------------------------------------------------------------
+
+    def run(self, argv: Sequence[str], *, check: bool = True, retry: bool = True,
+            timeout: float | None = None, stdin: bytes | None = None) -> tuple[int, str, str]:  # fmt: skip
+        """Run ``argv`` on the login node: (exit code, stdout, stderr).
+
+        ``retry``: when the SSH connection turns out to be dead, reconnect and run it once more
+        (only for commands that are safe to repeat; sbatch is not). ``stdin``: bytes fed to the command.
+        """
+        argv = list(argv)
+        if self.slurm_conf:
+            argv = ["env", f"SLURM_CONF={self.slurm_conf}", *argv]
+        timeout = timeout or self.command_timeout
+        if self.local:
+            try:
+                proc = subprocess.run(argv, capture_output=True, input=stdin or b"", timeout=timeout, check=False)
+            except FileNotFoundError as exc:
+                raise ConfigurationError(f"{argv[0]} is not installed on this machine (local=True): {exc}") from exc
+            except subprocess.TimeoutExpired as exc:
+                raise TransientError(f"{shlex.join(argv)} did not answer within {timeout:.0f} s") from exc
+            rc, out, err = proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+        else:
+            for attempt in (1, 2):
+                try:
+                    rc, out, err = self._exec(shlex.join(argv), timeout, stdin)
+                    break
+                except (OSError, EOFError, paramiko.SSHException) as exc:
+                    self.close()
+                    if attempt == 2 or not retry:
+                        raise TransientError(f"SSH connection to {self.host}:{self.port} failed running "
+                                             f"{command_name(argv)}: {exc}") from exc  # fmt: skip
+        if check and rc != 0:
+            self._raise_for(argv, rc, err or out)
+        return rc, out, err
+
+    def _exec(self, command: str, timeout: float, stdin: bytes | None = None) -> tuple[int, str, str]:
+        return exec_command(self._ssh(), command, timeout=timeout, open_timeout=self.connect_timeout, stdin=stdin)
+
+    def _raise_for(self, argv: Sequence[str], rc: int, message: str) -> None:
+        raise command_error(argv, rc, message)
+
+    # ---- files on the cluster --------------------------------------------------------------
+
+    def _put_files(self, workdir: str, files: Mapping[str, tuple[bytes, int]], *, keep_existing: bool = False,
+                   then: Sequence[str] = (), check: bool = True, retry: bool = True) -> tuple[int, str, str]:  # fmt: skip
+        """Write ``files`` (name relative to ``workdir`` -> (data, mode)) in ONE command: a tar sent on
+        stdin, unpacked at the filesystem root (so ``workdir`` and the folders in it are created too).
+        ``keep_existing``: leave a file that is already there as it is (a retried write of the same data).
+        ``then``: a command run once the files are there, in the same SSH command (every command costs
+        the login shell's start-up); its exit code and output are returned, and ``check`` and ``retry``
+        are as for ``run``.
+        """
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, (data, mode) in files.items():
+                info = tarfile.TarInfo(posixpath.join(workdir, name).lstrip("/"))
+                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        argv = ["tar", "-x", "--no-same-owner", "-C", "/", "-f", "-"]
+        if keep_existing:
+            argv.insert(2, "--skip-old-files")
+        if not then:
+            return self.run(argv, stdin=archive.getvalue(), check=check, retry=retry)
+        # The command's words reach it as "$@" (never through the shell's parser).
+        rc, out, err = self.run(["sh", "-c", f'{shlex.join(argv)} || exit; exec "$@"', "sh", *then],
+                                stdin=archive.getvalue(), check=False, retry=retry)  # fmt: skip
+        if check and rc != 0:
+            self._raise_for(then, rc, err or out)
+        return rc, out, err
+
+    def _mkdir(self, path: str) -> None:
+        self.run(["mkdir", "-p", "--", path])
+
+    def _write(self, path: str, data: bytes, mode: int) -> None:
+        if self.local:
+            p = Path(path)
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.touch(mode=mode)
+            tmp.chmod(mode)
+            tmp.write_bytes(data)
+            tmp.replace(p)
+            return
+        sftp = self._sftp()
+        tmp = path + ".tmp"
+        with sftp.open(tmp, "wb") as f:
+            f.chmod(mode)  # before any byte is written: secrets are never readable by others
+            f.write(data)
+        sftp.posix_rename(tmp, path)
+
+    def _read(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes | None:
+        try:
+            if self.local:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    return f.read(limit)
+            for attempt in (1, 2):
+                try:
+                    with self._sftp().open(path, "rb") as f:
+                        f.seek(offset)
+                        return f.read(limit)
+                except (EOFError, paramiko.SSHException, OSError) as exc:
+                    if isinstance(exc, FileNotFoundError) or getattr(exc, "errno", None) == 2:
+                        raise
+                    self.close()
+                    if attempt == 2:
+                        raise TransientError(f"reading {path} over SFTP failed: {exc}") from exc
+        except FileNotFoundError:
+            return None
+        return None
+
+    def _size(self, path: str) -> int:
+        try:
+            if self.local:
+                return Path(path).stat().st_size
+            return int(self._sftp().stat(path).st_size or 0)
+        except (FileNotFoundError, OSError):
+            return 0
