@@ -81,8 +81,11 @@ def test_the_check_command_is_all_green_on_the_local_stacks(steps: dict[str, Any
     skeleton.write(tmp_path / "house-prices")
     env = {**os.environ, "PREFECT_API_URL": stack_env("prefect")["PREFECT_API_URL"]}
     started = time.monotonic()
-    done = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "check", "-f", str(path), "--json", "--workload",
-                           str(tmp_path / "house-prices")], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    # A generous deadline per backend: this machine is shared, and what is checked here is that every row is
+    # green, not how fast (the wall time is printed; the default deadline is 10 s).
+    done = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "check", "-f", str(path), "--json", "--timeout", "60",
+                           "--workload", str(tmp_path / "house-prices")], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     wall = time.monotonic() - started
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
