@@ -248,17 +248,16 @@ class DockerServing(ServingBackend, DockerGpuHost):
             restarts = int(info.get("RestartCount") or 0)
             status = state["Status"]
             if status in ("exited", "dead", "restarting") or restarts > 0:
+                final = status in ("exited", "dead")  # its exit code is the failed run's
+                if state.get("ExitCode"):
+                    seen["exit_code"] = state["ExitCode"]
                 # Under a restart policy the engine may already show the next run (exit code 0): the failed
                 # run's code shows when it exits again, which a server that cannot start does at once.
                 first = seen.setdefault("failed_at", time.monotonic())
-                if state.get("ExitCode"):
-                    seen["exit_code"] = state["ExitCode"]
-                if "exit_code" not in seen and time.monotonic() - first < RESTARTED_EXIT_WAIT_S:
+                if not final and "exit_code" not in seen and time.monotonic() - first < RESTARTED_EXIT_WAIT_S:
                     return False
-                if "exit_code" in seen or status in ("exited", "dead"):
-                    what = f"exit code {seen.get('exit_code', state.get('ExitCode'))}"
-                else:
-                    what = f"restarted {restarts}x, exit code not seen"
+                code = seen.get("exit_code", state.get("ExitCode") if final else None)
+                what = f"exit code {code}" if code is not None else f"restarted {restarts}x, exit code not seen"
                 raise DeployFailed(
                     f"the server of v{release.version} exited ({what}"
                     f"{', OOMKilled' if state.get('OOMKilled') else ''}) before it was ready"

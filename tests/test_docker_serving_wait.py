@@ -50,9 +50,10 @@ def test_a_restarted_server_is_reported_with_the_exit_code_of_its_failed_run(mon
     assert engine.calls == 3
 
 
-def test_an_exit_is_reported_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = Answers([state("exited", 2, 0)])
-    assert "exited (exit code 2) before it was ready" in wait(monkeypatch, engine)
+@pytest.mark.parametrize("code", [2, 0])
+def test_an_exit_is_reported_at_once(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    engine = Answers([state("exited", code, 0)])
+    assert f"exited (exit code {code}) before it was ready" in wait(monkeypatch, engine)
     assert engine.calls == 1
 
 
