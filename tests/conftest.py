@@ -80,19 +80,14 @@ def workload_builder(k8s: dict[str, str]) -> DockerImageBuilder:
         if os.environ.get("GPUFERRY_REQUIRE_STACKS") == "1":
             pytest.fail(message)
         pytest.skip(message)
-    from prefect_docker.credentials import DockerRegistryCredentials
     from prefect_docker.host import DockerHost
 
     from blocks.docker_image import DockerImageBuilder
-    from tests.stacks import stack_env
+    from tests.stacks import registry_login, stack_env
 
     reg = stack_env("registry")
     return DockerImageBuilder(
-        docker_host=DockerHost(base_url=reg["DOCKER_HOST"]),
-        credentials=DockerRegistryCredentials(
-            username=reg["REGISTRY_USER"], password=Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
-            registry_url=f"http://{reg['REGISTRY_URL']}",
-        ),
+        docker_host=DockerHost(base_url=reg["DOCKER_HOST"]), credentials=registry_login(),
         repository="gpuferry-test/workload", build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
     )  # fmt: skip
 
@@ -161,27 +156,10 @@ def slurm_in_images() -> Iterator[SlurmCluster]:
     import shutil
     import uuid
 
-    from prefect_docker.credentials import DockerRegistryCredentials
-    from pydantic import SecretStr
+    from tests.stacks import slurm_for_images, stack_env
 
-    from blocks.slurm import SlurmCluster
-    from tests.stacks import stack_env
-
-    slurm, reg = stack_env("slurm"), stack_env("registry")
-    workdir_root = Path(slurm["SLURM_SHARED_DIR"]) / f"in-images-{uuid.uuid4().hex[:8]}"
-    cluster = SlurmCluster(
-        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), user=slurm["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=slurm["SLURM_CONF"],
-        workdir_root=str(workdir_root), partition=slurm["SLURM_PARTITION"],
-        container_runtime="podman", podman_gpu_mode="env",
-        container_runtime_env={k: reg[k] for k in ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF",
-                                                   "CONTAINERS_STORAGE_CONF")},
-        registry_credentials=DockerRegistryCredentials(
-            username=reg["REGISTRY_USER"], password=Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
-            registry_url=f"http://{reg['REGISTRY_URL']}",
-        ),
-    )  # fmt: skip
+    workdir_root = Path(stack_env("slurm")["SLURM_SHARED_DIR"]) / f"in-images-{uuid.uuid4().hex[:8]}"
+    cluster = slurm_for_images(workdir_root)
     yield cluster
     cluster.close()
     if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":

@@ -124,3 +124,37 @@ def host_address() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(("192.0.2.254", 9))  # a UDP "connect" only picks the route; nothing is sent
         return s.getsockname()[0]
+
+
+def registry_login(password: str | None = None):  # type: ignore[no-untyped-def]
+    """The registry stack's login as a DockerRegistryCredentials block (``password``: another one, to fail)."""
+    from prefect_docker.credentials import DockerRegistryCredentials
+
+    reg = stack_env("registry")
+    return DockerRegistryCredentials(
+        username=reg["REGISTRY_USER"], password=password or Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
+        registry_url=f"http://{reg['REGISTRY_URL']}",
+    )  # fmt: skip
+
+
+def slurm_for_images(workdir_root: str | Path, **fields):  # type: ignore[no-untyped-def]
+    """The slurm stack as a stack file would declare it for jobs in the workload's image: over SSH, each job
+    pulling the image with the registry stack's login and running it with podman (the stack's nodes have
+    podman, and stand-in GPUs passed as CUDA_VISIBLE_DEVICES). ``fields`` override the block's settings."""
+    from pydantic import SecretStr
+
+    from blocks.slurm import SlurmCluster
+
+    slurm, reg = stack_env("slurm"), stack_env("registry")
+    settings: dict[str, object] = dict(
+        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), user=slurm["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=slurm["SLURM_CONF"],
+        workdir_root=str(workdir_root), partition=slurm["SLURM_PARTITION"],
+        container_runtime="podman", podman_gpu_mode="env",
+        container_runtime_env={k: reg[k] for k in ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF",
+                                                   "CONTAINERS_STORAGE_CONF")},
+        registry_credentials=registry_login(),
+    )  # fmt: skip
+    settings.update(fields)
+    return SlurmCluster(**settings)

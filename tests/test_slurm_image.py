@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from prefect_docker.credentials import DockerRegistryCredentials
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
 from blocks.errors import ConfigurationError, JobFailed
 from blocks.s3 import S3CheckpointStore
@@ -31,7 +31,7 @@ from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
 from blocks.slurm_script import Container, sbatch_script
 from blocks.mlflow_model import check_mlflow_model
 from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob
-from tests.stacks import stack_env
+from tests.stacks import registry_login, slurm_for_images, stack_env
 from tests.test_slurm_script import check_golden
 
 REPO = Path(__file__).resolve().parent.parent
@@ -272,13 +272,6 @@ def stacks() -> dict[str, str]:
     return env
 
 
-def _credentials(stacks: dict[str, str], password: str | None = None) -> DockerRegistryCredentials:
-    return DockerRegistryCredentials(
-        username=stacks["REGISTRY_USER"], password=password or stacks["REGISTRY_PASSWORD"],
-        registry_url=f"http://{stacks['REGISTRY_URL']}",
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageRef, str, object, Path]]:
     """The workload image plus a marker only it has, built on the stack's base, pushed, and NOT kept locally."""
@@ -295,7 +288,7 @@ def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
     (context / "IMAGE_MARKER").write_text(marker)
     (context / "probe.py").write_text(PROBE)
     builder = DockerImageBuilder(
-        docker_host=DockerHost(base_url=stacks["DOCKER_HOST"]), credentials=_credentials(stacks),
+        docker_host=DockerHost(base_url=stacks["DOCKER_HOST"]), credentials=registry_login(),
         repository=f"gpuferry-test/slurm-{uuid.uuid4().hex[:8]}", build_args={"BASE_IMAGE": stacks["BASE_IMAGE"]},
     )  # fmt: skip
     ref = builder.build(load_workload(str(context)))
@@ -310,16 +303,9 @@ def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="module")
 def slurm(stacks: dict[str, str]) -> Iterator[SlurmCluster]:
-    c = SlurmCluster(
-        host=stacks["SLURM_SSH_HOST"], port=int(stacks["SLURM_SSH_PORT"]), user=stacks["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(stacks["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(stacks["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=stacks["SLURM_CONF"],
-        workdir_root=str(Path(stacks["SLURM_SHARED_DIR"]) / f"image-tests-{uuid.uuid4().hex[:8]}"),
-        partition=stacks["SLURM_PARTITION"], poll_interval_start=0.5, poll_interval_max=3.0,
-        container_runtime="auto", podman_gpu_mode="env",  # the stack's GPUs are stand-in character devices
-        container_runtime_env={k: stacks[k] for k in
-                               ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")},
-        registry_credentials=_credentials(stacks),
+    c = slurm_for_images(
+        Path(stacks["SLURM_SHARED_DIR"]) / f"image-tests-{uuid.uuid4().hex[:8]}", poll_interval_start=0.5,
+        poll_interval_max=3.0, container_runtime="auto",  # asks the login node: podman here
     )  # fmt: skip
     yield c
     c.close()
@@ -339,7 +325,7 @@ def _job(c: SlurmCluster, ref: ImageRef, name: str, command: tuple[str, ...] = (
 def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
                                                                    stacks: dict[str, str]) -> None:  # fmt: skip
     wrong = "wrong-" + uuid.uuid4().hex[:8]
-    c = slurm.model_copy(update={"registry_credentials": _credentials(stacks, wrong)})
+    c = slurm.model_copy(update={"registry_credentials": registry_login(wrong)})
     job_ = _job(c, image[0], "badlogin")
     handle = c.submit(job_)
     status = c.watch(handle, timeout_seconds=600)
