@@ -8,6 +8,7 @@ sentence (the pod reasons ImagePullBackOff, CrashLoopBackOff, OOMKilled, ... tur
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +105,19 @@ def _condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
     return {}
 
 
+def _stale_deadline(progressing: dict[str, Any], current: dict[str, Any] | None) -> bool:
+    """Whether a ProgressDeadlineExceeded condition is about another ReplicaSet than the current one.
+
+    After a rollback to an older ReplicaSet, the controller keeps the failed rollout's condition (it changes a
+    condition only when its reason changes) until it sees progress: for a few seconds the Deployment says
+    "ReplicaSet <the failed one> has timed out progressing" while it scales the old one back. That condition
+    is not about this rollout; a deadline this rollout exceeds names its own ReplicaSet.
+    """
+    named = re.search(r'ReplicaSet "([^"]+)"', progressing.get("message", ""))
+    current_name = (current or {}).get("metadata", {}).get("name")
+    return bool(named and current_name and named.group(1) != current_name)
+
+
 def assess(deployment: dict[str, Any], replicasets: list[dict[str, Any]], pods: list[dict[str, Any]]) -> RolloutState:
     """Where the rollout of ``deployment`` stands (the logic of ``kubectl rollout status``, plus pod reasons)."""
     meta, spec, status = deployment["metadata"], deployment.get("spec", {}), deployment.get("status", {})
@@ -125,7 +139,7 @@ def assess(deployment: dict[str, Any], replicasets: list[dict[str, Any]], pods: 
         if problem:
             return RolloutState("failed", problem[1], reason=problem[0], **common)
     progressing = _condition(deployment, "Progressing")
-    if progressing.get("reason") == "ProgressDeadlineExceeded":
+    if progressing.get("reason") == "ProgressDeadlineExceeded" and not _stale_deadline(progressing, current):
         detail = "; ".join(s["detail"] for s in summary if s["detail"]) or "no pod reason reported"
         return RolloutState(
             "failed",

@@ -188,7 +188,8 @@ def _dep(generation: int = 2, observed: int = 2, replicas: int = 2, updated: int
 
 
 def _rs(uid: str, revision: str) -> dict:
-    return {"metadata": {"uid": uid, "ownerReferences": [{"uid": "dep"}], "annotations": {r.REVISION_ANNOTATION: revision}},
+    return {"metadata": {"uid": uid, "name": f"digits-{uid}", "ownerReferences": [{"uid": "dep"}],
+                         "annotations": {r.REVISION_ANNOTATION: revision}},
             "spec": {"template": {"metadata": {}, "spec": {}}}}  # fmt: skip
 
 
@@ -235,6 +236,20 @@ def test_progress_deadline_exceeded() -> None:
     cond = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "timed out"}]
     state = r.assess(_dep(updated=1, available=0, conditions=cond), RSS, [])
     assert state.phase == "failed" and state.reason == "ProgressDeadlineExceeded"
+
+
+def test_a_deadline_of_the_rolled_back_replicaset_is_not_the_rollbacks_failure() -> None:
+    """Rolled back to rs1, the controller still shows rs2's exceeded deadline until it sees progress: the
+    rollback is progressing, not failed. A deadline naming the current ReplicaSet fails it."""
+    def deadline(rs: str) -> list:
+        return [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                 "message": f'ReplicaSet "digits-{rs}" has timed out progressing.'}]  # fmt: skip
+
+    back = _dep(revision="3", updated=1, available=1, total=2, conditions=deadline("rs2"))
+    rss = [_rs("rs1", "3"), _rs("rs2", "2")]
+    assert r.assess(back, rss, [_pod("rs1")]).phase == "progressing"
+    failed = r.assess(_dep(revision="3", updated=1, available=0, conditions=deadline("rs1")), rss, [])
+    assert failed.phase == "failed" and failed.reason == "ProgressDeadlineExceeded"
 
 
 def test_previous_replicaset() -> None:
