@@ -199,13 +199,25 @@ def form_property(page: Any, name: str) -> Any:
 
 
 def open_custom_run(page: Any, ui: str, flow: str, deployment: str) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import expect
 
     page.goto(f"{ui}/deployments")
     page.get_by_placeholder("Search deployments").fill(deployment)
+    # The search reaches the URL after a debounce and re-renders the list: a click before that can be lost.
+    page.wait_for_url(re.compile(r"flowOrDeploymentNameLike="))
     row = page.get_by_role("row").filter(has=page.get_by_role("link", name=flow, exact=True))
-    row.get_by_role("link", name=deployment, exact=True).click()
-    page.wait_for_url(re.compile(r"/deployments/deployment/[0-9a-f-]{36}$"))
+    link = row.get_by_role("link", name=deployment, exact=True)
+    detail = re.compile(r"/deployments/deployment/[0-9a-f-]{36}$")
+    for attempt in range(6):  # a click the list's re-render swallowed is clicked again
+        expect(link).to_be_visible()
+        link.click()
+        try:
+            page.wait_for_url(detail, timeout=15_000)
+            break
+        except PlaywrightTimeout:
+            if attempt == 5:
+                raise
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Custom run", exact=True).click()
     page.wait_for_url(re.compile(r"/deployments/deployment/[0-9a-f-]{36}/run"))
