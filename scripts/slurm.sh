@@ -11,6 +11,14 @@
 # `slurmd -Z --conf "... Feature=joined"` lands in the `joined` partition (a NodeSet by feature),
 # never in the default one. blocks/ssh_hosts.py joins hosts this way (see README, provisioning).
 #
+# The cluster has a filesystem of its own: slurmd (and so every job) and the login node's sshd (and so
+# every command over SSH) run in a mount namespace where $CLUSTER_ROOT (/srv) holds the cluster's shared
+# directory ($CLUSTER_ROOT/shared) and its own Python environment ($CLUSTER_ROOT/env: Debian's python3 with
+# the examples' and gpuferry runtime's requirements, not the worker's venv). Those paths do not exist on
+# this machine outside the namespace, so a test that gives the block them proves the orchestrator never
+# reads the cluster's files. The namespace shares the network (loopback) with this machine; see README.
+# The older shared directory ($SHARED, visible to both) stays for the same-host tests.
+#
 # Everything this script writes lives under $GPUFERRY_STACKS/slurm (configs, state, pids, logs,
 # keys, the fake GPU device nodes and the "shared filesystem" for job directories); nothing is
 # written to /etc. Because there is no /etc/slurm/slurm.conf, EVERY Slurm command must see
@@ -37,6 +45,10 @@ STATE=$RUN/state
 SSHDIR=$RUN/ssh
 DEV=$RUN/dev
 SHARED=$RUN/shared
+NS=$RUN/ns                                                   # the cluster's mount namespace (a bound ns file)
+CLUSTERFS=$RUN/clusterfs                                     # what the cluster sees at $CLUSTER_ROOT
+CLUSTER_ROOT=${GPUFERRY_SLURM_CLUSTER_ROOT:-/srv}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 CLUSTER=${GPUFERRY_SLURM_CLUSTER:-gpuferry}
 PARTITION=${GPUFERRY_SLURM_PARTITION:-debug}
@@ -222,6 +234,58 @@ ensure_ctld_addr() {
   log "added $CTLD_ADDR/32 to lo (slurmctld's address for joined nodes)"
 }
 
+# ---- the cluster's own filesystem: a mount namespace -------------------------------------------------
+mounted() { findmnt -rn -M "$1" >/dev/null 2>&1; }
+ns_id() { echo "mnt:[$(stat -L -c %i "$NS/mnt")]"; }
+in_cluster() { nsenter --mount="$NS/mnt" -- "$@"; }
+
+namespace_up() {
+  if mounted "$NS/mnt"; then return 0; fi
+  [[ -d $CLUSTER_ROOT ]] || die "$CLUSTER_ROOT does not exist (the cluster's filesystem is mounted there; set GPUFERRY_SLURM_CLUSTER_ROOT to an existing directory)"
+  [[ ! -e $CLUSTER_ROOT/shared ]] || die "$CLUSTER_ROOT/shared exists on this machine: the cluster's paths must not (set GPUFERRY_SLURM_CLUSTER_ROOT to another directory)"
+  mkdir -p "$NS" "$CLUSTERFS/shared"
+  chmod 1777 "$CLUSTERFS/shared"
+  # A namespace file can be bind-mounted only onto a mount whose propagation is private.
+  mounted "$NS" || mount --bind "$NS" "$NS"
+  mount --make-private "$NS"
+  : >"$NS/mnt"
+  unshare --mount="$NS/mnt" --propagation private -- mount --bind "$CLUSTERFS" "$CLUSTER_ROOT" ||
+    { namespace_down; die "could not make the cluster's mount namespace"; }
+  log "the cluster's filesystem: $CLUSTERFS at $CLUSTER_ROOT, in the mount namespace $NS/mnt"
+}
+
+namespace_down() {
+  if mounted "$NS/mnt"; then umount "$NS/mnt" || die "cannot unmount $NS/mnt"; fi
+  if mounted "$NS"; then umount "$NS" || die "cannot unmount $NS"; fi
+}
+
+# A daemon started before the namespace existed (an older `up`) runs outside it: stop it to start it inside.
+outside_namespace() {
+  local pid
+  pid_alive "$1" "$2" || return 1
+  pid=$(<"$1")
+  [[ $(readlink "/proc/$pid/ns/mnt") != "$(ns_id)" ]]
+}
+
+# The cluster's Python: Debian's interpreter in a venv of its own, with what the examples and gpuferry's
+# runtime (the cluster-side store) import, at the lock's versions. Made once per set of inputs.
+cluster_env() {
+  local env=$CLUSTER_ROOT/env want uv=${GPUFERRY_UV:-$REPO/.venv/bin/uv}
+  want=$(cat "$REPO/requirements.lock" "$REPO"/examples/*/requirements.txt "$REPO/runtime/requirements.txt" | sha256sum | cut -c1-16)
+  if [[ -s $CLUSTERFS/env/.inputs && $(<"$CLUSTERFS/env/.inputs") == "$want" ]]; then return 0; fi
+  [[ -x $uv ]] || die "uv is needed to make the cluster's Python environment ($uv; run \`make venv\` first)"
+  log "making the cluster's Python environment $env (Debian's python3; ~1 min once)"
+  local reqs=() f
+  for f in "$REPO"/examples/*/requirements.txt "$REPO/runtime/requirements.txt"; do reqs+=(-r "$f"); done
+  local links=()
+  [[ -d /opt/wheels ]] && links=(--find-links /opt/wheels)
+  in_cluster "$uv" venv -q --clear --python /usr/bin/python3 "$env" >"$LOGS/cluster-env.log" 2>&1 &&
+    in_cluster "$uv" pip install --python "$env/bin/python" "${links[@]}" -c "$REPO/requirements.lock" \
+      "${reqs[@]}" pyyaml >>"$LOGS/cluster-env.log" 2>&1 ||
+    { tail -n 20 "$LOGS/cluster-env.log" >&2; die "could not make the cluster's Python environment"; }
+  echo "$want" >"$CLUSTERFS/env/.inputs"
+}
+
 # ---- daemons -----------------------------------------------------------------------------------
 start_munge() {
   # The default socket: slurmctld's connection to slurmdbd ignores AuthInfo=socket= in 22.05.
@@ -284,8 +348,9 @@ start_slurm() {
     log "slurmctld started ($(<"$PIDS/slurmctld.pid"))"
   fi
   for n in "${NODES[@]}"; do
+    if outside_namespace "$PIDS/slurmd-$n.pid" slurmd; then stop_pid "$PIDS/slurmd-$n.pid" slurmd; fi
     if ! pid_alive "$PIDS/slurmd-$n.pid" slurmd; then
-      slurmd -f "$SLURM_CONF" -N "$n"
+      in_cluster slurmd -f "$SLURM_CONF" -N "$n"   # its jobs see the cluster's filesystem
       wait_for 30 "$LOGS/slurmd-$n.log" "slurmd $n running" pid_alive "$PIDS/slurmd-$n.pid" slurmd
       log "slurmd $n started ($(<"$PIDS/slurmd-$n.pid"))"
     fi
@@ -349,11 +414,11 @@ X11Forwarding no
 AllowTcpForwarding no
 Subsystem sftp internal-sftp
 EOF
-  if [[ $changed == 0 ]]; then stop_pid "$PIDS/sshd.pid" sshd; fi
+  if [[ $changed == 0 ]] || outside_namespace "$PIDS/sshd.pid" sshd; then stop_pid "$PIDS/sshd.pid" sshd; fi
   if ! pid_alive "$PIDS/sshd.pid" sshd; then
     mkdir -p /run/sshd
     /usr/sbin/sshd -t -f "$SSHDIR/sshd_config" || die "sshd rejected $SSHDIR/sshd_config"
-    /usr/sbin/sshd -f "$SSHDIR/sshd_config" -E "$LOGS/sshd.log"
+    in_cluster /usr/sbin/sshd -f "$SSHDIR/sshd_config" -E "$LOGS/sshd.log"   # the login node: the cluster's files
     wait_for 20 "$LOGS/sshd.log" "sshd listening on $SSH_PORT" bash -c "echo > /dev/tcp/127.0.0.1/$SSH_PORT"
     log "sshd started ($(<"$PIDS/sshd.pid")) on 127.0.0.1:$SSH_PORT"
   fi
@@ -377,6 +442,8 @@ SLURM_PARTITION=$PARTITION
 SLURM_ACCOUNT=$ACCOUNT
 SLURM_QOS_HIGH=high
 SLURM_SHARED_DIR=$SHARED
+SLURM_CLUSTER_DIR=$CLUSTER_ROOT/shared
+SLURM_CLUSTER_PYTHON=$CLUSTER_ROOT/env/bin/python
 SLURM_GPUS_PER_NODE=$GPUS_PER_NODE
 SLURM_NODES=${#NODES[@]}
 SLURM_CTLD_ADDR=$CTLD_ADDR
@@ -397,6 +464,8 @@ up() {
   write_configs && restart=1
   [[ -n $(ls -A "$PIDS" 2>/dev/null) ]] || restart=0   # first start: nothing to restart
   make_fake_gpus
+  namespace_up
+  cluster_env
   start_munge
   start_slurm "$restart"
   wait_for 60 "$LOGS/slurmctld.log" "nodes registered" bash -c "sinfo -h -N -o %N | grep -q ."
@@ -423,6 +492,7 @@ down() {
   for n in "${NODES[@]}"; do
     find /sys/fs/cgroup/*/slurm_"$n" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done
+  namespace_down
   log "down"
 }
 
@@ -436,6 +506,7 @@ stop_controller() {
 start_controller() {
   [[ -f $RUN/env ]] || die "the stack is not up (run \`$0 up\` first)"
   ensure_ctld_addr
+  namespace_up
   start_slurm 0
   wait_for 90 "$LOGS/slurmctld.log" "nodes ${NODES[*]} usable in sinfo" nodes_idle
 }

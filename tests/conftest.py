@@ -152,15 +152,12 @@ def s3_for_pods(k8s: dict[str, str]) -> Iterator[dict[str, str]]:
 def slurm_in_images() -> Iterator[SlurmCluster]:
     """The slurm stack as a stack file would declare it for jobs in the workload's image: over SSH, each job
     pulling the image with the registry stack's login and running it with podman (the stack's nodes have
-    podman, and stand-in GPUs passed as CUDA_VISIBLE_DEVICES), in a job directory of the test's own."""
-    import shutil
-    import uuid
+    podman, and stand-in GPUs passed as CUDA_VISIBLE_DEVICES), in a job directory of the test's own on the
+    cluster's own filesystem (a path this machine does not have)."""
+    from tests.stacks import cluster_dir, remove_on_cluster, slurm_for_images
 
-    from tests.stacks import slurm_for_images, stack_env
-
-    workdir_root = Path(stack_env("slurm")["SLURM_SHARED_DIR"]) / f"in-images-{uuid.uuid4().hex[:8]}"
+    workdir_root = cluster_dir("in-images")
     cluster = slurm_for_images(workdir_root)
     yield cluster
+    remove_on_cluster(cluster, workdir_root)
     cluster.close()
-    if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":
-        shutil.rmtree(workdir_root, ignore_errors=True)

@@ -137,21 +137,63 @@ def registry_login(password: str | None = None):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
+def slurm_login() -> dict[str, object]:
+    """The SlurmCluster fields that reach the slurm stack's login node over SSH (its key, host key, partition)."""
+    from pydantic import SecretStr
+
+    slurm = stack_env("slurm")
+    return dict(
+        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), user=slurm["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=slurm["SLURM_CONF"],
+        partition=slurm["SLURM_PARTITION"],
+    )  # fmt: skip
+
+
+def cluster_dir(name: str) -> str:
+    """A new job directory root on the slurm stack's own filesystem: a path that does not exist on this machine
+    (scripts/slurm.sh mounts it in the cluster's mount namespace only), as on a remote cluster."""
+    import uuid
+
+    root = f"{stack_env('slurm')['SLURM_CLUSTER_DIR']}/{name}-{uuid.uuid4().hex[:8]}"
+    assert not Path(root).parent.exists(), f"{root} must not exist for the orchestrator"
+    return root
+
+
+def remote_slurm(name: str, **fields):  # type: ignore[no-untyped-def]
+    """The slurm stack as a remote cluster: over SSH, job directories on the cluster's own filesystem and the
+    cluster's own Python (Debian's python3 in a venv of the cluster's, not this process's interpreter).
+    ``fields`` override the block's settings."""
+    from blocks.slurm import SlurmCluster
+
+    settings = {**slurm_login(), "workdir_root": cluster_dir(name),
+                "python": stack_env("slurm")["SLURM_CLUSTER_PYTHON"], **fields}  # fmt: skip
+    return SlurmCluster(**settings)
+
+
+def remove_on_cluster(cluster, path: str) -> None:  # type: ignore[no-untyped-def]
+    """Remove ``path`` on the cluster's filesystem (through the block's SSH session), unless GPUFERRY_KEEP_JOBS=1."""
+    if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":
+        cluster.run(["rm", "-rf", "--", path], check=False)
+
+
+def mlflow_server():  # type: ignore[no-untyped-def]
+    """An MlflowTracking block on the mlflow stack's server (artifacts proxied by the server to its S3 bucket):
+    what a job on a remote cluster can log to."""
+    from blocks.tracking import MlflowTracking
+
+    return MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
+
+
 def slurm_for_images(workdir_root: str | Path, **fields):  # type: ignore[no-untyped-def]
     """The slurm stack as a stack file would declare it for jobs in the workload's image: over SSH, each job
     pulling the image with the registry stack's login and running it with podman (the stack's nodes have
     podman, and stand-in GPUs passed as CUDA_VISIBLE_DEVICES). ``fields`` override the block's settings."""
-    from pydantic import SecretStr
-
     from blocks.slurm import SlurmCluster
 
-    slurm, reg = stack_env("slurm"), stack_env("registry")
+    reg = stack_env("registry")
     settings: dict[str, object] = dict(
-        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), user=slurm["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=slurm["SLURM_CONF"],
-        workdir_root=str(workdir_root), partition=slurm["SLURM_PARTITION"],
-        container_runtime="podman", podman_gpu_mode="env",
+        **slurm_login(), workdir_root=str(workdir_root), container_runtime="podman", podman_gpu_mode="env",
         container_runtime_env={k: reg[k] for k in ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF",
                                                    "CONTAINERS_STORAGE_CONF")},
         registry_credentials=registry_login(),

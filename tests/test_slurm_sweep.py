@@ -1,18 +1,17 @@
-"""The sweep flow on the real local Slurm, over SSH: one job array, a child MLflow run per configuration,
-the best child through upload → register → deploy, and sacct's GPU/CPU-hours in MLflow."""
+"""The sweep flow on the real local Slurm as a remote cluster (over SSH, its own filesystem and Python, logging
+to the mlflow stack's server): one job array, a child MLflow run per configuration, the best child through
+upload (by the cluster, into the s3 stack) → register → deploy, and sacct's GPU/CPU-hours in MLflow."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
-from pydantic import SecretStr
 
 from blocks.slurm import SlurmCluster
 from blocks.specs import Resources, ServingSpec, SweepGrid, TrainingSpec
@@ -20,7 +19,7 @@ from blocks.stack import Stack
 from blocks.workload import load_workload
 from flows.sweep import sweep
 from tests.examples import DIABETES, DIGITS, JOBS, code_of
-from tests.stacks import s3_store, stack_env
+from tests.stacks import mlflow_server, remote_slurm, remove_on_cluster, s3_store, stack_env
 from tests.test_pipeline_slurm import TEST_BUCKET
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
@@ -28,15 +27,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _cluster(env: dict[str, str], **options: object) -> SlurmCluster:
-    return SlurmCluster(
-        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
-        workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"sweep-{uuid.uuid4().hex[:8]}"),
-        partition=env["SLURM_PARTITION"], python=sys.executable,
-        poll_interval_start=0.5, poll_interval_max=3.0, **options,
-    )  # fmt: skip
+def _cluster(**options: object) -> SlurmCluster:
+    """The slurm stack as a remote cluster (its own filesystem and Python; tests/stacks.py)."""
+    return remote_slurm("sweep", poll_interval_start=0.5, poll_interval_max=3.0, **options)
 
 
 def _slurm(env: dict[str, str], *argv: str) -> list[list[str]]:
@@ -50,8 +43,9 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
     stack = Stack.embedded()
     # A GPU per task from the cluster's settings: the stack's node provider is this (GPU-less)
     # machine, which would refuse resources.gpus_per_node > 0 in its preflight.
-    stack.compute = _cluster(env, additional_directives={"gpus-per-task": "1"})
+    stack.compute = _cluster(additional_directives={"gpus-per-task": "1"})
     stack.storage = s3_store(TEST_BUCKET)  # the cluster stores the best model itself
+    stack.tracking = mlflow_server()  # the array's tasks log to it over the network
     stack.save("slurm-sweep-test", overwrite=True)
     grid = SweepGrid(values={"lr": [0.002, 0.1], "hidden": [8, 64]})
     outcome = sweep(
@@ -114,14 +108,16 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
         assert json.loads(best.data.tags["gpuferry.hparams"]) == outcome.best_hyperparameters
     finally:
         stack.serving.undeploy("digits-sweep")
+        remove_on_cluster(stack.compute, stack.compute.workdir_root)
 
 
 def test_a_sweep_of_the_regressors_own_hyperparameters_is_one_array() -> None:
     """The scikit-learn example's alpha × l1_ratio on Slurm: the same flow, its schema, its metric (minimised)."""
     env = stack_env("slurm")
     stack = Stack.embedded()
-    stack.compute = _cluster(env)
+    stack.compute = _cluster()
     stack.storage = s3_store(TEST_BUCKET)
+    stack.tracking = mlflow_server()
     stack.save("slurm-sweep-regressor", overwrite=True)
     grid = SweepGrid(values={"alpha": [0.001, 1.0, 30.0], "l1_ratio": [0.2, 0.9]})
     outcome = sweep(workload=str(DIABETES), grid=grid, stack="slurm-sweep-regressor",
@@ -139,6 +135,7 @@ def test_a_sweep_of_the_regressors_own_hyperparameters_is_one_array() -> None:
         assert len({r[0].split("_")[0] for r in rows}) == 1 and len(rows) == 6  # one array of six tasks
     finally:
         stack.serving.undeploy("diabetes-sweep")
+        remove_on_cluster(stack.compute, stack.compute.workdir_root)
 
 
 class _TrackingDown:
@@ -163,7 +160,7 @@ def test_a_sweep_that_fails_for_good_cancels_its_held_array(tmp_path: Path) -> N
     from tasks.sweep import train_sweep
 
     env = stack_env("slurm")
-    cluster = _cluster(env)
+    cluster = _cluster()
     tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
                               artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
     parent = tracking.client.create_run(tracking.experiment_id("sweep-cancel"), run_name="sweep-cancel").info.run_id
@@ -189,7 +186,8 @@ def test_a_sweep_that_fails_for_good_cancels_its_held_array(tmp_path: Path) -> N
         # ONE array (the retry adopted it), cancelled while held: none of its tasks ran.
         live = _slurm(env, "squeue", "-h", "-t", "all", f"--name={key}", "-o", "%F|%T|%r")
         assert len({r[0] for r in live}) == 1 and {r[1] for r in live} == {"CANCELLED"}, live
-        assert not list(Path(job.workdir).glob("task-*.log"))
+        _, logs, _ = cluster.run(["find", job.workdir, "-name", "task-*.log"], check=False)
+        assert not logs.strip(), logs
         rows: list[list[str]] = []
         deadline = time.monotonic() + 120  # sacct lags the controller
         while time.monotonic() < deadline:
@@ -203,3 +201,4 @@ def test_a_sweep_that_fails_for_good_cancels_its_held_array(tmp_path: Path) -> N
     finally:
         subprocess.run(["scancel", f"--name={key}"], env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"},
                        check=False)  # fmt: skip
+        remove_on_cluster(cluster, cluster.workdir_root)

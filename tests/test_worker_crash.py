@@ -69,7 +69,7 @@ class World:
 def save_stack(w: World) -> None:
     from blocks.serving import LocalServing
 
-    stack = slurm_stack(w.slurm)  # training on the Slurm stack, over SSH
+    stack = slurm_stack("worker-crash")  # training on the Slurm stack as a remote cluster, over SSH
     stack.serving = LocalServing(state_dir=str(w.tmp / "serving"), drain_seconds=2)
     stack.save(w.stack, overwrite=True)
 
