@@ -40,6 +40,7 @@ from pydantic import Field
 
 from blocks import _job_runner
 from blocks._proc import alive, start_time
+from blocks.backoff import Poll
 from blocks.checks import CheckRow, Probe, executable, writable_dir
 from blocks.home import gpuferry_home
 from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
@@ -142,7 +143,7 @@ class ComputeBackend(Block, ABC):
         ``timeout_seconds`` bounds the time one attempt runs (see the module's docstring): a job that
         waits in the queue, or is requeued, is not cancelled for it.
         """
-        interval = self.poll_interval_start
+        poll = Poll(self.poll_interval_start, self.poll_interval_max)
         offset = 0
         last_progress: dict[str, Any] | None = None
         running_since: float | None = None  # when the current attempt was first seen running
@@ -165,8 +166,7 @@ class ComputeBackend(Block, ABC):
                         f"last error: {exc}"
                     ) from exc
                 run_logger().warning("job %s: cannot poll (%s); still trying", handle.job_id, exc)
-                time.sleep(interval)
-                interval = min(interval * 1.5, self.poll_interval_max)
+                poll.wait()
                 continue
             if outage_since is not None:
                 run_logger().info("job %s: the backend answers again after %.0f s", handle.job_id,
@@ -191,8 +191,7 @@ class ComputeBackend(Block, ABC):
                     state="TIMEOUT",
                     log_tail=self.log_tail(handle),
                 )
-            time.sleep(interval)
-            interval = min(interval * 1.5, self.poll_interval_max)
+            poll.wait()
 
     def result(self, handle: JobHandle, status: JobStatus, *, gpus: int = 0, cpus: int = 1) -> JobResult:
         """Turn a terminal status into a result, or raise an actionable ``JobFailed``."""

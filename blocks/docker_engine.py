@@ -22,7 +22,6 @@ import fcntl
 import hashlib
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -399,19 +398,6 @@ def _hint(text: str) -> str:
     if "no such image" in lowered or "image not known" in lowered:
         return " — the image is not on the engine: it is pulled first when registry_credentials can pull it"
     return ""
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, *, start: float = 0.1, most: float = 1.0) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` passes (False), the interval growing by half."""
-    deadline = time.monotonic() + timeout
-    interval = start
-    while True:
-        if condition():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-        interval = min(interval * 1.5, most)
 
 
 def save(path: Path, data: bytes, mode: int = 0o644) -> None:

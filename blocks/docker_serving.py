@@ -29,7 +29,8 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import Field
 
-from blocks.docker_engine import save, wait_until
+from blocks.backoff import wait_until
+from blocks.docker_engine import save
 from blocks.docker_gpu_host import DockerGpuHost
 from blocks.docker_spec import (
     LABEL_GPU_SHARING,
@@ -265,7 +266,7 @@ class DockerServing(ServingBackend, DockerGpuHost):
             url = self._url(info)
             return state["Status"] == "running" and bool(url) and _ready(url, release.server.readiness_path)
 
-        if not wait_until(ready, timeout, start=0.1, most=1.0):
+        if not wait_until(ready, timeout, first=0.1, most=1.0):
             raise DeployFailed(f"v{release.version} was not ready within {timeout:.0f} s (ready_timeout_seconds)")
         return seen["info"]
 

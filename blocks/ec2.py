@@ -31,7 +31,6 @@ quota or permission becomes a ``ConfigurationError`` naming the field and the fi
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import Any
 
@@ -41,6 +40,7 @@ from prefect.logging import get_run_logger
 from prefect_aws import AwsCredentials
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from blocks.backoff import Poll
 from blocks.errors import ConfigurationError, TransientError
 from blocks.provision import STATE_ACQUIRED, STATE_FAILED, STATE_READY, NodeProvider, NodeRequirements
 from blocks.specs import GpuInfo, Node
@@ -277,9 +277,8 @@ class Ec2Provider(NodeProvider):
 
     def _console_known_hosts(self, hosts: list[SshHost], timeout: float) -> str:
         """known_hosts lines from the host keys cloud-init printed to each instance's console."""
-        deadline = time.monotonic() + timeout
+        poll = Poll(self.poll_interval_start, self.poll_interval_max, factor=2, timeout=timeout)
         lines: dict[str, list[str]] = {}
-        interval = self.poll_interval_start
         while True:
             for host in hosts:
                 if host.node_name in lines:
@@ -294,15 +293,14 @@ class Ec2Provider(NodeProvider):
             missing = [h.node_name for h in hosts if h.node_name not in lines]
             if not missing:
                 return "".join(line + "\n" for host in hosts for line in lines[host.node_name])
-            if time.monotonic() > deadline:
+            if poll.expired():
                 raise TransientError(
                     f"no SSH host keys in the console output of {', '.join(missing)} after {timeout:.0f} s "
                     f"(cloud-init prints them between "
                     f"{_HOST_KEYS_BEGIN} and {_HOST_KEYS_END}). Fix: use an AMI with cloud-init, or set "
                     "ssh.known_hosts to the instances' keys"
                 )
-            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            interval = min(interval * 2, self.poll_interval_max)
+            poll.wait()
 
     def check(self, nodes: list[Node], requirements: NodeRequirements) -> list[Node]:
         inspected = super().check(nodes, requirements)
@@ -409,8 +407,7 @@ class Ec2Provider(NodeProvider):
 
     def _wait_running(self, key: str, count: int) -> list[dict[str, Any]]:
         """Poll (fast at first, then backing off) until ``count`` instances of the run are running."""
-        deadline = time.monotonic() + self.ready_timeout_seconds
-        interval = self.poll_interval_start
+        poll = Poll(self.poll_interval_start, self.poll_interval_max, factor=2, timeout=self.ready_timeout_seconds)
         while True:
             instances = self._describe([{"Name": f"tag:{RUN_TAG}", "Values": [key]}])
             dead = [i for i in instances if i["State"]["Name"] in ("shutting-down", "terminated")
@@ -422,15 +419,14 @@ class Ec2Provider(NodeProvider):
             if not pending and dead:
                 reasons = "; ".join(f"{i['InstanceId']}: {i['StateReason'].get('Message', '')}" for i in dead)
                 raise TransientError(f"instances of run {key} stopped while starting ({reasons})")
-            if time.monotonic() > deadline:
+            if poll.expired():
                 waiting = ", ".join(i["InstanceId"] for i in pending) or "none"
                 raise TransientError(
                     f"run {key}: {len(running)} of {count} {self.instance_type} instance(s) running after "
                     f"{self.ready_timeout_seconds:.0f} s (pending: {waiting}); "
                     "raise ready_timeout_seconds, or look at the instances' console output"
                 )
-            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            interval = min(interval * 2, self.poll_interval_max)
+            poll.wait()
 
     def _terminate(self, ids: list[str]) -> None:
         if not ids:

@@ -10,7 +10,6 @@ a 429 or a timeout cannot apply anything twice.
 from __future__ import annotations
 
 import json
-import random
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from blocks.backoff import retry_delay
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 
 APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: server-side apply takes a JSON body
@@ -168,7 +168,7 @@ class KubeApi:
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), 8.0) * (0.5 + random.random() / 2))
+                time.sleep(retry_delay(attempt, self.backoff))
             headers = self._headers(content_type if data is not None else None)
             self.attempts += 1
             try:
@@ -217,7 +217,7 @@ class KubeApi:
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), 8.0) * (0.5 + random.random() / 2))
+                time.sleep(retry_delay(attempt, self.backoff))
             self.attempts += 1
             try:
                 response = self._client.request(

@@ -9,10 +9,11 @@ sentence (the pod reasons ImagePullBackOff, CrashLoopBackOff, OOMKilled, ... tur
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from blocks.backoff import Poll
 
 REVISION_ANNOTATION = "deployment.kubernetes.io/revision"
 
@@ -187,8 +188,7 @@ def watch(
     The interval starts at ``first_interval`` (a rollout that succeeds at once returns at once) and
     grows to ``max_interval``. At the deadline the state is returned as failed, reason ``Timeout``.
     """
-    deadline = time.monotonic() + timeout
-    interval = first_interval
+    poll = Poll(first_interval, max_interval, timeout=timeout)
     last_message = None
     while True:
         state = assess(*fetch())
@@ -197,7 +197,7 @@ def watch(
         last_message = state.message
         if state.phase != "progressing":
             return state
-        if time.monotonic() >= deadline:
+        if poll.expired():
             detail = "; ".join(f"{p['name']}: {p['detail']}" for p in state.pods if p["detail"])
             return RolloutState(
                 "failed",
@@ -206,5 +206,4 @@ def watch(
                 revision=state.revision, updated=state.updated, available=state.available,
                 desired=state.desired, pods=state.pods,
             )  # fmt: skip
-        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-        interval = min(interval * 1.5, max_interval)
+        poll.wait()

@@ -29,7 +29,6 @@ import functools
 import logging
 import re
 import threading
-import time
 from typing import Any, ClassVar, Literal
 
 import httpx
@@ -37,6 +36,7 @@ from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import k8s_manifests as manifests
 from blocks import k8s_rollout as rollout
+from blocks.backoff import Poll
 from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.k8s_api import Connection, KubeApi, connection_from_kubeconfig, connection_in_cluster
@@ -368,16 +368,14 @@ class KubernetesCluster(ServingBackend):
         path = self._path("Deployment", "apps/v1", name)
         existed = api.delete(path, propagationPolicy="Foreground")
         # Foreground: the Deployment goes once its pods are gone, so "stopped" means stopped.
-        deadline = time.monotonic() + self.progress_deadline_seconds
-        interval = 0.2
+        poll = Poll(0.2, 2.0, timeout=self.progress_deadline_seconds)
         while existed and api.get_or_none(path) is not None:
-            if time.monotonic() > deadline:
+            if poll.expired():
                 raise DeployFailed(
                     f"{self.namespace}/{name} was deleted but its pods did not stop within "
                     f"{self.progress_deadline_seconds} s (kubectl -n {self.namespace} get pods)"
                 )
-            time.sleep(interval)
-            interval = min(interval * 1.5, 2.0)
+            poll.wait()
         return existed
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from prefect.blocks.core import Block
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from blocks._proc import alive, free_port, start_time, stop
+from blocks.backoff import Poll
 from blocks.checks import CheckRow, Probe, executable, writable_dir
 from blocks.compute import INHERITED_ENV
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
@@ -342,9 +343,8 @@ class LocalServing(ServingBackend):
         return bool(state) and stop(state["pid"], state["pid_start"], grace_seconds=self.drain_seconds)
 
     def _wait_ready(self, state: dict[str, Any], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        interval = 0.1
-        while time.monotonic() < deadline:
+        poll = Poll(0.1, 1.0, timeout=timeout)
+        while not poll.expired():
             if not alive(state["pid"], state["pid_start"]):
                 raise DeployFailed(
                     f"the server for version {state['version']} exited before it was ready; "
@@ -352,8 +352,7 @@ class LocalServing(ServingBackend):
                 )
             if _ready(state["url"], state["readiness_path"]):
                 return
-            time.sleep(interval)
-            interval = min(interval * 1.5, 1.0)
+            poll.wait()
         raise DeployFailed(
             f"version {state['version']} was not ready within {timeout:.0f} s (ready_timeout_seconds); "
             f"last lines of {state['log']}:\n{_tail(state['log'])}"

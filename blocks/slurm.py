@@ -45,6 +45,7 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import remote_store
+from blocks.backoff import Poll
 from blocks.checks import CheckRow, Probe
 from blocks.compute import ComputeBackend, run_logger
 from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
@@ -542,14 +543,14 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
         Every attempt counts (``--duplicates``: a preempted attempt used its GPUs too). sacct lags the
         controller by a few seconds, so this waits (up to ``wait_seconds``) for the final record.
         """
-        deadline = time.monotonic() + wait_seconds
+        poll = Poll(0.5, 2.0, timeout=wait_seconds)
         while True:
             _, out, _ = self.run(["sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id,
                                   f"--format={SACCT_USAGE_FORMAT}"])  # fmt: skip
             rows = usage_rows(out)
-            if accounting_settled(rows) or time.monotonic() > deadline:
+            if accounting_settled(rows) or poll.expired():
                 break
-            time.sleep(1.0)
+            poll.wait()
         return usage(rows)
 
     def result(self, handle: JobHandle, status: JobStatus, *, gpus: int = 0, cpus: int = 1) -> JobResult:

@@ -12,6 +12,7 @@ import posixpath
 import time
 from collections.abc import Mapping, Sequence
 
+from blocks.backoff import Poll
 from blocks.errors import ConfigurationError
 from blocks.slurm_state import (
     SACCT_TASK_FORMAT, array_task_rows, index_ranges, status_from_squeue, task_status, usage, usage_row_from_squeue,
@@ -140,7 +141,7 @@ class SlurmArrays:
             if status.terminal and not record.get("restart_cnt"):
                 found[int(record["array_task_id"])] = (status, usage([usage_row_from_squeue(record, status)]))
         rest = [i for i in range(size) if i not in found]
-        deadline = time.monotonic() + wait_seconds
+        poll = Poll(0.5, 2.0, timeout=wait_seconds)
         while rest:
             _, out, _ = self.run(["sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id,
                                   f"--format={SACCT_TASK_FORMAT}"])  # fmt: skip
@@ -151,9 +152,9 @@ class SlurmArrays:
                 if final is not None:
                     found[index] = (final, usage(rows))
                     rest.remove(index)
-            if not rest or time.monotonic() > deadline:
+            if not rest or poll.expired():
                 break
-            time.sleep(1.0)
+            poll.wait()
         missing = JobStatus(job_id=handle.job_id, state="FAILED", reason="no final state recorded for this array task")
         return {i: found.get(i, (missing.model_copy(update={"job_id": f"{handle.job_id}_{i}"}), usage([])))
                 for i in range(size)}  # fmt: skip

@@ -66,6 +66,7 @@ from prefect.logging import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
+from blocks.backoff import Poll, retry_delay
 from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.provision import (
@@ -725,16 +726,14 @@ class SshHosts(NodeProvider):
                                            f"reason={_RELEASE_REASON}")  # fmt: skip
                 s.check(drain, f"draining {name}", "run scontrol on the host by hand and read its error", change=True)
                 changes.append("drained")
-            deadline = time.monotonic() + join.drain_timeout_seconds
-            interval = 0.5
+            poll = Poll(0.5, 5.0, factor=2, timeout=join.drain_timeout_seconds)
             while info is not None and not info.drained:
-                if time.monotonic() > deadline:
+                if poll.expired():
                     raise TransientError(
                         f"{name}: still has jobs {join.drain_timeout_seconds:.0f} s after it was drained (state "
                         f"{info.state}); release again once they ended, or cancel them (`squeue -w {name}`)"
                     )
-                time.sleep(interval)
-                interval = min(interval * 2, 5.0)
+                poll.wait()
                 info = self._node_info(name, s, join)
         if self._slurmd_cmdline(s, pid_file) is not None:
             self._stop_slurmd(name, s, pid_file)
@@ -787,8 +786,8 @@ class SshHosts(NodeProvider):
 
     def _wait_usable(self, name: str, s: _Session, join: SlurmJoin) -> tuple[_SlurmNode, str | None]:
         """Wait until the controller lists the node usable, resuming it (once) when drained or down."""
-        deadline = time.monotonic() + join.registration_timeout_seconds
-        interval, resumed = 0.2, None
+        poll = Poll(0.2, 2.0, factor=2, timeout=join.registration_timeout_seconds)
+        resumed = None
         while True:
             info = self._node_info(name, s, join)
             if info is not None and info.usable:
@@ -800,15 +799,14 @@ class SshHosts(NodeProvider):
                 s.check(join.scontrol_argv(name, "update", f"nodename={name}", "state=resume"), f"resuming {name}",
                         "run scontrol on the host by hand and read its error", change=True)  # fmt: skip
                 continue
-            if time.monotonic() > deadline:
+            if poll.expired():
                 seen = f"its state is {info.state}" if info else "the controller does not list it"
                 raise TransientError(
                     f"{name}: not usable in Slurm {join.registration_timeout_seconds:.0f} s after slurmd started "
                     f"({seen}). Fix: read the slurmd log on the host (SlurmdLogFile), check that the host reaches "
                     "the controller (SlurmctldHost) and the controller the host (SlurmdPort)"
                 )
-            time.sleep(interval)
-            interval = min(interval * 2, 2.0)
+            poll.wait()
 
     @staticmethod
     def _with_facts(node: Node, facts: _Facts) -> Node:
@@ -879,7 +877,7 @@ class SshHosts(NodeProvider):
             except TransientError as exc:
                 last = exc
                 if attempt < self.connect_attempts:
-                    delay = self.retry_backoff_seconds * 2 ** (attempt - 1)
+                    delay = retry_delay(attempt, self.retry_backoff_seconds, most=float("inf"), jitter=False)
                     _logger().warning("%s: connection attempt %d/%d failed (%s); retrying in %.1f s",
                                       host.node_name, attempt, self.connect_attempts, exc, delay)  # fmt: skip
                     time.sleep(delay)
