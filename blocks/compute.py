@@ -230,6 +230,9 @@ class ComputeBackend(Block, ABC):
     def check_store(self, store: CheckpointStore) -> None:
         """``ConfigurationError`` when models written by this backend's jobs cannot reach ``store`` (no side effect)."""
 
+    def check_tracking(self, tracking_uri: str) -> None:
+        """``ConfigurationError`` when this backend's jobs cannot log to ``tracking_uri`` (no side effect)."""
+
     # ---- job arrays: a sweep runs one task per configuration; a backend without them says so ----------
 
     # Whether this backend runs job arrays (the methods below); a sweep needs them.

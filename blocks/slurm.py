@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 import paramiko
 from prefect_docker.credentials import DockerRegistryCredentials
@@ -352,6 +353,16 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
     def check_store(self, store: CheckpointStore) -> None:
         if not self.local:
             store.remote_destination("preflight")  # a store the cluster cannot reach fails here, naming why
+
+    def check_tracking(self, tracking_uri: str) -> None:
+        if self.local:
+            return
+        if urlsplit(tracking_uri).scheme in ("", "file", "sqlite"):
+            raise ConfigurationError(
+                f"tracking.tracking_uri={tracking_uri!r} is a file on this machine: the jobs on the Slurm cluster "
+                f"({self.host}) log to MLflow themselves and cannot reach it. Point tracking_uri at an MLflow server "
+                "the cluster reaches (http(s)://...), or set compute.local=True when the flow runs on the login node."
+            )
 
     def write_private(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` on the cluster, mode 0600 before a byte is written (its directory created)."""

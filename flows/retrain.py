@@ -136,6 +136,7 @@ def preflight(blocks: Stack, run: RunPlan) -> None:
     image = preflight_image(blocks, run)
     blocks.compute.validate_job(run.job("preflight", "/nonexistent", image, env={}))
     blocks.compute.check_store(blocks.storage)  # a model the cluster writes must reach the stack's store
+    blocks.compute.check_tracking(blocks.tracking.tracking_uri)  # and its jobs must reach the tracking server
     check_images_for_serving(blocks)
     if blocks.images.produces_image and run.workload.definition.image is None:
         raise ConfigurationError(

@@ -279,3 +279,13 @@ def test_golden_sweep_array_script(tmp_path: Path) -> None:
     missing = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                              env={**os.environ, "SLURM_ARRAY_TASK_ID": "9"})  # fmt: skip
     assert missing.returncode == 1 and "array task 9: cannot read its settings" in missing.stderr
+
+
+def test_jobs_on_a_remote_cluster_need_a_tracking_server_they_reach() -> None:
+    """A file-backed tracking URI is this machine's: the cluster's jobs could not log to it."""
+    cluster = training_cluster()
+    for uri in ("sqlite:////home/me/mlflow.db", "file:///home/me/mlruns", "/home/me/mlruns"):
+        with pytest.raises(ConfigurationError, match=r"tracking.tracking_uri=.*MLflow server the cluster reaches"):
+            cluster.check_tracking(uri)
+    cluster.check_tracking("https://mlflow.example.org")
+    cluster.model_copy(update={"local": True}).check_tracking("sqlite:////home/me/mlflow.db")  # on the login node
