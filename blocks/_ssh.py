@@ -57,7 +57,8 @@ def connect_verified(
     ``name`` is how errors call the host; ``check_against`` says where its real fingerprint is found.
     A changed or unknown host key and a refused login are ``ConfigurationError``; anything else that
     goes wrong on the way (refused connection, timeout, reset) is left to the caller as the
-    ``OSError`` / ``EOFError`` / ``paramiko.SSHException`` it is, after the client is closed.
+    ``OSError`` / ``EOFError`` / ``paramiko.SSHException`` it is, after the client is closed; a port that
+    sends no SSH banner in time is a ``TimeoutError`` saying so.
     """
     client = paramiko.SSHClient()
     host_keys = client.get_host_keys()
@@ -84,6 +85,17 @@ def connect_verified(
             f"{name}: SSH login as {user}@{address}:{port} was refused ({exc}): check user and private_key, "
             "and that the public key is in the user's authorized_keys"
         ) from exc
+    except paramiko.SSHException as exc:
+        transport = client.get_transport()
+        client.close()
+        if transport is None or not getattr(transport, "remote_version", ""):
+            # No banner came: paramiko then says "Error reading SSH protocol banner" or, when its deadline
+            # and the handshake's race, "No existing session". Both mean the port said nothing in time.
+            raise TimeoutError(
+                f"{name}: no SSH answer within {timeout:.0f} s (the port accepts connections but sends no SSH "
+                f"banner: is sshd listening on {port}, or is the host overloaded?) [{exc}]"
+            ) from exc
+        raise
     except BaseException:
         client.close()
         raise
