@@ -9,6 +9,7 @@ The stack is saved as a Prefect block and the flow is given its name, as a user 
 from __future__ import annotations
 
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_retrain_trains_on_a_remote_slurm_cluster() -> None:
     try:
         outcome = retrain(
             workload=str(DIGITS),
-            training=TrainingSpec(model_name="digits-slurm", hyperparameters={"epochs": 3},
+            training=TrainingSpec(model_name=f"digits-slurm-{uuid.uuid4().hex[:6]}", hyperparameters={"epochs": 3},
                                   resources=Resources(mem_gb=2, gpus_per_node=1)),
             stack="slurm-pipeline-test",
             force_deploy=True,

@@ -51,7 +51,8 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
     outcome = sweep(
         workload=str(DIGITS),
         grid=grid,
-        training=TrainingSpec(model_name="digits-sweep", hyperparameters={"epochs": 2, "batch_size": 32},
+        training=TrainingSpec(model_name=f"digits-sweep-{uuid.uuid4().hex[:6]}",  # the server's registry persists
+                              hyperparameters={"epochs": 2, "batch_size": 32},
                               resources=Resources(mem_gb=1, time_limit_minutes=10)),
         serving=ServingSpec(service_name="digits-sweep"),
         stack="slurm-sweep-test",
@@ -121,7 +122,8 @@ def test_a_sweep_of_the_regressors_own_hyperparameters_is_one_array() -> None:
     stack.save("slurm-sweep-regressor", overwrite=True)
     grid = SweepGrid(values={"alpha": [0.001, 1.0, 30.0], "l1_ratio": [0.2, 0.9]})
     outcome = sweep(workload=str(DIABETES), grid=grid, stack="slurm-sweep-regressor",
-                    training=TrainingSpec(model_name="diabetes-sweep", resources=Resources(mem_gb=1)),
+                    training=TrainingSpec(model_name=f"diabetes-sweep-{uuid.uuid4().hex[:6]}",
+                                          resources=Resources(mem_gb=1)),
                     serving=ServingSpec(service_name="diabetes-sweep"))  # fmt: skip
     try:
         client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
