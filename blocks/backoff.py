@@ -20,7 +20,7 @@ class Poll:
     def __init__(self, first: float, most: float, *, factor: float = 1.5, timeout: float | None = None) -> None:
         if first <= 0 or factor < 1:
             raise ValueError(f"Poll(first={first}, factor={factor}): need first > 0 and factor >= 1")
-        self.first, self.most, self.factor = first, max(most, first), factor  # a ceiling below the start: no growth
+        self.most, self.factor = max(most, first), factor  # a ceiling below the start: no growth
         self.interval = first
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -41,10 +41,6 @@ class Poll:
     def wait(self) -> None:
         """Sleep the current interval (never past the deadline), then grow it."""
         time.sleep(self.next_interval())
-
-    def reset(self) -> None:
-        """Start again from ``first`` (something changed: look again soon)."""
-        self.interval = self.first
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, *, first: float = 0.1, most: float = 1.0) -> bool:

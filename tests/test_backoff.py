@@ -12,8 +12,6 @@ from blocks.backoff import Poll, retry_delay, wait_until
 def test_the_interval_starts_fast_and_grows_to_its_ceiling() -> None:
     poll = Poll(0.2, 2.0)
     assert [round(poll.next_interval(), 4) for _ in range(8)] == [0.2, 0.3, 0.45, 0.675, 1.0125, 1.5188, 2.0, 2.0]
-    poll.reset()
-    assert poll.next_interval() == 0.2
     doubling = Poll(0.5, 5.0, factor=2)
     assert [doubling.next_interval() for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 5.0]
 

@@ -6,6 +6,7 @@ accounting, not in the MLflow run (params, tags, artifacts) or its model version
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import shutil
 import threading
@@ -21,6 +22,7 @@ from flows.retrain import retrain
 from tests.examples import DIABETES
 from tests.stacks import remove_on_cluster, stack_env
 from tests.test_pipeline_slurm import slurm_stack
+from tests.test_slurm_cluster import slurm
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
@@ -100,48 +102,49 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
         assert rc == 0 and "API_TOKEN received" in log, log[-3000:]  # the job had it
         assert outcome.checkpoint is not None  # and the cluster stored the model with the S3 key
 
+        # Everything the values must not be in, read once: name -> contents.
+        flow_run_id = uuid.UUID(run.data.tags["prefect.flow_run_id"])
+
+        async def logs() -> list[str]:
+            async with get_client() as prefect:
+                found = await prefect.read_logs(
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+                return [entry.message for entry in found]
+
+        messages = asyncio.run(logs())
+        assert messages
         bucket, _, prefix = outcome.checkpoint.uri.removeprefix("s3://").partition("/")
         s3 = stack.storage.bucket.credentials.get_s3_client()
-        for value in planted:
-            raw = value.encode()
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])]
+        assert any(k.endswith("/MANIFEST.json") for k in keys) and any(k.endswith("/MLmodel") for k in keys), keys
+        artifacts = Path(client.download_artifacts(outcome.run_id, "", str(tmp_path / "artifacts")))
+        version = client.get_model_version(outcome.model_version.name, outcome.model_version.version)
+        # Slurm's record of the job: its submit line, comment and directory.
+        acct = slurm(env, "sacct", "-n", "-P", f"--name={key}", "-S", "now-1hour", "-o",
+                     "SubmitLine%500,Comment%300,WorkDir%300")  # fmt: skip
+        assert key in acct
+        places: dict[str, list[bytes]] = {
             # Command lines of every process while it ran (the worker's, SSH's, the jobs', the store's).
-            assert not [c for c in seen if raw in c], "a secret on a command line"
-            # Prefect's logs of the run.
-            import asyncio
-
-            async def logs() -> list[str]:
-                async with get_client() as prefect:
-                    found = await prefect.read_logs(log_filter=LogFilter(
-                        flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(run.data.tags["prefect.flow_run_id"])])))
-                    return [entry.message for entry in found]
-
-            messages = asyncio.run(logs())
-            assert messages and not [m for m in messages if value in m]
-            # MLflow: the run's params, tags and every artifact; the model version.
-            assert not [k for k, v in {**run.data.params, **run.data.tags}.items() if value in f"{k}={v}"]
-            artifacts = Path(client.download_artifacts(outcome.run_id, "", str(tmp_path / f"art-{raw[:6].hex()}")))
-            files = [p for p in artifacts.rglob("*") if p.is_file()]  # the model is in the store, not here
-            assert not [p for p in files if raw in p.read_bytes()]
+            "a command line": list(seen),
+            "the run's Prefect logs": [m.encode() for m in messages],
+            "the MLflow run's params and tags": [f"{k}={v}".encode() for k, v in
+                                                 {**run.data.params, **run.data.tags}.items()],  # fmt: skip
+            # The model is in the store, not among the run's artifacts; whatever is there is read too.
+            "the MLflow run's artifacts": [p.read_bytes() for p in artifacts.rglob("*") if p.is_file()],
             # The checkpoint the cluster stored (the model that will be served), every object of it.
-            keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])]
-            assert any(k.endswith("/MANIFEST.json") for k in keys) and any(k.endswith("/MLmodel") for k in keys), keys
-            assert not [k for k in keys if raw in s3.get_object(Bucket=bucket, Key=k)["Body"].read()]
-            version = outcome.model_version
-            mv = client.get_model_version(version.name, version.version)
-            assert value not in f"{mv.tags} {mv.description} {mv.source}"
+            "the stored checkpoint": [s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys],
+            "the model version": [f"{version.tags} {version.description} {version.source}".encode()],
+            "Slurm's accounting": [acct.encode()],
+        }
+        for value in planted:
+            for place, contents in places.items():
+                assert not [c for c in contents if value.encode() in c], f"a planted secret in {place}"
 
         # Every file gpuferry wrote on the cluster (the secret files were removed when the job and the store
         # ended): grep reads the values from stdin, not from its command line.
         rc, out, err = stack.compute.run(["grep", "-rlF", "-f", "-", root], stdin="\n".join(planted).encode(),
                                          check=False)  # fmt: skip
         assert rc == 1, f"grep: rc={rc} {out} {err}"  # 1: no file holds any of them
-        # Slurm's record of the job: its submit line and comment.
-        import subprocess
-
-        acct = subprocess.run(["sacct", "-n", "-P", f"--name={key}", "-S", "now-1hour", "-o",
-                               "SubmitLine%500,Comment%300,WorkDir%300"], capture_output=True, text=True, check=True,
-                              env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}).stdout  # fmt: skip
-        assert key in acct and not [v for v in planted if v in acct]
     finally:
         lines.stop()
         remove_on_cluster(stack.compute, root)

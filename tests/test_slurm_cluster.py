@@ -12,14 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
 from blocks.errors import ConfigurationError, JobFailed
 from blocks.slurm import SlurmCluster
 from blocks.mlflow_model import check_mlflow_model
 from blocks.specs import Resources, TrainingJob
 from tests.examples import DIGITS, JOBS, code_of
-from tests.stacks import stack_env
+from tests.stacks import slurm_login, stack_env
 from runtime import contract
 
 pytestmark = pytest.mark.integration
@@ -43,12 +43,8 @@ def env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cluster(env: dict[str, str]) -> SlurmCluster:
     c = SlurmCluster(
-        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
-        workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"tests-{uuid.uuid4().hex[:8]}"),
-        partition=env["SLURM_PARTITION"], python=sys.executable,
-        poll_interval_start=0.3, poll_interval_max=2.0,
+        **slurm_login(), workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"tests-{uuid.uuid4().hex[:8]}"),
+        python=sys.executable, poll_interval_start=0.3, poll_interval_max=2.0,
     )  # fmt: skip
     yield c
     c.close()

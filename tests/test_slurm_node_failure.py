@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from flows.retrain import retrain
 from tests.examples import DIGITS
 from tests.stacks import remove_on_cluster, stack_env, stacks_root
 from tests.test_pipeline_slurm import slurm_stack
+from tests.test_slurm_cluster import slurm, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
@@ -30,27 +30,12 @@ REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 900
 
 
-def _slurm(env: dict[str, str], *argv: str) -> str:
-    return subprocess.run(list(argv), capture_output=True, text=True, check=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "SLURM_CONF": env["SLURM_CONF"]}).stdout  # fmt: skip
-
-
 def _job_named(env: dict[str, str], name: str) -> dict[str, Any] | None:
     """The job called ``name`` in the controller's memory (squeue --json lists all; 22.05 ignores -n)."""
-    for job in json.loads(_slurm(env, "squeue", "--json"))["jobs"]:
+    for job in json.loads(slurm(env, "squeue", "--json"))["jobs"]:
         if job["name"] == name:
             return job
     return None
-
-
-def _wait(what: str, predicate: Any, timeout: float = DEADLINE_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
 
 
 def _process_tree(root_pids: list[int]) -> list[int]:
@@ -123,11 +108,11 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_on_the_other_node() -> No
             job = _job_named(env, keys[0]) if keys else None
             return job if job and job["job_state"] == "RUNNING" else None
 
-        job = _wait("the training job running", running)
+        job = wait_for(running, DEADLINE_S, "the training job running")
         job_id, node = str(job["job_id"]), job["nodes"]
         workdir = f"{root}/{job['name']}"
         ckpts = f"{workdir}/checkpoints"
-        _wait("a periodic checkpoint", lambda: "step-" in stack.compute.run(["ls", ckpts], check=False)[1], 600)
+        wait_for(lambda: "step-" in stack.compute.run(["ls", ckpts], check=False)[1], 600, "a periodic checkpoint")
         _kill_node(node, job_id)
 
         flow.join(DEADLINE_S)
@@ -136,7 +121,7 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_on_the_other_node() -> No
         result = outcome["result"]
 
         # Slurm saw the node fail and ran the job again, elsewhere.
-        rows = [line.split("|") for line in _slurm(env, "sacct", "-X", "-D", "-n", "-P", "-j", job_id,
+        rows = [line.split("|") for line in slurm(env, "sacct", "-X", "-D", "-n", "-P", "-j", job_id,
                                                    "--format=State,NodeList").split()]  # fmt: skip
         assert [r[0] for r in rows] == ["NODE_FAIL", "COMPLETED"], rows
         assert rows[0][1] == node and rows[1][1] != node, rows
