@@ -14,7 +14,7 @@
 # route; every iptables rule the kubelet, kube-proxy and CNI write lives there. Nothing in it
 # reaches another address: there is no default route and no link out. The mount namespace puts
 # private directories over /run and /var (containerd's and the kubelet's hard-wired paths) and
-# files over three /proc/sys entries the kubelet would otherwise set host-wide. Pods' cgroups go
+# files over the /proc/sys entries the kubelet would otherwise set host-wide. Pods' cgroups go
 # under $CGROUP_ROOT.
 #
 # Two things cross the namespace boundary, each as a Unix socket relayed by socat: the API server
@@ -209,6 +209,9 @@ K8S_NODE_MIG_RESOURCE=nvidia.com/mig-$NODE_MIG_PROFILE
 K8S_NODE_MIG_COUNT=$NODE_MIG_COUNT
 K8S_KUBECTL=$BIN/kubectl
 K8S_NODE_NETNS=$NS/net
+K8S_NODE_MNTNS=$NS/mnt
+K8S_CGROUP_ROOT=$CGROUP_ROOT
+K8S_PAUSE_IMAGE=$PAUSE_IMAGE
 K8S_NODE_IP=$NODE_IP
 K8S_POD_CIDR=$POD_CIDR
 K8S_SERVICE_CIDR=$SERVICE_CIDR
