@@ -5,7 +5,8 @@
 #     -> kube-scheduler, TLS from an openssl CA made under the run dir;
 #   the node: containerd 1.6 + runc + the bridge/host-local CNI plugins (Debian's), the kubelet and
 #     kube-proxy (iptables mode), and a device plugin advertising fake GPUs and MIG slices
-#     (nvidia.com/gpu, nvidia.com/mig-<profile>) through the kubelet's device-plugin API.
+#     (nvidia.com/gpu, nvidia.com/mig-<profile>) through the kubelet's device-plugin API, and hands each
+#     container the chosen devices' nodes (fake character devices the plugin makes under $RUN/dev).
 #
 # Everything runs inside one network namespace and one private mount namespace that `up` creates
 # and bind-mounts under $RUN/ns (no name in /run/netns). The network namespace holds only lo and a
@@ -13,7 +14,7 @@
 # route; every iptables rule the kubelet, kube-proxy and CNI write lives there. Nothing in it
 # reaches another address: there is no default route and no link out. The mount namespace puts
 # private directories over /run and /var (containerd's and the kubelet's hard-wired paths) and
-# files over three /proc/sys entries the kubelet would otherwise set host-wide. Pods' cgroups go
+# files over the /proc/sys entries the kubelet would otherwise set host-wide. Pods' cgroups go
 # under $CGROUP_ROOT.
 #
 # Two things cross the namespace boundary, each as a Unix socket relayed by socat: the API server
@@ -23,8 +24,8 @@
 #
 # Binaries are built once per machine (scripts/lib-k8s-build.sh; 8-15 min) and cached in
 # $GPUFERRY_CACHE/k8s. `up` is idempotent; `down` stops what `up` started (by pid, then every process
-# left in the node's namespaces or cgroups), removes the namespaces, the cgroups and the cluster's
-# state, and keeps the cached binaries and containerd's image store. Settings: $RUN/env.
+# left in the node's namespaces or cgroups), removes the namespaces, the cgroups, the device nodes and
+# the cluster's state, and keeps the cached binaries and containerd's image store. Settings: $RUN/env.
 set -euo pipefail
 
 GPUFERRY_CACHE=${GPUFERRY_CACHE:-$HOME/.cache/gpuferry}
@@ -190,7 +191,7 @@ start_node() {
     --hostname-override="$NODE" --node-ip="$NODE_IP"
   start_bg kube-proxy kube-proxy "${IN_NODE[@]}" "$BIN/kube-proxy" --config="$CONF/kube-proxy.yaml"
   start_bg fake-gpu-plugin fake-gpu-plugin "${IN_NODE[@]}" "$PLUGIN_BIN" --gpus="$NODE_GPUS" --mig-profile="$NODE_MIG_PROFILE" \
-    --mig-count="$NODE_MIG_COUNT" --node="$NODE"
+    --mig-count="$NODE_MIG_COUNT" --node="$NODE" --dev-root="$RUN/dev"
   wait_for 180 "$LOGS/kubelet.log" "node $NODE Ready, untainted, its GPUs advertised" node_ready
 }
 
@@ -208,6 +209,9 @@ K8S_NODE_MIG_RESOURCE=nvidia.com/mig-$NODE_MIG_PROFILE
 K8S_NODE_MIG_COUNT=$NODE_MIG_COUNT
 K8S_KUBECTL=$BIN/kubectl
 K8S_NODE_NETNS=$NS/net
+K8S_NODE_MNTNS=$NS/mnt
+K8S_CGROUP_ROOT=$CGROUP_ROOT
+K8S_PAUSE_IMAGE=$PAUSE_IMAGE
 K8S_NODE_IP=$NODE_IP
 K8S_POD_CIDR=$POD_CIDR
 K8S_SERVICE_CIDR=$SERVICE_CIDR
@@ -259,7 +263,7 @@ down() {
   stop_pid "$PIDS/kube-apiserver.pid" kube-apiserver
   stop_pid "$PIDS/etcd.pid" etcd
   namespaces_down
-  rm -rf "$RUN/etcd"   # the next `up` starts from an empty cluster
+  rm -rf "$RUN/etcd" "$RUN/dev"   # the next `up` starts from an empty cluster, its plugin makes the nodes again
 }
 
 case ${1:-} in

@@ -133,8 +133,7 @@ build_locked() {
   touch "$BIN/.complete"
   log "built in $((SECONDS - started))s; binaries in $BIN"
   rm -rf "$W"   # the tree and the Go cache (~1.8 GB) are not needed any more
-  local old
-  for old in "$K8S"/fake-gpu-plugin-*; do   # plugins built from earlier versions of its source
-    [[ $old == "$(dirname "$PLUGIN_BIN")" ]] || rm -rf "$old"
-  done
+  # Plugins built from other versions of its source: another checkout on this machine may still run one
+  # (and would build it again), so only those built over 30 days ago go.
+  find "$K8S" -maxdepth 1 -name 'fake-gpu-plugin-*' ! -path "$(dirname "$PLUGIN_BIN")" -mtime +30 -exec rm -rf {} +
 }

@@ -77,18 +77,28 @@ subjectAltName=DNS:$NODE,IP:$NODE_IP"
 # ---- the node's namespaces -----------------------------------------------------------------------
 mounted() { findmnt -rn -M "$1" >/dev/null 2>&1; }
 
+# The kernel tunables the kubelet sets at start (pkg/kubelet/cm/container_manager_linux.go,
+# setupKernelTunables), each host-wide, with the values it wants. Inside the node a file holding that
+# value is mounted over each: the kubelet finds it set and writes nothing.
+KUBELET_SYSCTLS=(vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1
+                 kernel/keys/root_maxkeys=1000000 kernel/keys/root_maxbytes=25000000)
+
 namespaces_up() {
   if mounted "$NS/net" && mounted "$NS/mnt"; then return 0; fi
   namespaces_down   # what a half-made or a crashed earlier run left
   log "creating the node's network and mount namespaces ($NS)"
+  rm -rf "$RUN/sysctl"
   mkdir -p "$NS" "$NSFS/run" "$NSFS/var/lib" "$NSFS/var/log" "$NSFS/var/tmp" "$RUN/sysctl"
   ln -sfn /run "$NSFS/var/run"
   ln -sfn /run/lock "$NSFS/var/lock"
   chmod 1777 "$NSFS/var/tmp"
-  # The values the kubelet wants; it reads them as already set and writes nothing host-wide.
-  echo 1 >"$RUN/sysctl/overcommit_memory"
-  echo 10 >"$RUN/sysctl/panic"
-  echo 1 >"$RUN/sysctl/panic_on_oops"
+  local s f sysctls=()
+  for s in "${KUBELET_SYSCTLS[@]}"; do
+    f=${s%%=*}
+    mkdir -p "$(dirname "$RUN/sysctl/$f")"
+    echo "${s#*=}" >"$RUN/sysctl/$f"
+    sysctls+=("$f")
+  done
   # A namespace file can be bind-mounted only onto a mount whose propagation is private.
   mounted "$NS" || mount --bind "$NS" "$NS"
   mount --make-private "$NS"
@@ -104,10 +114,8 @@ namespaces_up() {
     ip route add "$4" dev "$1"                     # the Service CIDR (kube-proxy DNATs it); no default route
     mount --bind "$5/run" /run
     mount --bind "$5/var" /var
-    for f in vm/overcommit_memory kernel/panic kernel/panic_on_oops; do
-      mount --bind "$6/${f#*/}" "/proc/sys/$f"
-    done
-  ' _ "$NODE_IFACE" "$NODE_IP" "$prefix" "$SERVICE_CIDR" "$NSFS" "$RUN/sysctl" \
+    for f in "${@:7}"; do mount --bind "$6/$f" "/proc/sys/$f"; done
+  ' _ "$NODE_IFACE" "$NODE_IP" "$prefix" "$SERVICE_CIDR" "$NSFS" "$RUN/sysctl" "${sysctls[@]}" \
     || { namespaces_down; die "could not create the node's namespaces"; }
   cgroups_up
 }

@@ -1,6 +1,6 @@
-"""Test helpers for the k8s stack's node (scripts/k8s.sh): its image pull secret, a service's pods, sockets
-inside the node's network namespace, a relay from there to a server on the host's loopback, and a steady load through a
-Service's ClusterIP from inside the node.
+"""Test helpers for the k8s stack's node (scripts/k8s.sh): its image pull secret, a service's pods, what a pod's
+container sees (its variables, its GPU device nodes), sockets inside the node's network namespace, a relay from
+there to a server on the host's loopback, and a steady load through a Service's ClusterIP from inside the node.
 
 Traffic to pod IPs and ClusterIPs starts only inside the node's network namespace, which the stack itself
 created (its path is the stack's ``K8S_NODE_NETNS``). A thread enters it with setns(2), which moves only that
@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,37 @@ def ready_pods(block: Any, name: str) -> list[dict[str, Any]]:
     """Those of ``pods`` that are Ready and not terminating."""
     return [p for p in pods(block, name) if not p["metadata"].get("deletionTimestamp") and any(
         c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]  # fmt: skip
+
+
+def in_pod(k8s: dict[str, str], namespace: str, pod: dict[str, Any], *cmd: str) -> str:
+    """What ``cmd`` prints inside the pod's container (kubectl exec through the API server and the kubelet)."""
+    out = subprocess.run(
+        [k8s["K8S_KUBECTL"], "--kubeconfig", k8s["KUBECONFIG"], "-n", namespace, "exec", pod["metadata"]["name"],
+         "--", *cmd], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def in_pod_env(k8s: dict[str, str], namespace: str, pod: dict[str, Any], name: str) -> str:
+    """A variable of the pod's container, read inside it."""
+    return in_pod(k8s, namespace, pod, "printenv", name)
+
+
+_NVIDIA_NODES = """
+import os, stat
+for root, _, files in os.walk("/dev"):
+    for f in files:
+        st = os.lstat(os.path.join(root, f))
+        if f.startswith("nvidia") and stat.S_ISCHR(st.st_mode):
+            print(os.path.join(root, f), os.major(st.st_rdev), os.minor(st.st_rdev))
+"""
+
+
+def in_pod_gpu_nodes(k8s: dict[str, str], namespace: str, pod: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The NVIDIA character devices in the pod's /dev (path -> major, minor)."""
+    lines = in_pod(k8s, namespace, pod, "python", "-c", _NVIDIA_NODES).splitlines()
+    return {path: (int(major), int(minor)) for path, major, minor in (line.split() for line in lines)}
 
 
 def _enter_netns(path: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.server
 import re
 import ssl
-import subprocess
 import threading
 import time
 import uuid
@@ -31,7 +30,9 @@ from blocks.k8s_api import ApplyConflict
 from blocks.kubernetes import KubernetesCluster, RolledBack
 from blocks.serving import Release
 from blocks.specs import ImageRef, ServingSpec
-from tests.k8s_node import PULL_SECRET, ServiceLoad, pods, ready_pods, write_test_models
+from tests.k8s_node import (
+    PULL_SECRET, ServiceLoad, in_pod_env, in_pod_gpu_nodes, pods, ready_pods, write_test_models,
+)  # fmt: skip
 from tests.private_worker import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -110,16 +111,6 @@ def predictions_answered(block: KubernetesCluster, pod: dict[str, Any]) -> int:
     return int(found.group(1)) if found else 0
 
 
-def in_pod_env(k8s: dict[str, str], namespace: str, pod: dict[str, Any], name: str) -> str:
-    """A variable of the pod's container, read inside it (kubectl exec through the API server and the kubelet)."""
-    out = subprocess.run(
-        [k8s["K8S_KUBECTL"], "--kubeconfig", k8s["KUBECONFIG"], "-n", namespace, "exec", pod["metadata"]["name"],
-         "--", "printenv", name], capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
 # ---- first deploy, rolling update, same version again; MIG and whole GPUs -----------------------------
 
 
@@ -144,6 +135,19 @@ def test_deploy_update_and_redeploy_same_version_on_mig_slices(
     assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/mig-1g.10gb"] == "1"
     slices = [in_pod_env(k8s, k8s_namespace, p, "NVIDIA_VISIBLE_DEVICES") for p in pods]
     assert all(re.fullmatch(r"MIG-fake-\S+-1g\.10gb-\d+", s) for s in slices) and len(set(slices)) == 2, slices
+    # ... and its device nodes: nvidiactl, the parent GPU (one not offered whole) and the capability nodes of
+    # the slice's GPU instance and compute instance, numbered as the driver numbers them (mig-minors).
+    for pod, mig in zip(pods, slices, strict=True):
+        k = int(mig.rsplit("-", 1)[1])
+        parent, gi = int(k8s["K8S_NODE_GPUS"]) + k // 7, 7 + k % 7
+        gi_cap = 3 + 135 * parent + 9 * gi
+        nodes = in_pod_gpu_nodes(k8s, k8s_namespace, pod)
+        caps_major = nodes.get(f"/dev/nvidia-caps/nvidia-cap{gi_cap}", (None,))[0]
+        assert nodes == {
+            "/dev/nvidiactl": (195, 255), f"/dev/nvidia{parent}": (195, parent),
+            f"/dev/nvidia-caps/nvidia-cap{gi_cap}": (caps_major, gi_cap),
+            f"/dev/nvidia-caps/nvidia-cap{gi_cap + 1}": (caps_major, gi_cap + 1),
+        }, (mig, nodes)  # fmt: skip
     # The smoke request went through the API server to one of the new pods.
     assert sum(predictions_answered(block, p) for p in pods) == 1
 
@@ -180,6 +184,10 @@ def test_whole_gpus_are_allocated_and_seen_inside_the_pod(
     (pod,) = ready_pods(block, "digits")
     devices = in_pod_env(k8s, k8s_namespace, pod, "NVIDIA_VISIBLE_DEVICES").split(",")
     assert len(devices) == 2 and all(re.fullmatch(r"GPU-fake-\S+-\d", d) for d in devices), devices
+    # The container has the device nodes of those two GPUs (and nvidiactl), and no other GPU's.
+    chosen = sorted(int(d.rsplit("-", 1)[1]) for d in devices)
+    expected = {"/dev/nvidiactl": (195, 255), **{f"/dev/nvidia{i}": (195, i) for i in chosen}}
+    assert in_pod_gpu_nodes(k8s, k8s_namespace, pod) == expected
     block.undeploy("digits")
 
 
