@@ -56,6 +56,12 @@ from runtime import contract
 INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "SHELL")
 
 
+def inherited_environment(names: Iterable[str] = ()) -> dict[str, str]:
+    """The ``INHERITED_ENV`` variables of this process, and ``names``, that are set: all that a job, server or
+    command started from here sees of the orchestrator's environment."""
+    return {name: os.environ[name] for name in (*INHERITED_ENV, *names) if name in os.environ}
+
+
 def run_logger(fallback: str = "gpuferry.compute") -> logging.Logger | logging.LoggerAdapter:
     """The Prefect run's logger inside a flow or task run, else a plain logger."""
     try:
@@ -371,7 +377,7 @@ class LocalProcesses(ComputeBackend):
     def _start(self, job: TrainingJob, workdir: Path) -> dict[str, Any]:
         res = job.resources
         assert job.code is not None  # validate_job
-        env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        env = inherited_environment()
         env.update(job_environment(job, workdir))
         env.update(secret_values(job.secrets))
         threads = self.threads_per_process or max(1, (os.cpu_count() or 1) // res.processes_per_node)

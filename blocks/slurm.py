@@ -91,6 +91,11 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
     slurm_conf: str | None = Field(
         None, description="SLURM_CONF for every command (None: the login node's default /etc/slurm/slurm.conf)."
     )
+    pass_env: list[str] = Field(
+        default_factory=list, description="local=True: variables of this process the Slurm commands get besides "
+        "PATH, HOME, the locale and SLURM_CONF, and with them the jobs (sbatch exports its environment), e.g. "
+        "LD_LIBRARY_PATH of the login node's modules; nothing else of this environment reaches a job.",
+    )
     partition: str | None = Field(None, description="Default partition (None: the cluster's default).")
     account: str | None = Field(None, description="Default account (None: the user's default).")
     qos: str | None = Field(None, description="Default QoS (None: the association's default).")

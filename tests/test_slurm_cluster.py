@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -232,6 +233,26 @@ def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]
     assert status.state == "COMPLETED"
     assert "tiny job on" in local.read_log(handle)[0]
     assert local._client is None  # no SSH connection was made
+
+
+def test_local_mode_jobs_do_not_get_the_orchestrators_environment(cluster: SlurmCluster, env: dict[str, str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With local=True sbatch runs in this process's environment and exports it to the job: the commands get
+    PATH, HOME, the locale, SLURM_CONF and pass_env only, never the orchestrator's credentials."""
+    monkeypatch.setenv("PREFECT_API_KEY", "planted-prefect-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted-aws-secret")
+    monkeypatch.setenv("GPUFERRY_TEST_PASSED", "passed-on-purpose")
+    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=cluster.workdir_root,
+                         pass_env=["GPUFERRY_TEST_PASSED"], poll_interval_start=0.3, poll_interval_max=2.0)  # fmt: skip
+    handle = local.submit_command(key("localenv"), ["env"], env={"GIVEN": "by-the-job"})
+    status = local.watch(handle, timeout_seconds=120)
+    dumped = local.read_log(handle)[0]
+    assert status.state == "COMPLETED", dumped
+    names = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in dumped.splitlines() if "=" in line}
+    assert names["GIVEN"] == "by-the-job" and names["GPUFERRY_TEST_PASSED"] == "passed-on-purpose"
+    assert names["PATH"] == os.environ["PATH"] and names["SLURM_JOB_ID"] == handle.job_id
+    assert "PREFECT_API_KEY" not in names and "AWS_SECRET_ACCESS_KEY" not in names
+    assert "planted-prefect-key" not in dumped and "planted-aws-secret" not in dumped
 
 
 def test_two_node_torchrun_all_reduce(cluster: SlurmCluster, env: dict[str, str]) -> None:
