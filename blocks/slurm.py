@@ -539,6 +539,14 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
         self.run(["scancel", handle.job_id])
         self.remove_job_secrets(handle)
 
+    def lost_job_hint(self, handle: JobHandle) -> str:
+        return (
+            f"Neither squeue nor sacct knows job {handle.job_id} ({handle.key}): the controller lost its state (a "
+            "slurmctld restarted from an old or emptied StateSaveLocation, or killed before it saved the job), or "
+            "its accounting record was purged (PurgeJobAfter) or never written (slurmdbd down). Check "
+            f"`sacct -D -j {handle.job_id}`, slurmctld's and slurmdbd's logs, and the job's log {handle.log_path}."
+        )
+
     # The files a job reads its secrets and registry login from: needed while it may still (re)start.
     _SECRET_FILES: ClassVar[tuple[str, ...]] = (SECRETS_NAME, REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME)
 

@@ -13,7 +13,7 @@ from prefect.exceptions import TerminationSignal
 from blocks.compute import ComputeBackend
 from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
 from tasks.retry import retry_options
-from tasks.waiting import register_wait
+from tasks.waiting import register_wait, wait_verdict
 
 
 def _progress_fraction(progress: dict[str, Any]) -> float:
@@ -102,6 +102,9 @@ def train_suspending(
     handle = submit_training(compute, job)
     limit = int(timeout_seconds + 3600) if timeout_seconds else 30 * 24 * 3600
     for attempt in itertools.count():
+        failure = wait_verdict(handle)  # the job watcher gave up on the job (lost) and resumed this run to fail
+        if failure is not None:
+            raise failure
         status = poll_training(compute, handle)
         if status.terminal:
             return collect_training(compute, job, handle, status)

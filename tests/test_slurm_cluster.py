@@ -297,6 +297,22 @@ def test_a_job_that_waits_in_the_queue_past_its_time_limit_still_runs(cluster: S
     assert seen.count("PENDING") >= 3, seen  # it did wait in the queue, past the limit, and was not cancelled
 
 
+def test_a_job_neither_squeue_nor_sacct_knows_is_lost_after_the_grace_a_fresh_one_is_seen_at_once(
+    cluster: SlurmCluster,
+) -> None:
+    strict = cluster.model_copy(update={"lost_job_grace_seconds": 0.0})
+    # Seen from its submission on (the controller has it before sbatch answers): no grace needed at all.
+    fresh = tiny(strict, key("fresh"))
+    assert strict.watch(fresh, timeout_seconds=120).state == "COMPLETED"
+    # A job id this cluster never had: what a controller that lost its state, or a purged record, leaves.
+    gone = fresh.model_copy(update={"job_id": "987654321", "key": key("gone")})
+    unseen = cluster.poll([gone])[gone.job_id]
+    assert unseen.state == "PENDING" and not unseen.visible
+    with pytest.raises(JobFailed, match=r"job 987654321 is lost: .*lost_job_grace_seconds=1\).*Neither squeue nor "
+                                        r"sacct knows job 987654321.*sacct -D -j 987654321"):  # fmt: skip
+        cluster.model_copy(update={"lost_job_grace_seconds": 1.0}).watch(gone, timeout_seconds=120)
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends(cluster: SlurmCluster) -> None:
     import stat
