@@ -5,9 +5,11 @@ the job's handle and its stack (``register_wait``), then suspends: it holds no p
 runs, for hours or days. This watcher finds those runs through the Prefect API (state *Suspended*,
 label ``gpuferry.wait.job``), polls their jobs with one batched ``ComputeBackend.poll`` per stack,
 and, for each job that ended, emits ``gpuferry.training_job.ended`` and resumes the run. The resumed
-run reads the job's result and goes on. A job the backend has lost (``blocks/watchdog.py``: no record of
-it for the stack's ``lost_job_grace_seconds``) ends the wait too: the watcher labels the run with the
-reason (``gpuferry.wait.verdict``) and resumes it, and the run fails with that reason.
+run reads the job's result and goes on. Time in the queue and requeues never end a wait. What does
+besides the job's end (``blocks/watchdog.py``): a job the backend has lost (no record of it for the
+stack's ``lost_job_grace_seconds``), and an attempt that ran past the job's time limit on a backend that
+does not enforce it itself (the job is cancelled). Then the watcher labels the run with the reason
+(``gpuferry.wait.verdict``) and resumes it, and the run fails with that reason.
 
 The labels on the suspended runs are the registry, so a restarted watcher picks up where it left off,
 and two watchers at once only resume a run twice (the second is refused by the server). Its only state
@@ -87,8 +89,8 @@ def resume(waiting: Waiting, status: JobStatus) -> bool:
 
 
 def give_up(waiting: Waiting, failure: JobFailed) -> bool:
-    """End the wait for a job that did not end (lost): label the run with the reason, which its resumed train
-    step raises, then resume it as for an ended job."""
+    """End the wait for a job that did not end (lost, or past its time limit): label the run with the reason,
+    which its resumed train step raises, then resume it as for an ended job."""
     record_verdict(waiting.flow_run_id, waiting.handle, failure)
     state = failure.state if failure.state in ("FAILED", "TIMEOUT") else "FAILED"
     return resume(waiting, JobStatus(job_id=waiting.handle.job_id, state=state, reason=str(failure)[:2000]))  # type: ignore[arg-type]
@@ -96,7 +98,7 @@ def give_up(waiting: Waiting, failure: JobFailed) -> bool:
 
 class JobWatcher:
     """Polls the jobs of all waiting flow runs, one batched query per stack, and resumes the finished ones
-    (and those whose job the backend lost: ``on_failed``)."""
+    (and those whose job it gave up on: ``on_failed``)."""
 
     def __init__(
         self,
@@ -148,7 +150,9 @@ class JobWatcher:
                     ended.append(waiting)
                     continue
                 key = (waiting.flow_run_id, waiting.handle.job_id)
-                watchdog = self._watchdogs.setdefault(key, Watchdog(compute, waiting.handle))
+                if key not in self._watchdogs:
+                    self._watchdogs[key] = Watchdog(compute, waiting.handle, waiting.time_limit_seconds)
+                watchdog = self._watchdogs[key]
                 watchdog.backend = compute  # the stack's backend may have been loaded afresh since
                 failure = watchdog.check(status)
                 if failure is None:

@@ -1,4 +1,5 @@
-"""What a suspended flow run waits for, as labels on the run: the job's handle and the stack that polls it.
+"""What a suspended flow run waits for, as labels on the run: the job's handle, the stack that polls it and
+the job's time limit per attempt.
 
 The train step (``tasks/train.py``) labels its run before it suspends; the job watcher
 (``deployments/job_watcher.py``) reads the labels back and resumes the run when the job ended. When the
@@ -21,6 +22,7 @@ log = logging.getLogger("gpuferry.job_watcher")
 
 JOB_LABEL = "gpuferry.wait.job"
 STACK_LABEL = "gpuferry.wait.stack"
+TIME_LIMIT_LABEL = "gpuferry.wait.time_limit_seconds"
 VERDICT_LABEL = "gpuferry.wait.verdict"
 _VERDICT_CHARS = 4000
 
@@ -36,13 +38,17 @@ def _current_run(flow_run_id: UUID | str | None, what: str) -> UUID:
     return UUID(str(flow_run_id))
 
 
-def register_wait(handle: JobHandle, stack: str = "", flow_run_id: UUID | str | None = None) -> None:
-    """Label the (current) flow run with the job it waits for, so the watcher resumes it when the job ends."""
+def register_wait(handle: JobHandle, stack: str = "", flow_run_id: UUID | str | None = None, *,
+                  time_limit_seconds: float | None = None) -> None:  # fmt: skip
+    """Label the (current) flow run with the job it waits for, so the watcher resumes it when the job ends
+    (``time_limit_seconds``: the job's limit per attempt, for a backend that does not enforce it itself)."""
     from prefect.client.orchestration import get_client
 
     run_id = _current_run(flow_run_id, "register_wait")
+    labels = {JOB_LABEL: handle.model_dump_json(), STACK_LABEL: stack or "",
+              TIME_LIMIT_LABEL: "" if time_limit_seconds is None else str(float(time_limit_seconds))}  # fmt: skip
     with get_client(sync_client=True) as client:
-        client.update_flow_run_labels(run_id, {JOB_LABEL: handle.model_dump_json(), STACK_LABEL: stack or ""})
+        client.update_flow_run_labels(run_id, labels)
 
 
 def record_verdict(flow_run_id: UUID | str, handle: JobHandle, failure: JobFailed) -> None:
@@ -87,6 +93,7 @@ class Waiting:
     flow_run_name: str
     stack: str
     handle: JobHandle
+    time_limit_seconds: float | None = None
 
 
 def waiting_from(run: Any) -> Waiting | None:
@@ -100,4 +107,9 @@ def waiting_from(run: Any) -> Waiting | None:
     except (ValueError, TypeError):
         log.warning("flow run %s has an unreadable %s label: ignored", run.name, JOB_LABEL)
         return None
-    return Waiting(flow_run_id=run.id, flow_run_name=run.name, stack=str(labels.get(STACK_LABEL) or ""), handle=handle)
+    try:
+        limit = float(labels.get(TIME_LIMIT_LABEL) or "nan")
+    except (ValueError, TypeError):
+        limit = float("nan")
+    return Waiting(flow_run_id=run.id, flow_run_name=run.name, stack=str(labels.get(STACK_LABEL) or ""), handle=handle,
+                   time_limit_seconds=limit if limit > 0 else None)  # fmt: skip
