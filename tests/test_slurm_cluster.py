@@ -338,9 +338,32 @@ def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends
     assert f"token {len(planted)} True" in log and "mode 0o600" in log
     script = Path(job.workdir, "job.sbatch").read_text()
     assert planted not in script and planted not in log and "API_TOKEN" not in script.split(". /")[0]
-    assert stat.S_IMODE(Path(job.workdir, ".secret.env").stat().st_mode) == 0o600
-    cluster.result(handle, status)
-    assert not Path(job.workdir, ".secret.env").exists()  # the job ended: its secrets went with it
+    assert not Path(job.workdir, ".secret.env").exists()  # the job completed: it removed its secrets itself
+    cluster.result(handle, status)  # the orchestrator's removal (for any other end) finds nothing left
+    assert not Path(job.workdir, ".secret.env").exists()
+
+
+def test_cancel_removes_the_jobs_secret_and_login_files(cluster: SlurmCluster) -> None:
+    """A cancelled job never starts again: its secrets (and the registry login a job in an image gets) go."""
+    import stat
+
+    from pydantic import SecretStr
+
+    from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
+
+    k = key("cancelsecret")
+    handle = cluster.submit_command(
+        k, ["sh", "-c", 'echo "token ${#API_TOKEN}"; sleep 300'], secret_env={"API_TOKEN": SecretStr("s3cr3t-token")}
+    )  # fmt: skip
+    workdir = Path(handle.workdir)
+    for name in (REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME):  # as the container runtimes' logins are written
+        cluster.write_private(f"{handle.workdir}/{name}", b"registry login")
+    wait_for(lambda: "token 12" in cluster.read_log(handle)[0], 120, "the job running with its secret")
+    secrets = [workdir / ".secret.env", workdir / REGISTRY_AUTH_NAME, workdir / ENROOT_CREDENTIALS_NAME]
+    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in secrets)
+    cluster.cancel(handle)
+    assert [path.name for path in secrets if path.exists()] == []
+    wait_for(lambda: cluster.poll([handle])[handle.job_id].state == "CANCELLED", 60, "the job cancelled")
 
 
 def test_the_cluster_stores_the_trained_model_itself(cluster: SlurmCluster, s3_store) -> None:  # type: ignore[no-untyped-def]
