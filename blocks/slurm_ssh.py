@@ -5,6 +5,9 @@ unknown or changed key is refused, never added), reused by every command and re-
 with ``local=True`` the commands run on this machine instead (the flow runs on the login node). Every
 command is an argv list joined with ``shlex.quote``: no user value is ever formatted into a shell string.
 
+Files go in one ``tar`` on the command's stdin (many at once) or over SFTP (secrets: created 0600 before a
+byte is written).
+
 What a job's environment starts from: sbatch exports the environment it runs in to the job (``--export=ALL``,
 Slurm's default, which the batch script and ``srun`` inside it rely on). Over SSH that is the login session's
 on the cluster (the user's login environment there: nothing of this process crosses SSH). With ``local=True``
@@ -13,8 +16,6 @@ never the rest of the orchestrator's environment (Prefect's API key, cloud crede
 ``SBATCH_*`` variables are not passed either: they would set options behind the block's back, or describe an
 allocation the orchestrator itself runs in. The script then adds the contract's variables, the workload's
 own and its secrets (a 0600 file it sources).
-Files go in one ``tar`` on the command's stdin (many at once) or over SFTP (secrets: created 0600 before a
-byte is written).
 
 ``SlurmTransport`` is a mixin of ``SlurmCluster``: it reads the block's connection fields (``local``,
 ``host``, ``port``, ``user``, ``private_key``, ``private_key_passphrase``, ``known_hosts``,

@@ -3,8 +3,9 @@ the job's time limit per attempt.
 
 The train step (``tasks/train.py``) labels its run before it suspends; the job watcher
 (``deployments/job_watcher.py``) reads the labels back and resumes the run when the job ended. When the
-watcher gives up on a job that has not ended (``blocks/watchdog.py``: the backend lost it), it labels the run
-with its verdict before resuming it, and the resumed train step fails with it.
+watcher gives up on a job that has not ended (``blocks/watchdog.py``: the backend lost it, or an attempt ran
+past its time limit), it labels the run with its verdict before resuming it, and the resumed train step fails
+with it.
 """
 
 from __future__ import annotations
