@@ -12,7 +12,9 @@ in ``blocks/slurm.py``):
   ``outage_tolerance_seconds``. A backend only has to raise its passing errors as ``TransientError``.
   Its time limit counts what a scheduler counts: the time the current attempt has been RUNNING, not
   time spent pending, preempted or requeued. A backend whose scheduler enforces the limit itself
-  (``enforces_time_limit``: Slurm's ``--time``) is never cancelled by the watcher for time.
+  (``enforces_time_limit``: Slurm's ``--time``) is never cancelled by the watcher for time. Nothing else
+  bounds the wait but a lost job: one the backend has had no record of (``JobStatus.visible`` False) for
+  ``lost_job_grace_seconds`` (``blocks/watchdog.py``, whose rules the job watcher applies too).
 
 Preempted jobs (exit code ``EXIT_PREEMPTED`` of the contract) are requeued by the backend up to
 ``resources.max_requeues`` times, and resume from their last checkpoint.
@@ -43,17 +45,24 @@ from blocks._proc import alive, start_time
 from blocks.backoff import Poll
 from blocks.checks import CheckRow, Probe, executable, writable_dir
 from blocks.home import gpuferry_home
-from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
+from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.launch import launch_command
 from blocks.mlflow_model import ModelInfo, check_mlflow_model
 from blocks.secrets import secret_values
 from blocks.specs import CheckpointRef, JobHandle, JobResult, JobStatus, TrainingJob
 from blocks.storage import CheckpointStore
+from blocks.watchdog import Watchdog
 from runtime import contract
 
 # What a local job inherits from this process's environment: enough to find programs and write files,
 # nothing that authenticates (Prefect's API key, cloud credentials stay here).
 INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "SHELL")
+
+
+def inherited_environment(names: Iterable[str] = ()) -> dict[str, str]:
+    """The ``INHERITED_ENV`` variables of this process, and ``names``, that are set: all that a job, server or
+    command started from here sees of the orchestrator's environment."""
+    return {name: os.environ[name] for name in (*INHERITED_ENV, *names) if name in os.environ}
 
 
 def run_logger(fallback: str = "gpuferry.compute") -> logging.Logger | logging.LoggerAdapter:
@@ -79,6 +88,11 @@ class ComputeBackend(Block, ABC):
     outage_tolerance_seconds: float = Field(
         600.0, ge=0, description="How long watch() keeps polling through an outage of the backend (a controller "
         "restart, a dropped connection: the jobs keep running) before it gives up with a transient error.",
+    )
+    lost_job_grace_seconds: float = Field(
+        600.0, ge=0, description="How long a job the backend has no record of at all (not queued, not running, not "
+        "in its accounting: the scheduler lost its state, or the job's record was purged) is waited for before the "
+        "run fails it as lost. It covers the accounting database catching up with a job that just left the queue.",
     )
 
     @property
@@ -141,12 +155,13 @@ class ComputeBackend(Block, ABC):
         A ``TransientError`` while polling (the backend is briefly unreachable; the job goes on) is
         logged and polling continues, for up to ``outage_tolerance_seconds`` in a row; then it is raised.
         ``timeout_seconds`` bounds the time one attempt runs (see the module's docstring): a job that
-        waits in the queue, or is requeued, is not cancelled for it.
+        waits in the queue, or is requeued, is not cancelled for it. A job the backend has lost fails after
+        ``lost_job_grace_seconds`` (``blocks/watchdog.py``).
         """
         poll = Poll(self.poll_interval_start, self.poll_interval_max)
+        watchdog = Watchdog(self, handle, timeout_seconds)
         offset = 0
         last_progress: dict[str, Any] | None = None
-        running_since: float | None = None  # when the current attempt was first seen running
         outage_since: float | None = None
         while True:
             try:
@@ -177,21 +192,28 @@ class ComputeBackend(Block, ABC):
                 last_progress = progress
             if status.terminal:
                 return status
-            now = time.monotonic()
-            if status.state != "RUNNING":  # pending, preempted or requeued: the next attempt starts afresh
-                running_since = None
-            elif running_since is None:
-                running_since = now
-            if (timeout_seconds is not None and running_since is not None and not self.enforces_time_limit
-                    and now - running_since > timeout_seconds):  # fmt: skip
-                self.cancel(handle)
-                raise JobFailed(
-                    f"job {handle.job_id} ran for more than its time limit ({timeout_seconds:.0f} s, "
-                    "resources.time_limit_minutes) and was cancelled: raise the limit, or checkpoint more often",
-                    state="TIMEOUT",
-                    log_tail=self.log_tail(handle),
-                )
+            failure = watchdog.check(status)
+            if failure is not None:
+                raise failure
             poll.wait()
+
+    def lost_job(self, handle: JobHandle, unseen_seconds: float) -> JobFailed:
+        """The failure of a job the backend has had no record of for ``unseen_seconds``. It is cancelled as far as
+        the backend still can (its secret files go), in case it shows up again."""
+        try:
+            self.cancel(handle)
+        except GpuferryError as exc:
+            run_logger().warning("job %s: cancelling the lost job failed: %s", handle.job_id, exc)
+        return JobFailed(
+            f"job {handle.job_id} is lost: the {self.backend_name} backend has had no record of it for "
+            f"{unseen_seconds:.0f} s (lost_job_grace_seconds={self.lost_job_grace_seconds:.0f}), neither queued, "
+            f"running nor finished. {self.lost_job_hint(handle)} Then run it again: the job is submitted afresh.",
+            state="FAILED",
+        )
+
+    def lost_job_hint(self, handle: JobHandle) -> str:
+        """What to check when the backend lost job ``handle``."""
+        return f"Check the backend's own records of it (its workdir {handle.workdir})."
 
     def result(self, handle: JobHandle, status: JobStatus, *, gpus: int = 0, cpus: int = 1) -> JobResult:
         """Turn a terminal status into a result, or raise an actionable ``JobFailed``."""
@@ -371,7 +393,7 @@ class LocalProcesses(ComputeBackend):
     def _start(self, job: TrainingJob, workdir: Path) -> dict[str, Any]:
         res = job.resources
         assert job.code is not None  # validate_job
-        env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        env = inherited_environment()
         env.update(job_environment(job, workdir))
         env.update(secret_values(job.secrets))
         threads = self.threads_per_process or max(1, (os.cpu_count() or 1) // res.processes_per_node)

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from blocks._proc import alive, free_port, start_time, stop
 from blocks.backoff import Poll
 from blocks.checks import CheckRow, Probe, executable, writable_dir
-from blocks.compute import INHERITED_ENV
+from blocks.compute import inherited_environment
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.home import gpuferry_home
 from blocks.specs import Endpoint, ImageRef, ServerSpec, ServingSpec
@@ -290,8 +290,7 @@ class LocalServing(ServingBackend):
         server = release.server
         port = free_port(self.host)
         log_path = self._dir() / f"{service}-v{release.version}-{port}.log"
-        env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
-        env.update({key: os.environ[key] for key in self.pass_env if key in os.environ})
+        env = inherited_environment(self.pass_env)
         env.update({key: value.get_secret_value() for key, value in release.store_env.items()})
         env.update(server.env)
         env.update({

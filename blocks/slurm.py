@@ -91,6 +91,11 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
     slurm_conf: str | None = Field(
         None, description="SLURM_CONF for every command (None: the login node's default /etc/slurm/slurm.conf)."
     )
+    pass_env: list[str] = Field(
+        default_factory=list, description="local=True: variables of this process the Slurm commands get besides "
+        "PATH, HOME, the locale and SLURM_CONF, and with them the jobs (sbatch exports its environment), e.g. "
+        "LD_LIBRARY_PATH of the login node's modules; nothing else of this environment reaches a job.",
+    )
     partition: str | None = Field(None, description="Default partition (None: the cluster's default).")
     account: str | None = Field(None, description="Default account (None: the user's default).")
     qos: str | None = Field(None, description="Default QoS (None: the association's default).")
@@ -533,6 +538,14 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
     def cancel(self, handle: JobHandle) -> None:
         self.run(["scancel", handle.job_id])
         self.remove_job_secrets(handle)
+
+    def lost_job_hint(self, handle: JobHandle) -> str:
+        return (
+            f"Neither squeue nor sacct knows job {handle.job_id} ({handle.key}): the controller lost its state (a "
+            "slurmctld restarted from an old or emptied StateSaveLocation, or killed before it saved the job), or "
+            "its accounting record was purged (PurgeJobAfter) or never written (slurmdbd down). Check "
+            f"`sacct -D -j {handle.job_id}`, slurmctld's and slurmdbd's logs, and the job's log {handle.log_path}."
+        )
 
     # The files a job reads its secrets and registry login from: needed while it may still (re)start.
     _SECRET_FILES: ClassVar[tuple[str, ...]] = (SECRETS_NAME, REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME)

@@ -7,7 +7,9 @@ option it does not know is an error that lists the valid ones. Values end up in 
 the body, where every value is ``shlex.quote``-d. Nothing here talks to a cluster.
 
 Secrets are never written into the script: the script only *sources* ``secret_env_file`` (a file
-the caller sends separately with 0600 permissions) when that option is given.
+the caller sends separately with 0600 permissions) when that option is given. A job that completed
+removes that file and the container's registry login (``auth_file``); after any other end it may be
+requeued, so the caller removes them (and an array's tasks share them).
 
 ``container=Container(...)`` runs the program inside an image pinned by digest (see ``Container``):
 with pyxis (``srun --container-image``), podman or apptainer. The job's directory is mounted at the
@@ -514,6 +516,17 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
             f'elif [ "$rc" -eq {requeue_code} ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
             '  echo "exit code $rc: requeueing job $SLURM_JOB_ID to resume from its checkpoint"',
             '  scontrol requeue "$SLURM_JOB_ID"',
+            "fi",
+        ]
+    # A job that completed never starts again: its secrets and registry login go with it. After any other end
+    # it may (a preemption or a node failure is requeued): the orchestrator removes them once it knows (cancel,
+    # result). An array's tasks share them.
+    secret_files = [path for path in (options.get("secret_env_file"), container.auth_file if container else None)
+                    if path is not None]  # fmt: skip
+    if secret_files and options.get("array") is None:
+        lines += [
+            'if [ "$rc" -eq 0 ] && [ "$slurm_stopped" -eq 0 ]; then',
+            f"  rm -f -- {shlex.join(secret_files)}   # the job completed: its secrets go with it",
             "fi",
         ]
     lines += ['exit "$rc"', ""]

@@ -4,12 +4,22 @@ The connection is opened on first use with the host key checked against the bloc
 unknown or changed key is refused, never added), reused by every command and re-opened when it drops;
 with ``local=True`` the commands run on this machine instead (the flow runs on the login node). Every
 command is an argv list joined with ``shlex.quote``: no user value is ever formatted into a shell string.
+
 Files go in one ``tar`` on the command's stdin (many at once) or over SFTP (secrets: created 0600 before a
 byte is written).
 
+What a job's environment starts from: sbatch exports the environment it runs in to the job (``--export=ALL``,
+Slurm's default, which the batch script and ``srun`` inside it rely on). Over SSH that is the login session's
+on the cluster (the user's login environment there: nothing of this process crosses SSH). With ``local=True``
+the commands get only ``INHERITED_ENV`` (``blocks/compute.py``), ``SLURM_CONF`` and the block's ``pass_env``,
+never the rest of the orchestrator's environment (Prefect's API key, cloud credentials). Other ``SLURM_*`` and
+``SBATCH_*`` variables are not passed either: they would set options behind the block's back, or describe an
+allocation the orchestrator itself runs in. The script then adds the contract's variables, the workload's
+own and its secrets (a 0600 file it sources).
+
 ``SlurmTransport`` is a mixin of ``SlurmCluster``: it reads the block's connection fields (``local``,
 ``host``, ``port``, ``user``, ``private_key``, ``private_key_passphrase``, ``known_hosts``,
-``connect_timeout``, ``command_timeout``, ``slurm_conf``) and keeps the connection in its private
+``connect_timeout``, ``command_timeout``, ``slurm_conf``, ``pass_env``) and keeps the connection in its private
 attributes (``_lock``, ``_client``, ``_sftp_client``, ``_client_for``).
 """
 
@@ -28,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import paramiko
 
 from blocks._ssh import connect_verified, exec_command, load_private_key, parse_known_hosts
+from blocks.compute import inherited_environment
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.slurm_state import command_error, command_name
 
@@ -49,6 +60,7 @@ class SlurmTransport:
         connect_timeout: float
         command_timeout: float
         slurm_conf: str | None
+        pass_env: list[str]
         _lock: Any
         _client: paramiko.SSHClient | None
         _sftp_client: paramiko.SFTPClient | None
@@ -126,7 +138,8 @@ class SlurmTransport:
         timeout = timeout or self.command_timeout
         if self.local:
             try:
-                proc = subprocess.run(argv, capture_output=True, input=stdin or b"", timeout=timeout, check=False)
+                proc = subprocess.run(argv, capture_output=True, input=stdin or b"", timeout=timeout, check=False,
+                                      env=inherited_environment(("SLURM_CONF", *self.pass_env)))  # fmt: skip
             except FileNotFoundError as exc:
                 raise ConfigurationError(f"{argv[0]} is not installed on this machine (local=True): {exc}") from exc
             except subprocess.TimeoutExpired as exc:

@@ -195,12 +195,12 @@ def usage_row_from_squeue(record: dict[str, Any], status: JobStatus) -> list[str
 SACCT_STATUS_FORMAT = "JobIDRaw,JobID,State,ExitCode,ElapsedRaw,Reason"
 SACCT_USAGE_FORMAT = "JobIDRaw,JobID,State,ElapsedRaw,AllocTRES,NCPUS"
 SACCT_TASK_FORMAT = SACCT_USAGE_FORMAT + ",ExitCode,Reason"
-NOT_VISIBLE = "not visible in squeue or sacct yet (sacct lags the controller)"
+NOT_VISIBLE = "not visible in squeue or sacct (sacct lags the controller; lost after lost_job_grace_seconds)"
 
 
 def statuses_from_sacct(out: str, job_ids: Iterable[str]) -> dict[str, JobStatus]:
     """The status of each of ``job_ids`` from sacct's ``SACCT_STATUS_FORMAT`` lines (an array's from its
-    tasks'); a job sacct does not have (yet) is PENDING."""
+    tasks'); a job sacct does not have (yet) is PENDING and not ``visible``."""
     per_job: dict[str, list[JobStatus]] = {j: [] for j in job_ids}
     for line in out.splitlines():
         parts = line.split("|")
@@ -215,7 +215,8 @@ def statuses_from_sacct(out: str, job_ids: Iterable[str]) -> dict[str, JobStatus
         state, why = map_state(slurm_state, requeue=False, exit_code=exit_code, reason=_reason(reason))
         per_job[base].append(JobStatus(job_id=jid, state=state, exit_code=exit_code, reason=why,  # type: ignore[arg-type]
                                        elapsed_seconds=float(elapsed or 0)))  # fmt: skip
-    return {job_id: aggregate(job_id, items) if items else JobStatus(job_id=job_id, state="PENDING", reason=NOT_VISIBLE)
+    unseen = {"state": "PENDING", "reason": NOT_VISIBLE, "visible": False}
+    return {job_id: aggregate(job_id, items) if items else JobStatus(job_id=job_id, **unseen)  # type: ignore[arg-type]
             for job_id, items in per_job.items()}  # fmt: skip
 
 

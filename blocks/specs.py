@@ -345,6 +345,10 @@ class JobStatus(_Record):
     exit_code: int | None = None
     reason: str = ""
     elapsed_seconds: float = 0.0
+    visible: bool = Field(
+        True, description="False: the backend has no record of the job at all (not queued, not running, not in its "
+        "accounting); one that stays so for the backend's lost_job_grace_seconds is lost.",
+    )
 
     @property
     def terminal(self) -> bool:

@@ -5,11 +5,15 @@ the job's handle and its stack (``register_wait``), then suspends: it holds no p
 runs, for hours or days. This watcher finds those runs through the Prefect API (state *Suspended*,
 label ``gpuferry.wait.job``), polls their jobs with one batched ``ComputeBackend.poll`` per stack,
 and, for each job that ended, emits ``gpuferry.training_job.ended`` and resumes the run. The resumed
-run reads the job's result and goes on.
+run reads the job's result and goes on. Time in the queue and requeues never end a wait. What does
+besides the job's end (``blocks/watchdog.py``): a job the backend has lost (no record of it for the
+stack's ``lost_job_grace_seconds``), and an attempt that ran past the job's time limit on a backend that
+does not enforce it itself (the job is cancelled). Then the watcher labels the run with the reason
+(``gpuferry.wait.verdict``) and resumes it, and the run fails with that reason.
 
-It keeps no state of its own: the labels on the suspended runs are the registry, so a restarted
-watcher picks up where it left off, and two watchers at once only resume a run twice (the second is
-refused by the server).
+The labels on the suspended runs are the registry, so a restarted watcher picks up where it left off,
+and two watchers at once only resume a run twice (the second is refused by the server). Its only state
+is each waiting job's watchdog clocks, in memory: a restarted watcher starts them again.
 
     python -m deployments.job_watcher --interval 10
 """
@@ -22,10 +26,15 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 from blocks.compute import ComputeBackend
+from blocks.errors import JobFailed
 from blocks.specs import JobStatus
-from tasks.waiting import JOB_LABEL, STACK_LABEL, Waiting, register_wait, waiting_from  # noqa: F401 (re-exported)
+from blocks.watchdog import Watchdog
+from tasks.waiting import (  # noqa: F401 (re-exported)
+    JOB_LABEL, STACK_LABEL, Waiting, record_verdict, register_wait, waiting_from,
+)  # fmt: skip
 
 log = logging.getLogger("gpuferry.job_watcher")
 
@@ -79,8 +88,17 @@ def resume(waiting: Waiting, status: JobStatus) -> bool:
     return accepted
 
 
+def give_up(waiting: Waiting, failure: JobFailed) -> bool:
+    """End the wait for a job that did not end (lost, or past its time limit): label the run with the reason,
+    which its resumed train step raises, then resume it as for an ended job."""
+    record_verdict(waiting.flow_run_id, waiting.handle, failure)
+    state = failure.state if failure.state in ("FAILED", "TIMEOUT") else "FAILED"
+    return resume(waiting, JobStatus(job_id=waiting.handle.job_id, state=state, reason=str(failure)[:2000]))  # type: ignore[arg-type]
+
+
 class JobWatcher:
-    """Polls the jobs of all waiting flow runs, one batched query per stack, and resumes the finished ones."""
+    """Polls the jobs of all waiting flow runs, one batched query per stack, and resumes the finished ones
+    (and those whose job it gave up on: ``on_failed``)."""
 
     def __init__(
         self,
@@ -88,11 +106,14 @@ class JobWatcher:
         load_compute: Callable[[str], ComputeBackend] | None = None,
         read: Callable[[], list[Waiting]] = read_waiting,
         on_ended: Callable[[Waiting, JobStatus], bool] = resume,
+        on_failed: Callable[[Waiting, JobFailed], bool] = give_up,
     ) -> None:
         self._load_compute = load_compute or _stack_compute
         self._computes: dict[str, ComputeBackend] = {}
+        self._watchdogs: dict[tuple[Any, str], Watchdog] = {}  # (flow run id, job id) -> its clocks
         self.read = read
         self.on_ended = on_ended
+        self.on_failed = on_failed
         self.polls = 0  # batched backend queries made (for the benchmarks)
 
     def compute(self, stack: str) -> ComputeBackend:
@@ -101,26 +122,46 @@ class JobWatcher:
         return self._computes[stack]
 
     def poll_once(self) -> list[Waiting]:
-        """One round: read the waiting runs, poll their jobs, resume those whose job ended. Returns those."""
+        """One round: read the waiting runs, poll their jobs, resume those whose job ended (or was lost). Returns
+        those."""
         by_stack: dict[str, list[Waiting]] = defaultdict(list)
         for waiting in self.read():
             by_stack[waiting.stack].append(waiting)
         ended: list[Waiting] = []
+        watching: set[tuple[Any, str]] = set()
         for stack, group in by_stack.items():
             try:
-                statuses = self.compute(stack).poll([w.handle for w in group])
+                compute = self.compute(stack)
+                statuses = compute.poll([w.handle for w in group])
             except Exception:  # noqa: BLE001 - one stack's outage must not stop the others; retried next round
                 log.exception("polling %d jobs of stack %r failed; retrying next round", len(group), stack or "embedded")
                 self._computes.pop(stack, None)
+                watching.update((w.flow_run_id, w.handle.job_id) for w in group)  # their clocks go on
                 continue
             self.polls += 1
             for waiting in group:
                 status = statuses.get(waiting.handle.job_id)
-                if status is None or not status.terminal:
+                if status is None:
                     continue
-                log.info("job %s of %s ended %s: resuming it", waiting.handle.job_id, waiting.flow_run_name, status.state)
-                self.on_ended(waiting, status)
+                if status.terminal:
+                    log.info("job %s of %s ended %s: resuming it", waiting.handle.job_id, waiting.flow_run_name,
+                             status.state)  # fmt: skip
+                    self.on_ended(waiting, status)
+                    ended.append(waiting)
+                    continue
+                key = (waiting.flow_run_id, waiting.handle.job_id)
+                if key not in self._watchdogs:
+                    self._watchdogs[key] = Watchdog(compute, waiting.handle, waiting.time_limit_seconds)
+                watchdog = self._watchdogs[key]
+                watchdog.backend = compute  # the stack's backend may have been loaded afresh since
+                failure = watchdog.check(status)
+                if failure is None:
+                    watching.add(key)
+                    continue
+                log.warning("resuming %s to fail it: %s", waiting.flow_run_name, str(failure).splitlines()[0])
+                self.on_failed(waiting, failure)
                 ended.append(waiting)
+        self._watchdogs = {key: dog for key, dog in self._watchdogs.items() if key in watching}
         return ended
 
     def run(self, interval_seconds: float, stop: Callable[[], bool] = lambda: False) -> None:

@@ -131,10 +131,11 @@ def stack_name(stack: Stack | str | None) -> str:
 
 
 def preflight(blocks: Stack, run: RunPlan) -> None:
-    """Every check that needs no outside call, before anything is acquired or submitted (the serving
-    backend's checks against its cluster follow: ``serving_preflight``)."""
+    """Every check of the stack and the run before anything is acquired or submitted: first those that need no
+    outside call, so that a mistake in the stack is reported before any host is contacted; then the compute
+    backend's check of the job, which may ask its cluster (a Slurm partition, the container runtime). The
+    serving backend's checks against its cluster follow (``serving_preflight``)."""
     image = preflight_image(blocks, run)
-    blocks.compute.validate_job(run.job("preflight", "/nonexistent", image, env={}))
     blocks.compute.check_store(blocks.storage)  # a model the cluster writes must reach the stack's store
     blocks.compute.check_tracking(blocks.tracking.tracking_uri)  # and its jobs must reach the tracking server
     check_images_for_serving(blocks)
@@ -144,6 +145,7 @@ def preflight(blocks: Stack, run: RunPlan) -> None:
             "gpuferry.yaml has no image section: add one (dockerfile, base + requirements, or prebuilt)"
         )
     blocks.serving.validate(run.serving)
+    blocks.compute.validate_job(run.job("preflight", "/nonexistent", image, env={}))
 
 
 def check_images_for_serving(blocks: Stack) -> None:

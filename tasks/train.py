@@ -13,7 +13,7 @@ from prefect.exceptions import TerminationSignal
 from blocks.compute import ComputeBackend
 from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
 from tasks.retry import retry_options
-from tasks.waiting import register_wait
+from tasks.waiting import register_wait, wait_verdict
 
 
 def _progress_fraction(progress: dict[str, Any]) -> float:
@@ -93,19 +93,24 @@ def train_suspending(
     """The train step for long jobs: submit, then suspend the flow run until the job watcher resumes it.
 
     Call it from a flow run of a deployment (only those can be suspended). ``stack`` names the saved
-    Stack block whose compute backend the watcher polls ('' = embedded). The run stays suspended at
-    most ``timeout_seconds`` plus an hour (default 30 days); after that the server fails it.
+    Stack block whose compute backend the watcher polls ('' = embedded). The suspension has no expiry of
+    its own: the run waits as long as its job lives, however long it is queued or requeued (Slurm's
+    ``--time`` bounds each attempt). The watcher ends every wait (``blocks/watchdog.py``): when the job
+    ended, and when it gives up on it: a job the backend lost, or an attempt that ran past
+    ``timeout_seconds`` on a backend that does not enforce the limit itself; the run then fails saying why.
     """
     from prefect.flow_runs import suspend_flow_run
 
 
     handle = submit_training(compute, job)
-    limit = int(timeout_seconds + 3600) if timeout_seconds else 30 * 24 * 3600
     for attempt in itertools.count():
+        failure = wait_verdict(handle)  # the job watcher gave up on the job and resumed this run to fail
+        if failure is not None:
+            raise failure
         status = poll_training(compute, handle)
         if status.terminal:
             return collect_training(compute, job, handle, status)
-        register_wait(handle, stack)
+        register_wait(handle, stack, time_limit_seconds=timeout_seconds)
         # Returns at once when this key's suspension already fired and was resumed (a re-executed run).
-        suspend_flow_run(key=f"{handle.job_id}-{attempt}", timeout=limit)
+        suspend_flow_run(key=f"{handle.job_id}-{attempt}", timeout=None)
     raise AssertionError("unreachable")

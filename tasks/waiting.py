@@ -1,7 +1,11 @@
-"""What a suspended flow run waits for, as labels on the run: the job's handle and the stack that polls it.
+"""What a suspended flow run waits for, as labels on the run: the job's handle, the stack that polls it and
+the job's time limit per attempt.
 
 The train step (``tasks/train.py``) labels its run before it suspends; the job watcher
-(``deployments/job_watcher.py``) reads the labels back and resumes the run when the job ended.
+(``deployments/job_watcher.py``) reads the labels back and resumes the run when the job ended. When the
+watcher gives up on a job that has not ended (``blocks/watchdog.py``: the backend lost it, or an attempt ran
+past its time limit), it labels the run with its verdict before resuming it, and the resumed train step fails
+with it.
 """
 
 from __future__ import annotations
@@ -12,28 +16,74 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+from blocks.errors import JobFailed
 from blocks.specs import JobHandle
 
 log = logging.getLogger("gpuferry.job_watcher")
 
 JOB_LABEL = "gpuferry.wait.job"
 STACK_LABEL = "gpuferry.wait.stack"
+TIME_LIMIT_LABEL = "gpuferry.wait.time_limit_seconds"
+VERDICT_LABEL = "gpuferry.wait.verdict"
+_VERDICT_CHARS = 4000
 
 
-def register_wait(handle: JobHandle, stack: str = "", flow_run_id: UUID | str | None = None) -> None:
-    """Label the (current) flow run with the job it waits for, so the watcher resumes it when the job ends."""
-    from prefect.client.orchestration import get_client
+def _current_run(flow_run_id: UUID | str | None, what: str) -> UUID:
     from prefect.context import FlowRunContext
 
     if flow_run_id is None:
         context = FlowRunContext.get()
         if context is None or context.flow_run is None:
-            raise RuntimeError("register_wait needs a flow run: call it from a flow or pass flow_run_id")
+            raise RuntimeError(f"{what} needs a flow run: call it from a flow or pass flow_run_id")
         flow_run_id = context.flow_run.id
+    return UUID(str(flow_run_id))
+
+
+def register_wait(handle: JobHandle, stack: str = "", flow_run_id: UUID | str | None = None, *,
+                  time_limit_seconds: float | None = None) -> None:  # fmt: skip
+    """Label the (current) flow run with the job it waits for, so the watcher resumes it when the job ends
+    (``time_limit_seconds``: the job's limit per attempt, for a backend that does not enforce it itself)."""
+    from prefect.client.orchestration import get_client
+
+    run_id = _current_run(flow_run_id, "register_wait")
+    labels = {JOB_LABEL: handle.model_dump_json(), STACK_LABEL: stack or "",
+              TIME_LIMIT_LABEL: "" if time_limit_seconds is None else str(float(time_limit_seconds))}  # fmt: skip
     with get_client(sync_client=True) as client:
-        client.update_flow_run_labels(
-            UUID(str(flow_run_id)), {JOB_LABEL: handle.model_dump_json(), STACK_LABEL: stack or ""}
-        )
+        client.update_flow_run_labels(run_id, labels)
+
+
+def record_verdict(flow_run_id: UUID | str, handle: JobHandle, failure: JobFailed) -> None:
+    """Label the run with why the wait for ``handle`` ended without the job's end (the watcher, before it resumes)."""
+    from prefect.client.orchestration import get_client
+
+    message = str(failure)
+    if len(message) > _VERDICT_CHARS:
+        message = message[: _VERDICT_CHARS - 1] + "…"
+    verdict = {"job_id": handle.job_id, "state": failure.state, "message": message}
+    with get_client(sync_client=True) as client:
+        client.update_flow_run_labels(UUID(str(flow_run_id)), {VERDICT_LABEL: json.dumps(verdict)})
+
+
+def verdict_from(labels: dict[str, Any] | None, handle: JobHandle) -> JobFailed | None:
+    """The watcher's verdict on job ``handle`` among a run's labels, as the failure to raise (pure)."""
+    raw = (labels or {}).get(VERDICT_LABEL)
+    try:
+        verdict = json.loads(raw) if raw else None
+    except (ValueError, TypeError):
+        log.warning("unreadable %s label: ignored", VERDICT_LABEL)
+        return None
+    if not isinstance(verdict, dict) or verdict.get("job_id") != handle.job_id:
+        return None  # none, or about a job an earlier attempt of the run waited for
+    return JobFailed(str(verdict.get("message", "")), state=str(verdict.get("state") or "FAILED"))
+
+
+def wait_verdict(handle: JobHandle, flow_run_id: UUID | str | None = None) -> JobFailed | None:
+    """The job watcher's verdict on ``handle`` recorded on the (current) flow run, if it gave up on the job."""
+    from prefect.client.orchestration import get_client
+
+    run_id = _current_run(flow_run_id, "wait_verdict")
+    with get_client(sync_client=True) as client:
+        return verdict_from(client.read_flow_run(run_id).labels, handle)
 
 
 @dataclass(frozen=True)
@@ -44,6 +94,7 @@ class Waiting:
     flow_run_name: str
     stack: str
     handle: JobHandle
+    time_limit_seconds: float | None = None
 
 
 def waiting_from(run: Any) -> Waiting | None:
@@ -57,4 +108,9 @@ def waiting_from(run: Any) -> Waiting | None:
     except (ValueError, TypeError):
         log.warning("flow run %s has an unreadable %s label: ignored", run.name, JOB_LABEL)
         return None
-    return Waiting(flow_run_id=run.id, flow_run_name=run.name, stack=str(labels.get(STACK_LABEL) or ""), handle=handle)
+    try:
+        limit = float(labels.get(TIME_LIMIT_LABEL) or "nan")
+    except (ValueError, TypeError):
+        limit = float("nan")
+    return Waiting(flow_run_id=run.id, flow_run_name=run.name, stack=str(labels.get(STACK_LABEL) or ""), handle=handle,
+                   time_limit_seconds=limit if limit > 0 else None)  # fmt: skip

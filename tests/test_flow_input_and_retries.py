@@ -32,6 +32,52 @@ def test_invalid_parameter_rejected_naming_the_field(gpuferry_home: Path) -> Non
     assert _side_effects(gpuferry_home) == before
 
 
+def test_a_remote_cluster_with_a_file_tracking_uri_is_refused_before_the_cluster_is_contacted(
+    gpuferry_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The jobs of a cluster reached over SSH could not log to this machine's SQLite file: retrain refuses the
+    stack in its preflight, before any SSH connection, command or submit, and before an MLflow run exists."""
+    import uuid
+
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+    from pydantic import SecretStr
+
+    from blocks.s3 import S3CheckpointStore
+    from blocks.slurm import SlurmCluster
+    from blocks.stack import Stack
+    from blocks.tracking import MlflowTracking
+
+    contacted: list[str] = []
+
+    def never(what: str):  # type: ignore[no-untyped-def]
+        def reached(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            contacted.append(what)
+            raise AssertionError(f"the cluster was reached ({what}) before the stack's mistake was reported")
+
+        return reached
+
+    for method in ("_connect", "run", "submit", "submit_command"):
+        monkeypatch.setattr(SlurmCluster, method, never(method))
+    tracking_db = tmp_path / "mlflow.db"
+    stack = Stack.embedded()
+    stack.compute = SlurmCluster(host="login.hpc.invalid", user="alice", private_key=SecretStr("unused"),
+                                 workdir_root="/shared/gpuferry", partition="gpu")  # fmt: skip
+    stack.storage = S3CheckpointStore(bucket=S3Bucket(bucket_name="models", credentials=AwsCredentials(
+        aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key="unused", region_name="us-east-1",
+        aws_client_parameters=AwsClientParameters(endpoint_url="http://s3.hpc.invalid:9000"))))  # fmt: skip
+    stack.tracking = MlflowTracking(tracking_uri=f"sqlite:///{tracking_db}")
+    name = f"remote-sqlite-{uuid.uuid4().hex[:8]}"
+    stack.save(name)
+    before = _side_effects(gpuferry_home)
+    with pytest.raises(ConfigurationError, match=r"tracking.tracking_uri='sqlite:///.*mlflow.db' is a file on this "
+                                                 r"machine: the jobs on the Slurm cluster \(login.hpc.invalid\)"):  # fmt: skip
+        retrain(workload=str(DIGITS), stack=name)
+    assert contacted == []
+    assert not tracking_db.exists()  # no MLflow experiment or run was made
+    assert _side_effects(gpuferry_home) == before  # nothing acquired, built or shipped
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -234,6 +235,26 @@ def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]
     assert local._client is None  # no SSH connection was made
 
 
+def test_local_mode_jobs_do_not_get_the_orchestrators_environment(cluster: SlurmCluster, env: dict[str, str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """With local=True sbatch runs in this process's environment and exports it to the job: the commands get
+    PATH, HOME, the locale, SLURM_CONF and pass_env only, never the orchestrator's credentials."""
+    monkeypatch.setenv("PREFECT_API_KEY", "planted-prefect-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted-aws-secret")
+    monkeypatch.setenv("GPUFERRY_TEST_PASSED", "passed-on-purpose")
+    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=cluster.workdir_root,
+                         pass_env=["GPUFERRY_TEST_PASSED"], poll_interval_start=0.3, poll_interval_max=2.0)  # fmt: skip
+    handle = local.submit_command(key("localenv"), ["env"], env={"GIVEN": "by-the-job"})
+    status = local.watch(handle, timeout_seconds=120)
+    dumped = local.read_log(handle)[0]
+    assert status.state == "COMPLETED", dumped
+    names = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in dumped.splitlines() if "=" in line}
+    assert names["GIVEN"] == "by-the-job" and names["GPUFERRY_TEST_PASSED"] == "passed-on-purpose"
+    assert names["PATH"] == os.environ["PATH"] and names["SLURM_JOB_ID"] == handle.job_id
+    assert "PREFECT_API_KEY" not in names and "AWS_SECRET_ACCESS_KEY" not in names
+    assert "planted-prefect-key" not in dumped and "planted-aws-secret" not in dumped
+
+
 def test_two_node_torchrun_all_reduce(cluster: SlurmCluster, env: dict[str, str]) -> None:
     """The generated torchrun line for real: 2 nodes, rendezvous on the first one, gloo all_reduce."""
     k = key("ddp")
@@ -276,6 +297,22 @@ def test_a_job_that_waits_in_the_queue_past_its_time_limit_still_runs(cluster: S
     assert seen.count("PENDING") >= 3, seen  # it did wait in the queue, past the limit, and was not cancelled
 
 
+def test_a_job_neither_squeue_nor_sacct_knows_is_lost_after_the_grace_a_fresh_one_is_seen_at_once(
+    cluster: SlurmCluster,
+) -> None:
+    strict = cluster.model_copy(update={"lost_job_grace_seconds": 0.0})
+    # Seen from its submission on (the controller has it before sbatch answers): no grace needed at all.
+    fresh = tiny(strict, key("fresh"))
+    assert strict.watch(fresh, timeout_seconds=120).state == "COMPLETED"
+    # A job id this cluster never had: what a controller that lost its state, or a purged record, leaves.
+    gone = fresh.model_copy(update={"job_id": "987654321", "key": key("gone")})
+    unseen = cluster.poll([gone])[gone.job_id]
+    assert unseen.state == "PENDING" and not unseen.visible
+    with pytest.raises(JobFailed, match=r"job 987654321 is lost: .*lost_job_grace_seconds=1\).*Neither squeue nor "
+                                        r"sacct knows job 987654321.*sacct -D -j 987654321"):  # fmt: skip
+        cluster.model_copy(update={"lost_job_grace_seconds": 1.0}).watch(gone, timeout_seconds=120)
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends(cluster: SlurmCluster) -> None:
     import stat
@@ -301,9 +338,32 @@ def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends
     assert f"token {len(planted)} True" in log and "mode 0o600" in log
     script = Path(job.workdir, "job.sbatch").read_text()
     assert planted not in script and planted not in log and "API_TOKEN" not in script.split(". /")[0]
-    assert stat.S_IMODE(Path(job.workdir, ".secret.env").stat().st_mode) == 0o600
-    cluster.result(handle, status)
-    assert not Path(job.workdir, ".secret.env").exists()  # the job ended: its secrets went with it
+    assert not Path(job.workdir, ".secret.env").exists()  # the job completed: it removed its secrets itself
+    cluster.result(handle, status)  # the orchestrator's removal (for any other end) finds nothing left
+    assert not Path(job.workdir, ".secret.env").exists()
+
+
+def test_cancel_removes_the_jobs_secret_and_login_files(cluster: SlurmCluster) -> None:
+    """A cancelled job never starts again: its secrets (and the registry login a job in an image gets) go."""
+    import stat
+
+    from pydantic import SecretStr
+
+    from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
+
+    k = key("cancelsecret")
+    handle = cluster.submit_command(
+        k, ["sh", "-c", 'echo "token ${#API_TOKEN}"; sleep 300'], secret_env={"API_TOKEN": SecretStr("s3cr3t-token")}
+    )  # fmt: skip
+    workdir = Path(handle.workdir)
+    for name in (REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME):  # as the container runtimes' logins are written
+        cluster.write_private(f"{handle.workdir}/{name}", b"registry login")
+    wait_for(lambda: "token 12" in cluster.read_log(handle)[0], 120, "the job running with its secret")
+    secrets = [workdir / ".secret.env", workdir / REGISTRY_AUTH_NAME, workdir / ENROOT_CREDENTIALS_NAME]
+    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in secrets)
+    cluster.cancel(handle)
+    assert [path.name for path in secrets if path.exists()] == []
+    wait_for(lambda: cluster.poll([handle])[handle.job_id].state == "CANCELLED", 60, "the job cancelled")
 
 
 def test_the_cluster_stores_the_trained_model_itself(cluster: SlurmCluster, s3_store) -> None:  # type: ignore[no-untyped-def]

@@ -358,12 +358,11 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
     assert seen["env"]["CONTAINERS_CONF"] is None  # the runtime's settings stay outside
     assert "probe ran in the image" in log
     assert ref.reference.split("@")[1] in log or "Copying blob" in log or "Trying to pull" in log, log[-3000:]
-    # The login was a 0600 file next to the script, not in it.
-    auth = Path(job_.workdir, REGISTRY_AUTH_NAME)
-    assert stat.S_IMODE(auth.stat().st_mode) == 0o600
+    # The login was a file next to the script (0600: see the cancel test), not in it; the job completed and
+    # removed it itself.
     assert stacks["REGISTRY_PASSWORD"] not in Path(job_.workdir, "job.sbatch").read_text()
-    probe.result(handle, status)  # the job has ended: its login file goes
-    assert not auth.exists()
+    assert not Path(job_.workdir, REGISTRY_AUTH_NAME).exists()
+    probe.result(handle, status)
 
 
 @pytest.mark.integration
@@ -453,7 +452,10 @@ def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[Ima
         return [line for line in out.splitlines() if workdir in line]
 
     assert len(containers_in(job_.workdir)) == 1
+    auth = Path(job_.workdir, REGISTRY_AUTH_NAME)  # the registry login: a 0600 file while the job may run
+    assert stat.S_IMODE(auth.stat().st_mode) == 0o600
     slurm.cancel(handle)
+    assert not auth.exists()  # cancelled: it never starts again
     status = slurm.watch(handle, timeout_seconds=300)
     assert status.state == "CANCELLED", status
     # Slurm's TERM reached the program through podman: it saved a checkpoint, and its container is gone.

@@ -67,7 +67,8 @@ def test_sacct_statuses_of_jobs_that_left_the_controller() -> None:
     assert statuses["105"].state == "COMPLETED" and statuses["105"].reason == "array: all 3 tasks completed"
     assert statuses["110"].state == "CANCELLED" and "CANCELLED by 0" in statuses["110"].reason
     assert statuses["121"].exit_code == 3 and statuses["122"].exit_code == 137
-    assert statuses["999"].state == "PENDING" and statuses["999"].reason == NOT_VISIBLE  # sacct lags
+    assert statuses["999"].state == "PENDING" and statuses["999"].reason == NOT_VISIBLE  # sacct lags, or lost
+    assert [job for job, status in statuses.items() if not status.visible] == ["999"]
 
 
 def test_usage_counts_every_attempt_of_a_preempted_job() -> None:
