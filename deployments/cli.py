@@ -1,6 +1,6 @@
 """The ``gpuferry`` command: stacks from a file, a check of every backend, runs, deployments and a new workload.
 
-    gpuferry init [DIR]                         a workload skeleton (gpuferry.yaml, train.py, requirements.txt)
+    gpuferry init [DIR]                         a workload skeleton (gpuferry.yaml, train.py, requirements, Dockerfile)
     gpuferry stack apply FILE [--dry-run]       save the stacks a file declares (only what changed)
     gpuferry stack list | show NAME             the saved stacks (secrets masked)
     gpuferry check [STACK] [--workload DIR]     contact every backend of the stack; one table, exit 1 on a failure
