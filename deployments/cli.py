@@ -146,15 +146,15 @@ def workload_group(stack: Any, source: str, timeout: float) -> tuple[Any, Callab
     """The checks of a workload, as a group ``check_stack`` runs beside the backends': its file loads, and a run
     of it with its defaults is planned and checked against the stack (every check that needs no outside call, as
     retrain does before it acquires anything)."""
+    # Imported before the group's deadline starts: on a cold start (no bytecode cache, a busy machine) importing
+    # the flows alone can take longer than a backend is given to answer.
     from blocks.checks import Probe
+    from blocks.plan import plan_run
+    from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
+    from blocks.workload import load_workload
+    from flows.retrain import preflight
 
     def checks(probe: Probe) -> None:
-        # Imported here, in the group's thread: the flows' imports overlap the backends' checks.
-        from blocks.plan import plan_run
-        from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
-        from blocks.workload import load_workload
-        from flows.retrain import preflight
-
         found: list[Any] = []
 
         def load() -> str:
