@@ -46,7 +46,7 @@ def prefect_api() -> Iterator[str]:
         yield url
 
 
-def checked(steps: dict[str, Any], tmp_path: Path, timeout: float = 15.0, **kwargs: Any) -> list[CheckRow]:
+def checked(steps: dict[str, Any], tmp_path: Path, timeout: float = 30.0, **kwargs: Any) -> list[CheckRow]:
     """The rows of ``check_stack`` on ``steps``, which must return within ``timeout`` (+ ``SLACK_S``)."""
     path = write(tmp_path / "stack.yaml", {"local": steps})
     stack = read_stack_file(path.read_text(), str(path), tmp_path)["local"]
