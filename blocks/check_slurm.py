@@ -110,12 +110,15 @@ def check_slurm(cluster: SlurmCluster, probe: Probe) -> None:
 
 # What the checks ask the login node, in ONE command (each costs the login shell's start-up): every
 # section's output and exit code, between markers. "$1" the user (empty: who logs in), "$2" the interpreter of
-# image-less jobs, "$3" the jobs' directory.
+# image-less jobs, "$3" the jobs' directory. "runtimes": pyxis when `srun --help` lists --container-image, and
+# the paths of podman and apptainer on the login node's PATH (what "auto" chooses among).
 _FACTS_SH = (
     'u="${1:-$(id -un)}"; echo "@@user"; echo "$u"; echo "@@rc 0"; '
     'echo "@@version"; sinfo --version 2>&1; echo "@@rc $?"; '
     'echo "@@partitions"; sinfo -h -o "%R|%a|%D|%G" 2>&1; echo "@@rc $?"; '
     'echo "@@assoc"; sacctmgr -n -P show assoc where user="$u" format=Account,Partition,QOS 2>&1; echo "@@rc $?"; '
+    'echo "@@runtimes"; srun --help 2>&1 | grep -q -- --container-image && echo pyxis; '
+    'for r in podman apptainer; do command -v "$r"; done; echo "@@rc 0"; '
     'echo "@@python"; "$2" --version 2>&1; echo "@@rc $?"; '
     'echo "@@workdir"; d="$3"; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; echo "$d"; test -w "$d"; echo "@@rc $?"'
 )
@@ -135,6 +138,38 @@ def _sections(text: str) -> dict[str, tuple[int, str]]:
         elif name is not None:
             lines.append(line)
     return out
+
+
+def _accounts(text: str) -> dict[str, set[str]]:
+    """``sacctmgr -n -P show assoc format=Account,Partition,QOS`` lines → account → the QoS allowed in it (an
+    account with an association per partition: their union)."""
+    out: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 3 and parts[0]:
+            out.setdefault(parts[0], set()).update(q for q in parts[2].split(",") if q)
+    return out
+
+
+def _runtimes(text: str) -> set[str]:
+    """The "runtimes" section → the container runtimes the login node offers ({"pyxis", "podman", ...})."""
+    return {line.strip().rsplit("/", 1)[-1] for line in text.splitlines() if line.strip()}
+
+
+def _set_runtime(runtime: str, offered: set[str], needed: bool) -> Any:
+    """The row of a container_runtime that is set (not "auto"): it must be one the login node offers."""
+    note = "" if needed else "; not needed: the stack builds no image"
+    if runtime in offered:
+        return f"{runtime} (set){note}"
+    missing = "`srun --help` lists no --container-image (no pyxis)" if runtime == "pyxis" else \
+        f"no {runtime} on the login node's PATH"  # fmt: skip
+    found = ", ".join(sorted(offered)) or "none"
+    if not needed:
+        return Warn(f"container_runtime={runtime!r}, but {missing} (offered: {found}){note}",
+                    "set container_runtime to auto, or to one the cluster has")  # fmt: skip
+    other = f", or set container_runtime to {' or '.join([*sorted(offered), 'auto'])}" if offered else ""
+    raise CheckFailed(f"container_runtime={runtime!r}, but {missing}; the cluster offers: {found}",
+                      f"install {runtime} on the nodes{other}")
 
 
 def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
@@ -186,11 +221,10 @@ def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
         if rc != 0:
             return Warn(f"sacctmgr failed: {out[:200]} (no accounting database?)",
                         "associations not checked: sbatch says so if the account or QoS is refused")
-        rows = [line.split("|") for line in out.splitlines() if line.count("|") >= 2]
-        if not rows:
+        accounts = _accounts(out)
+        if not accounts:
             return Warn(f"user {user!r} has no associations", "ask the admins to add you to an account "
                         "(`sacctmgr add user NAME account=ACCOUNT`) if the cluster enforces them")
-        accounts = {r[0]: {q for q in r[2].split(",") if q} for r in rows}
         if c.account is not None and c.account not in accounts:
             raise CheckFailed(f"user {user!r} is not in account {c.account!r}; their accounts: "
                               f"{', '.join(accounts)}", f"set account to one of: {', '.join(accounts)}")  # fmt: skip
@@ -203,6 +237,8 @@ def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
     probe.step("account/QoS", associations)
 
     def runtime() -> Any:
+        if c.container_runtime != "auto":
+            return _set_runtime(c.container_runtime, _runtimes(facts.get("runtimes", (0, ""))[1]), probe.needs_image)
         try:
             found_runtime = c.job_container_runtime()  # what a job with an image would use, asked as submit asks
         except ConfigurationError as exc:

@@ -221,9 +221,10 @@ def _no_checks(probe: Probe) -> None:
 STEPS = ("provider", "images", "compute", "storage", "tracking", "serving")
 
 
-def check_stack(stack: Stack, *, timeout: float = DEFAULT_TIMEOUT_S, prefect: bool = True,
-                work_pool: str | None = None) -> list[CheckRow]:  # fmt: skip
-    """Every backend of ``stack`` checked at once (and the Prefect server, its pool and a worker)."""
+def check_stack(stack: Stack, *, timeout: float = DEFAULT_TIMEOUT_S, prefect: bool = True, work_pool: str | None = None,
+                more: Iterable[tuple[Probe, Callable[[Probe], Any]]] = ()) -> list[CheckRow]:  # fmt: skip
+    """Every backend of ``stack`` checked at once (and the Prefect server, its pool and a worker, and the groups
+    ``more`` adds, e.g. a workload's: their rows come last)."""
     probe_id = uuid.uuid4().hex[:12]
     needs_image = bool(stack.images.produces_image)
     groups: list[tuple[Probe, Callable[[Probe], Any]]] = []
@@ -234,7 +235,7 @@ def check_stack(stack: Stack, *, timeout: float = DEFAULT_TIMEOUT_S, prefect: bo
     if prefect:
         probe = Probe("prefect", "Prefect server", timeout=timeout, probe_id=probe_id)
         groups.append((probe, lambda p: check_prefect(p, work_pool)))
-    return run_groups(groups)
+    return run_groups([*groups, *more])
 
 
 # ---- the Prefect side ----------------------------------------------------------------------------------

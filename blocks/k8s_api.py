@@ -112,7 +112,9 @@ def connection_in_cluster() -> Connection:
 
 
 def _auth_headers(cfg: Any) -> dict[str, str]:
-    token = cfg.get_api_key_with_prefix("authorization") if cfg.api_key else None
+    # The loaders keep a token (kubeconfig `token`, an exec plugin's, in-cluster) as "BearerToken"; older
+    # clients as "authorization": read it as the client's own auth_settings() does.
+    token = cfg.get_api_key_with_prefix("BearerToken", alias="authorization") if cfg.api_key else None
     if token:
         return {"Authorization": token}
     if cfg.username or cfg.password:

@@ -1,6 +1,6 @@
 """The ``gpuferry`` command: stacks from a file, a check of every backend, runs, deployments and a new workload.
 
-    gpuferry init [DIR]                         a workload skeleton (gpuferry.yaml, train.py, requirements.txt)
+    gpuferry init [DIR]                         a workload skeleton (gpuferry.yaml, train.py, requirements, Dockerfile)
     gpuferry stack apply FILE [--dry-run]       save the stacks a file declares (only what changed)
     gpuferry stack list | show NAME             the saved stacks (secrets masked)
     gpuferry check [STACK] [--workload DIR]     contact every backend of the stack; one table, exit 1 on a failure
@@ -142,10 +142,13 @@ def resolve_stack(name: str | None, file: Path | None) -> tuple[str, Any]:
     return name, Stack.named(name)
 
 
-def workload_rows(stack: Any, source: str, timeout: float) -> list[Any]:
-    """The workload's file loads, and a run of it with its defaults is planned and checked against the stack
-    (every check that needs no outside call, as retrain does before it acquires anything)."""
-    from blocks.checks import Probe, run_groups
+def workload_group(stack: Any, source: str, timeout: float) -> tuple[Any, Callable[[Any], None]]:
+    """The checks of a workload, as a group ``check_stack`` runs beside the backends': its file loads, and a run
+    of it with its defaults is planned and checked against the stack (every check that needs no outside call, as
+    retrain does before it acquires anything)."""
+    # Imported before the group's deadline starts: on a cold start (no bytecode cache, a busy machine) importing
+    # the flows alone can take longer than a backend is given to answer.
+    from blocks.checks import Probe
     from blocks.plan import plan_run
     from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
     from blocks.workload import load_workload
@@ -171,7 +174,7 @@ def workload_rows(stack: Any, source: str, timeout: float) -> list[Any]:
 
         probe.step("run plan", plan, "change the workload's resources or image, or the stack's backends")
 
-    return run_groups([(Probe("workload", Path(source).name or source, timeout=timeout), checks)])
+    return Probe("workload", Path(source).name or source, timeout=timeout), checks
 
 
 def render_rows(rows: list[Any]) -> None:
@@ -200,9 +203,8 @@ def check(
 
     started = time.monotonic()
     label, chosen = resolve_stack(stack, file)
-    rows = check_stack(chosen, timeout=timeout, prefect=prefect, work_pool=pool)
-    if workload is not None:
-        rows += workload_rows(chosen, workload, timeout)
+    more = [workload_group(chosen, workload, timeout)] if workload is not None else []
+    rows = check_stack(chosen, timeout=timeout, prefect=prefect, work_pool=pool, more=more)
     seconds = time.monotonic() - started
     failed = [r for r in rows if r.failed]
     if as_json:

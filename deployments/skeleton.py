@@ -1,10 +1,12 @@
 """``gpuferry init``: a workload skeleton that passes ``gpuferry check`` and runs, to replace with your model.
 
-It writes ``gpuferry.yaml`` (name, an image generated from ``image.base`` + ``requirements.txt``, the training
-command, two hyperparameters, the promotion metric), ``train.py`` (a job that honours gpuferry's contract:
-``HPARAMS`` in, metrics to MLflow, an MLflow model with an input example in ``$CHECKPOINT_DIR/final/``, exit
-75 when stopped by SIGTERM/SIGUSR1 before it is done) and ``requirements.txt``. The training script imports
-nothing of gpuferry. Existing files are left alone unless ``--force``.
+It writes ``gpuferry.yaml`` (name, the image from ``Dockerfile``, the training command, two hyperparameters,
+the promotion metric), ``train.py`` (a job that honours gpuferry's contract: ``HPARAMS`` in, metrics to
+MLflow, an MLflow model with an input example in ``$CHECKPOINT_DIR/final/``, exit 75 when stopped by
+SIGTERM/SIGUSR1 before it is done), ``requirements.txt`` and a ``Dockerfile`` (``python:3.11-slim`` unless the
+build argument ``BASE_IMAGE`` says otherwise, ``requirements.txt`` and the model server's packages, the code in
+``/workload``). The training script imports nothing of gpuferry. Existing files are left alone unless
+``--force``.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ name: {name}
 description: A ridge regression on scikit-learn's diabetes data; replace train.py with your model.
 
 image:
-  base: python:3.11-slim        # a Dockerfile is generated: this base, requirements.txt, the code in /workload
-  requirements: requirements.txt
-  # dockerfile: Dockerfile      # or your own Dockerfile
+  dockerfile: Dockerfile        # python:3.11-slim + requirements.txt + this directory; a stack may set BASE_IMAGE
+  # base: python:3.11-slim      # or no Dockerfile: one is generated from this base and requirements.txt
+  # requirements: requirements.txt
 
 train:
   command: [python, train.py]
@@ -122,6 +124,27 @@ skops>=0.10,<1
 mlflow-skinny>=3.17,<4
 """
 
+DOCKERFILE = """\
+# The workload's image: train.py and what it needs. gpuferry builds it (the context: this directory after
+# .dockerignore), then adds its model server (runtime/) and checks that the server's packages are installed.
+# BASE_IMAGE: any image with Python 3 and pip; a stack's image builder may set it (build_args: a mirror, a
+# CUDA image).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# The packages in a layer of their own (changing the code does not reinstall them): train.py's, and the model
+# server's, whose list gpuferry puts in the build context as .gpuferry/runtime/requirements.txt.
+COPY requirements.txt /tmp/requirements/workload.txt
+COPY .gpuferry/runtime/requirements.txt /tmp/requirements/runtime.txt
+RUN python -m pip install --no-cache-dir -r /tmp/requirements/workload.txt -r /tmp/requirements/runtime.txt \\
+    && rm -rf /tmp/requirements
+
+WORKDIR /workload
+COPY . /workload
+"""
+
 DOCKERIGNORE = """\
 checkpoints/
 mlruns/
@@ -133,7 +156,7 @@ __pycache__/
 def files(name: str) -> dict[str, str]:
     """The skeleton's files, by path relative to the workload's root."""
     return {"gpuferry.yaml": WORKLOAD_YAML.format(name=name), "train.py": TRAIN_PY,
-            "requirements.txt": REQUIREMENTS, ".dockerignore": DOCKERIGNORE}  # fmt: skip
+            "requirements.txt": REQUIREMENTS, "Dockerfile": DOCKERFILE, ".dockerignore": DOCKERIGNORE}  # fmt: skip
 
 
 def workload_name(directory: Path) -> str:
@@ -163,7 +186,7 @@ def init(
     name: Annotated[str | None, typer.Option(help="The workload's name (default: the directory's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite files that exist.")] = False,
 ) -> None:
-    """Write a workload skeleton (gpuferry.yaml, train.py, requirements.txt) that passes `check` and runs."""
+    """Write a workload skeleton (gpuferry.yaml, train.py, requirements.txt, Dockerfile) that passes `check` and runs."""
     written = write(directory, name, force)
     kept = [p for p in files("x") if directory / p not in written]
     for path in written:

@@ -1,9 +1,14 @@
 """`gpuferry check` against the local stacks: all green, then each backend made unreachable in turn.
 
-The shared stacks are never stopped: a backend is "down" by pointing its block at a port where nothing
-listens (what a stopped server looks like from here), or at a listener of this test's own that accepts and
-never answers (a hung server, which only the deadline ends). The failed row names the check and the fix, and
-every other backend's rows stay ok.
+The shared stacks are never stopped (other tests use them): a backend is "down" by pointing its block at a
+port where nothing listens (what a stopped server looks like from here: connection refused), or at a listener
+of this test's own that accepts and never answers (a hung server, which only the deadline ends). Wrong
+settings (a user, an account, a QoS, a container runtime, a bucket, a namespace the systems do not have) are
+checked against the real systems. The failed row names the check and the fix, every other backend's rows stay
+ok, and the whole check returns within its deadline (with slack for a busy machine: a bound on behaviour, not
+a speed measurement; bench/check_wall.py measures the speed).
+
+Permissions and workers: tests/test_check_refusals.py.
 """
 
 from __future__ import annotations
@@ -11,11 +16,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,56 +30,17 @@ import pytest
 import yaml
 
 from blocks._proc import free_port
-from blocks.checks import PROBE_PREFIX, CheckRow, check_stack
+from blocks.checks import PROBE_PREFIX, CheckRow
 from blocks.s3 import S3CheckpointStore
-from blocks.stack_file import read_stack_file
 from deployments import skeleton
-from tests.stack_files import S3_SECRET_ENV, local_stack, write
+from tests.checking import GREEN, checked, table
+from tests.checking import prefect_api, steps  # noqa: F401 - fixtures
+from tests.stack_files import write
 from tests.stacks import stack_env
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
-GREEN = ("ok",)
-
-
-@pytest.fixture(scope="module")
-def steps(s3_store: S3CheckpointStore) -> Iterator[dict[str, Any]]:
-    """The local stack's steps (a bucket of this module's own), with the S3 secret in the environment."""
-    secret = stack_env("s3")["AWS_SECRET_ACCESS_KEY"]
-    old = os.environ.get(S3_SECRET_ENV)
-    os.environ[S3_SECRET_ENV] = secret
-    yield local_stack(s3_store.bucket.bucket_name)
-    if old is None:
-        os.environ.pop(S3_SECRET_ENV, None)
-    else:
-        os.environ[S3_SECRET_ENV] = old
-
-
-@pytest.fixture(scope="module")
-def prefect_api() -> Iterator[str]:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    url = stack_env("prefect")["PREFECT_API_URL"]
-    with temporary_settings({PREFECT_API_URL: url}):
-        yield url
-
-
-def checked(steps: dict[str, Any], tmp_path: Path, timeout: float = 15.0, **kwargs: Any) -> list[CheckRow]:
-    path = write(tmp_path / "stack.yaml", {"local": steps})
-    stack = read_stack_file(path.read_text(), str(path), tmp_path)["local"]
-    return check_stack(stack, timeout=timeout, **kwargs)
-
-
-def by_step(rows: list[CheckRow]) -> dict[str, list[CheckRow]]:
-    out: dict[str, list[CheckRow]] = {}
-    for row in rows:
-        out.setdefault(row.step, []).append(row)
-    return out
-
-
-def table(rows: list[CheckRow]) -> str:
-    return "\n".join(f"{r.step} {r.check}: {r.status} {r.detail} | {r.fix}" for r in rows)
 
 
 def test_the_check_command_is_all_green_on_the_local_stacks(steps: dict[str, Any], tmp_path: Path) -> None:
@@ -100,6 +67,49 @@ def test_the_check_command_is_all_green_on_the_local_stacks(steps: dict[str, Any
             ("serving", "RBAC"), ("serving", "GPU nodes"), ("prefect", "online worker"),
             ("workload", "run plan")} <= checks  # fmt: skip
     print(f"gpuferry check: {wall:.1f} s wall, {report['seconds']} s after start-up, {len(rows)} checks")
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The cells of each row of the table `gpuferry check` prints (a cell wrapped over several lines, joined)."""
+    rows: list[list[str]] = []
+    for line in out.splitlines():
+        if not line.startswith("│"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if cells[0] or not rows:
+            rows.append(cells)
+        else:
+            rows[-1] = [f"{a} {b}".strip() for a, b in zip(rows[-1], cells)]
+    return rows
+
+
+def test_the_check_command_exits_1_with_the_failed_row_and_its_fix(steps: dict[str, Any], tmp_path: Path) -> None:
+    """The installed command on a stack whose MLflow server is down: the table, then --json, as a user reads them."""
+    changed = copy.deepcopy(steps)
+    port = free_port()
+    changed["tracking"]["tracking_uri"] = f"http://127.0.0.1:{port}"
+    path = write(tmp_path / "stack.yaml", {"local": changed})
+    env = {**os.environ, "PREFECT_API_URL": stack_env("prefect")["PREFECT_API_URL"]}
+    command = [str(REPO / ".venv/bin/gpuferry"), "check", "-f", str(path), "--timeout", "60"]
+    detail = f"127.0.0.1:{port}: nothing listens there (connection refused)"
+    fix = "start the MLflow server, or fix tracking_uri"
+
+    printed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert printed.returncode == 1, printed.stdout[-5000:] + printed.stderr[-3000:]
+    rows = table_rows(printed.stdout)
+    assert [r for r in rows if r[3] != "ok"] == [["tracking", "MlflowTracking", "reach", "FAILED", detail, fix]], \
+        printed.stdout  # fmt: skip
+    assert {r[0] for r in rows} == {"provider", "images", "compute", "storage", "tracking", "serving", "prefect"}
+    assert re.search(rf"stack local: 1 check\(s\) failed \({len(rows)} checks in [\d.]+ s\)", printed.stdout)
+
+    as_json = subprocess.run([*command, "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert as_json.returncode == 1, as_json.stdout[-5000:] + as_json.stderr[-3000:]
+    report = json.loads(as_json.stdout)
+    assert report["ok"] is False and report["stack"] == "local"
+    failed = [r for r in report["rows"] if r["status"] != "ok"]
+    assert [(r["step"], r["check"], r["status"], r["detail"], r["fix"]) for r in failed] == [
+        ("tracking", "reach", "failed", detail, fix)]  # fmt: skip
+    assert len(report["rows"]) - len(failed) >= 20  # every other backend's rows, all ok
 
 
 def test_the_checks_leave_nothing_behind(steps: dict[str, Any], tmp_path: Path, s3_store: S3CheckpointStore) -> None:
@@ -145,6 +155,25 @@ def _down(tmp: Path) -> dict[str, Callable[[dict[str, Any]], tuple[str, str, str
         s["compute"]["known_hosts"] = {"file": _other_key(tmp)}
         return "compute", "SSH host key", "CHANGED", "ssh-keyscan -p"
 
+    def ssh_user(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["user"] = "gpuferry-no-such-user"  # the login node's sshd refuses the key for this user
+        return "compute", "SSH login", "SSH login as gpuferry-no-such-user@", "check user and private_key"
+
+    def account(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["account"] = "gpuferry-no-such-account"
+        user = stack_env("slurm")["SLURM_SSH_USER"]
+        return "compute", "account/QoS", f"user {user!r} is not in account 'gpuferry-no-such-account'", \
+            "set account to one of: "  # fmt: skip
+
+    def qos(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["qos"] = "gpuferry-no-such-qos"
+        return "compute", "account/QoS", "QoS 'gpuferry-no-such-qos' is not allowed", "set qos to one of: high, normal"
+
+    def runtime(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["container_runtime"] = "apptainer"  # the stack's nodes have podman only
+        return "compute", "container runtime", "no apptainer on the login node's PATH; the cluster offers: podman", \
+            "install apptainer on the nodes, or set container_runtime to podman or auto"  # fmt: skip
+
     def partition(s: dict[str, Any]) -> tuple[str, str, str, str]:
         s["compute"]["partition"] = "gpu-a100"
         return "compute", "partitions", "partition 'gpu-a100' does not exist", "set partition to one of: debug"
@@ -182,12 +211,12 @@ def _down(tmp: Path) -> dict[str, Callable[[dict[str, Any]], tuple[str, str, str
         s["serving"]["namespace"] = "gpuferry-no-such-namespace"
         return "serving", "namespace", "does not exist", "kubectl create namespace gpuferry-no-such-namespace"
 
-    return {f.__name__: f for f in (slurm, host_key, partition, s3, bucket, mlflow, registry, password, engine,
-                                    kubernetes, namespace)}  # fmt: skip
+    return {f.__name__: f for f in (slurm, host_key, ssh_user, partition, account, qos, runtime, s3, bucket, mlflow,
+                                    registry, password, engine, kubernetes, namespace)}  # fmt: skip
 
 
-CASES = ["slurm", "host_key", "partition", "s3", "bucket", "mlflow", "registry", "password", "engine", "kubernetes",
-         "namespace"]  # fmt: skip
+CASES = ["slurm", "host_key", "ssh_user", "partition", "account", "qos", "runtime", "s3", "bucket", "mlflow", "registry",
+         "password", "engine", "kubernetes", "namespace"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -243,25 +272,54 @@ class Silent:
             conn.close()
 
 
+def _hanging(port: int, tmp: Path) -> dict[str, Callable[[dict[str, Any]], set[tuple[str, str]]]]:
+    """Case → a change pointing backends at the silent listener, and the (step, check) rows that must fail."""
+
+    def ssh_and_s3(s: dict[str, Any]) -> set[tuple[str, str]]:
+        s["compute"]["port"] = port
+        s["storage"]["bucket"]["credentials"]["aws_client_parameters"]["endpoint_url"] = f"http://127.0.0.1:{port}"
+        return {("compute", "SSH host key"), ("storage", "bucket")}  # the TCP connection opens: the next check waits
+
+    def mlflow(s: dict[str, Any]) -> set[tuple[str, str]]:
+        s["tracking"]["tracking_uri"] = f"http://127.0.0.1:{port}"
+        return {("tracking", "server")}
+
+    def registry(s: dict[str, Any]) -> set[tuple[str, str]]:
+        s["images"]["credentials"]["registry_url"] = f"http://127.0.0.1:{port}"
+        return {("images", "registry login")}
+
+    def kubernetes(s: dict[str, Any]) -> set[tuple[str, str]]:
+        s["serving"]["kubeconfig"] = {"file": _kubeconfig_at(tmp / "kubeconfig", f"https://127.0.0.1:{port}")}
+        return {("serving", "reach")}  # the TLS handshake gets no answer
+
+    return {f.__name__: f for f in (ssh_and_s3, mlflow, registry, kubernetes)}
+
+
+HANG_TIMEOUT_S = 30.0  # the deadline of every backend in these runs, the ones that answer included (a busy machine)
+
+
+@pytest.mark.parametrize("case", ["ssh_and_s3", "mlflow", "registry", "kubernetes", "prefect"])
 def test_a_backend_that_hangs_fails_within_its_timeout_and_holds_up_no_other(
-    steps: dict[str, Any], tmp_path: Path
+    case: str, steps: dict[str, Any], tmp_path: Path
 ) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     silent = Silent()
     try:
         changed = copy.deepcopy(steps)
-        changed["compute"]["port"] = silent.port
-        changed["storage"]["bucket"]["credentials"]["aws_client_parameters"]["endpoint_url"] = \
-            f"http://127.0.0.1:{silent.port}"  # fmt: skip
-        started = time.monotonic()
-        rows = checked(changed, tmp_path, timeout=4.0, prefect=False)
-        elapsed = time.monotonic() - started
+        if case == "prefect":
+            expected = {("prefect", "server")}
+            with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{silent.port}/api"}):
+                rows = checked(changed, tmp_path, timeout=HANG_TIMEOUT_S, work_pool="gpuferry")
+        else:
+            expected = _hanging(silent.port, tmp_path)[case](changed)
+            rows = checked(changed, tmp_path, timeout=HANG_TIMEOUT_S, prefect=False)  # bounded: see checked()
     finally:
         silent.close()
     failed = {(r.step, r.check): r for r in rows if r.failed}
-    assert set(failed) == {("compute", "SSH host key"), ("storage", "bucket")}, table(rows)
+    assert set(failed) == expected, table(rows)
     for row in failed.values():
-        assert "within 4 s" in row.detail or "timed out" in row.detail.lower() or "timeout" in row.detail.lower(), \
-            table(rows)  # fmt: skip
-    assert [r for r in rows if r.step not in ("compute", "storage") and r.status not in GREEN] == [], table(rows)
-    # The deadline is the behaviour under test: 4 s per backend, all at once (generous slack for a busy machine).
-    assert elapsed < 4.0 + 20.0, f"{elapsed:.1f} s"
+        assert f"within {HANG_TIMEOUT_S:.0f} s" in row.detail or "timed out" in row.detail.lower() or \
+            "timeout" in row.detail.lower(), table(rows)  # fmt: skip
+    hung = {step for step, _ in expected}
+    assert [r for r in rows if r.step not in hung and r.status not in GREEN] == [], table(rows)

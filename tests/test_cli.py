@@ -34,7 +34,7 @@ def test_init_writes_a_workload_that_passes_check_and_runs(tmp_path: Path) -> No
     workload = tmp_path / "house-prices"
     code, out = run("init", str(workload))
     assert code == 0 and sorted(p.name for p in workload.iterdir()) == [
-        ".dockerignore", "gpuferry.yaml", "requirements.txt", "train.py"]  # fmt: skip
+        ".dockerignore", "Dockerfile", "gpuferry.yaml", "requirements.txt", "train.py"]  # fmt: skip
     code, out = run("check", "--workload", str(workload), "--no-prefect")
     assert code == 0, out
     assert re.search(r"workload\s.*run plan\s.*ok", out) and "all checks passed" in out
@@ -67,7 +67,7 @@ def test_init_writes_a_workload_that_passes_check_and_runs(tmp_path: Path) -> No
 def test_init_keeps_what_exists_unless_forced(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("# mine\n")
     written = skeleton.write(tmp_path, name="mine")
-    assert sorted(p.name for p in written) == [".dockerignore", "gpuferry.yaml", "requirements.txt"]
+    assert sorted(p.name for p in written) == [".dockerignore", "Dockerfile", "gpuferry.yaml", "requirements.txt"]
     assert (tmp_path / "train.py").read_text() == "# mine\n"
     assert "name: mine" in (tmp_path / "gpuferry.yaml").read_text()
     skeleton.write(tmp_path, name="mine", force=True)

@@ -321,6 +321,18 @@ def test_an_example_image_trains_then_serves_what_it_trained(stack: dict[str, st
         container.remove(force=True)
 
 
+def test_the_dockerfile_init_writes_builds_on_the_stacks_base(stack: dict[str, str], tmp_path: Path) -> None:
+    """`gpuferry init`'s Dockerfile, its BASE_IMAGE set as a stack sets it: the build installs train.py's
+    packages and the model server's, and passes the server's check."""
+    from deployments import skeleton
+
+    skeleton.write(tmp_path / "skeleton")
+    workload = load_workload(str(tmp_path / "skeleton"))
+    assert workload.definition.image is not None and workload.definition.image.dockerfile == "Dockerfile"
+    image = builder(stack, "gpuferry-test/skeleton", build_args={"BASE_IMAGE": stack["BASE_IMAGE"]}).build(workload)
+    assert image.reference and "@sha256:" in image.reference and image.workdir == "/workload"
+
+
 def test_the_digits_image_from_its_own_dockerfile(stack: dict[str, str]) -> None:
     """The digits example's own Dockerfile builds on the stack's base, gpuferry's check included."""
     image = builder(stack, "gpuferry-test/digits", build_args={"BASE_IMAGE": stack["BASE_IMAGE"]}).build(

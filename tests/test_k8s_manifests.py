@@ -356,3 +356,21 @@ def test_smoke_test_on_kubernetes_names_the_pod_and_fails_on_no_answer(monkeypat
         block._smoke_test(spec, _release(), _ready())
     with pytest.raises(DeployFailed, match="no ready pod of the new ReplicaSet"):
         block._smoke_test(spec, _release(), r.RolloutState("done", "", pods=[{"name": "x", "ready": False}]))
+
+
+def test_a_kubeconfig_with_a_token_sends_it() -> None:
+    """A token user (a ServiceAccount's, or what an exec plugin such as EKS's or GKE's returns) is a Bearer header;
+    tests/test_check.py uses one against the local cluster."""
+    from blocks.k8s_api import connection_from_kubeconfig
+
+    config = """\
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://k8s.example.org:6443", insecure-skip-tls-verify: true}}]
+users: [{name: u, user: {token: abc.def}}]
+contexts: [{name: x, context: {cluster: c, user: u, namespace: models}}]
+current-context: x
+"""
+    conn = connection_from_kubeconfig(config)
+    assert conn.headers == {"Authorization": "Bearer abc.def"}
+    assert conn.server == "https://k8s.example.org:6443" and conn.namespace == "models"

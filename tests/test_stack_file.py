@@ -182,6 +182,30 @@ def test_apply_twice_changes_nothing_the_second_time(files: Path) -> None:
 
 
 @pytest.mark.usefixtures("prefect_server")
+def test_a_secret_reference_takes_the_value_of_a_prefect_secret_block(files: Path) -> None:
+    from prefect.blocks.system import Secret
+
+    name, secret = f"t-{uuid.uuid4().hex[:8]}", f"kubeconfig-{uuid.uuid4().hex[:8]}"
+    value = "apiVersion: v1\nkind: Config\nclusters: []\n"
+    Secret(value=value).save(secret)
+    path = files / "stack.yaml"
+    path.write_text(stack_yaml(name, serving=f"type: KubernetesCluster\nkubeconfig: {{secret: {secret}}}\nnamespace: m"))
+
+    assert run("stack", "apply", str(path)) == (0, f"{name}: created\n")
+    assert Stack.load(name).serving.kubeconfig.get_secret_value() == value
+    code, shown = run("stack", "show", name)
+    assert code == 0 and "kubeconfig: '********'" in shown and "clusters" not in shown
+
+    text = path.read_text().replace(secret, "gpuferry-no-such-secret")
+    path.write_text(text)
+    code, out = run("stack", "apply", str(path))
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if "gpuferry-no-such-secret" in ln)
+    assert code == 2 and f"{path}:{line}: stacks.{name}.serving.kubeconfig: the Prefect Secret block " \
+        "'gpuferry-no-such-secret' does not exist: create it" in out  # fmt: skip
+    assert Stack.load(name).serving.kubeconfig.get_secret_value() == value  # nothing was saved
+
+
+@pytest.mark.usefixtures("prefect_server")
 def test_a_stack_that_is_not_saved_is_an_error_listing_the_saved_ones(files: Path) -> None:
     from flows.retrain import load_stack
 
