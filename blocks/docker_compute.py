@@ -54,7 +54,7 @@ from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label
 from blocks.launch import launch_command
 from blocks.secrets import secret_values
 from blocks.slurm_script import check_name, check_pinned_image
-from blocks.specs import JobHandle, JobStatus, TrainingJob
+from blocks.specs import JobHandle, JobStatus, Resources, TrainingJob
 from runtime import contract
 
 STATE_NAME = "docker-job.json"
@@ -108,9 +108,9 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
     # ---- checks ------------------------------------------------------------------------------
 
     @staticmethod
-    def gpu_request(job: TrainingJob) -> GpuRequest:
-        res = job.resources
-        return GpuRequest(count=res.gpus_per_node, devices=tuple(res.gpu_devices), share=res.share_gpus)
+    def gpu_request(resources: Resources) -> GpuRequest:
+        return GpuRequest(count=resources.gpus_per_node, devices=tuple(resources.gpu_devices),
+                          share=resources.share_gpus)  # fmt: skip
 
     def validate_job(self, job: TrainingJob) -> None:
         res = job.resources
@@ -138,7 +138,7 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
         for mount in self.mounts:
             if not mount.startswith("/") or ":" in mount:
                 raise ConfigurationError(f"mounts: {mount!r} must be an absolute path without ':'")
-        self.check_gpu_request(self.gpu_request(job), required=False)
+        self.check_gpu_request(self.gpu_request(res), required=False)
 
     # ---- submit ------------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
 
     def submit(self, job: TrainingJob) -> JobHandle:
         self.validate_job(job)
-        request = self.gpu_request(job)
+        request = self.gpu_request(job.resources)
         inventory = self.check_gpu_request(request, required=True)
         workdir = Path(job.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
