@@ -50,7 +50,7 @@ from blocks.docker_spec import (
     training_container,
 )
 from blocks.errors import ConfigurationError, explain_exit_code
-from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label
+from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label, parse_claim_label
 from blocks.launch import launch_command
 from blocks.secrets import secret_values
 from blocks.slurm_script import check_name, check_pinned_image
@@ -232,10 +232,12 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
             if labels.get(LABEL_JOB_KEY) != job.key:
                 raise ConfigurationError(f"a container named {existing['Name'].lstrip('/')} exists but is not job "
                                          f"{job.key}'s; remove it")  # fmt: skip
+            known = {g.key: g.describe() for g in self.inventory() or []}
+            gpus = [known.get(key, key) for key in parse_claim_label(labels.get(LABEL_GPUS))]  # what it holds
             state = {
                 "key": job.key, "container": existing["Name"].lstrip("/"), "container_id": existing["Id"],
                 "attempt": 0, "max_requeues": job.resources.max_requeues, "cancelled": False,
-                "submitted": time.time(), "requeued_exits": [], "gpus": [], "program": job.command[0],
+                "submitted": time.time(), "requeued_exits": [], "gpus": gpus, "program": job.command[0],
                 "memory_mb": _memory_mb(job),
             }  # fmt: skip
             _write_json(workdir / STATE_NAME, state)

@@ -196,3 +196,42 @@ def test_gpus_the_host_lacks_or_that_others_hold_fail_before_a_container_starts(
         other.deploy(other_spec, release("1", images[0], model))
     assert engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}-other"}) == []
     assert predict(first.url, model[1]) == 200
+
+
+def test_a_training_job_and_a_server_on_the_same_host_get_disjoint_gpus(
+    serving: DockerServing, stack: dict[str, str], gpus: FakeGpus, images: tuple[ImageRef, ImageRef],
+    model: tuple[str, dict], engine: docker.DockerClient, tmp_path: Path,
+) -> None:  # fmt: skip
+    """Training and serving choose from one record, the engine's labels: neither takes the other's GPU."""
+    compute = DockerCompute(docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), cdi_kind=gpus.kind,
+                            registry_credentials=credentials(stack), workdir_root=str(tmp_path / "jobs"),
+                            stop_timeout_seconds=5).with_inventory(_inventory(gpus))  # fmt: skip
+    assert isinstance(compute, DockerCompute)
+
+    def job(name: str) -> TrainingJob:
+        key = f"t{uuid.uuid4().hex[:8]}-{name}"
+        return TrainingJob(key=key, workdir=compute.job_workdir(key), image=images[0],
+                           command=["python", "-c", "import time; time.sleep(900)"],
+                           resources=Resources(time_limit_minutes=20, gpus_per_node=1))  # fmt: skip
+
+    trainer = job("holds")
+    handle = compute.submit(trainer)
+    try:
+        held = devices(engine, compute.container_of(trainer.key))
+        assert len(held) == 1
+        served = serving.deploy(spec(model, gpus=1), release("1", images[0], model))
+        assert predict(served.url, model[1]) == 200
+        assert len(devices(engine, serving.active_name(service_name))) == 1
+        assert devices(engine, serving.active_name(service_name)) != held  # the other GPU
+        # The host is full now: a second job (or server) is refused before it starts, naming both holders.
+        late = job("late")
+        with pytest.raises(GpusBusy, match=r"GPU 0 .* by container gpuferry-(job|serve)-.*GPU 1 .* by container "
+                                           r"gpuferry-(job|serve)-.*Free: none"):  # fmt: skip
+            compute.submit(late)
+        assert engine.containers.list(all=True, filters={"label": f"io.gpuferry.job-key={late.key}"}) == []
+        with pytest.raises(GpusBusy, match=r"by container gpuferry-job-"):
+            serving.deploy(spec(model, gpus=2), release("2", images[0], model))
+        assert serving.current(service_name)["version"] == "1"
+    finally:
+        compute.cancel(handle)
+        compute.watch(handle, timeout_seconds=300)
