@@ -50,11 +50,11 @@ from blocks.docker_spec import (
     training_container,
 )
 from blocks.errors import ConfigurationError, explain_exit_code
-from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label
+from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label, parse_claim_label
 from blocks.launch import launch_command
 from blocks.secrets import secret_values
 from blocks.slurm_script import check_name, check_pinned_image
-from blocks.specs import JobHandle, JobStatus, TrainingJob
+from blocks.specs import JobHandle, JobStatus, Resources, TrainingJob
 from runtime import contract
 
 STATE_NAME = "docker-job.json"
@@ -108,9 +108,9 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
     # ---- checks ------------------------------------------------------------------------------
 
     @staticmethod
-    def gpu_request(job: TrainingJob) -> GpuRequest:
-        res = job.resources
-        return GpuRequest(count=res.gpus_per_node, devices=tuple(res.gpu_devices), share=res.share_gpus)
+    def gpu_request(resources: Resources) -> GpuRequest:
+        return GpuRequest(count=resources.gpus_per_node, devices=tuple(resources.gpu_devices),
+                          share=resources.share_gpus)  # fmt: skip
 
     def validate_job(self, job: TrainingJob) -> None:
         res = job.resources
@@ -138,7 +138,7 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
         for mount in self.mounts:
             if not mount.startswith("/") or ":" in mount:
                 raise ConfigurationError(f"mounts: {mount!r} must be an absolute path without ':'")
-        self.check_gpu_request(self.gpu_request(job), required=False)
+        self.check_gpu_request(self.gpu_request(res), required=False)
 
     # ---- submit ------------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
 
     def submit(self, job: TrainingJob) -> JobHandle:
         self.validate_job(job)
-        request = self.gpu_request(job)
+        request = self.gpu_request(job.resources)
         inventory = self.check_gpu_request(request, required=True)
         workdir = Path(job.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -232,10 +232,12 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
             if labels.get(LABEL_JOB_KEY) != job.key:
                 raise ConfigurationError(f"a container named {existing['Name'].lstrip('/')} exists but is not job "
                                          f"{job.key}'s; remove it")  # fmt: skip
+            known = {g.key: g.describe() for g in self.inventory() or []}
+            gpus = [known.get(key, key) for key in parse_claim_label(labels.get(LABEL_GPUS))]  # what it holds
             state = {
                 "key": job.key, "container": existing["Name"].lstrip("/"), "container_id": existing["Id"],
                 "attempt": 0, "max_requeues": job.resources.max_requeues, "cancelled": False,
-                "submitted": time.time(), "requeued_exits": [], "gpus": [], "program": job.command[0],
+                "submitted": time.time(), "requeued_exits": [], "gpus": gpus, "program": job.command[0],
                 "memory_mb": _memory_mb(job),
             }  # fmt: skip
             _write_json(workdir / STATE_NAME, state)

@@ -221,6 +221,27 @@ class Engine:
         with self.calling(f"rename the container {container} to {name}"):
             self.client.api.rename(container, name)
 
+    def exec(self, container: str, argv: Sequence[str]) -> tuple[int, str]:
+        """Run ``argv`` in the running container (``docker exec``): (exit code, its output)."""
+        with self.calling(f"run {argv[0]} in the container {container}"):
+            api = self.client.api
+            created = api.exec_create(container, list(argv), stdout=True, stderr=True)
+            output = api.exec_start(created["Id"])
+            code = api.exec_inspect(created["Id"]).get("ExitCode")
+        text = output.decode(errors="replace") if isinstance(output, bytes) else str(output)
+        return (-1 if code is None else int(code)), text
+
+    def ensure_network(self, name: str, labels: Mapping[str, str]) -> None:
+        """A user-defined bridge network ``name`` (its DNS resolves the containers on it), made when missing."""
+        with self.calling(f"look up the network {name}"):
+            if any(n.get("Name") == name for n in self.client.api.networks(names=[name])):  # the filter matches parts
+                return
+        try:
+            with self.calling(f"create the network {name}"):
+                self.client.api.create_network(name, driver="bridge", labels=dict(labels))
+        except NameInUse:
+            pass  # made meanwhile by another deploy
+
     def containers(self, labels: Mapping[str, str | None]) -> list[dict[str, Any]]:
         """Every container (any state) with these labels (a value of None: the label, any value)."""
         wanted = [k if v is None else f"{k}={v}" for k, v in labels.items()]

@@ -1,21 +1,29 @@
 """Serve on one Docker host (or podman): ``DockerServing``, a ``ServingBackend``.
 
+A service is its front (``gpuferry-front-<service>``, ``runtime/front.py``), which publishes the service's
+address — ``service_port`` on ``bind_address`` — and forwards each request to the version serving now, and
+that version's container. Both are on one user-defined Docker network (``network``, made when missing),
+whose DNS lets the front reach a version by a name of its own.
+
 ``deploy(spec, release)`` runs the server (gpuferry's MLflow model server, or the workload's own) from the
 release's image, pinned by digest, as a new container next to the one that serves now:
 
 1. GPUs are chosen as for training jobs (count, indices or UUIDs; never another container's unless both
    share), except that the new version may take over its predecessor's GPUs when too few others are free;
-2. the container publishes its port on ``bind_address`` at a port the engine picks, with the engine's
-   restart policy and health check; a ``file://`` model's directory is mounted read-only;
-3. it must become ready (``readiness_path``) and answer the smoke request; otherwise it is removed with
-   the tail of its log in the error, and the previous version keeps serving, untouched;
-4. then traffic moves: the service's container name (``gpuferry-serve-<service>``) passes to the new
-   container, the endpoint is its address, and the previous one drains (SIGTERM, ``drain_seconds``) and
-   is removed.
+2. the container publishes its own port on ``bind_address`` at a port the engine picks (how the deploy checks
+   it), with the engine's restart policy and health check; a ``file://`` model's directory is mounted read-only;
+3. it must become ready (``readiness_path``) and answer the smoke request on that port; otherwise it is
+   removed with the tail of its log in the error, and the previous version keeps serving, untouched;
+4. then traffic moves: the front is told the new version's name (``docker exec``: every request that starts
+   afterwards goes there, requests under way finish where they are), and must answer ``readiness_path``
+   through to it (else the front goes back to the previous version, the new one is removed and the deploy
+   fails); the service's container name (``gpuferry-serve-<service>``) passes to the new container, and the
+   previous one drains (SIGTERM, ``drain_seconds``) and is removed.
 
-Each version listens on its own port: clients follow the endpoint the deploy records (``deploy.endpoint``
-on the model version, ``current()``), or a proxy in front of the host does. Deploying the version that
-already serves changes nothing.
+The first deploy makes the front (from the release's image: any image gpuferry builds has its runtime); a
+front that is gone, stopped, or on another network or port than the block says is made again. The
+endpoint is the front's address, the same for every version. Deploying the version that already serves
+changes nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from blocks.backoff import wait_until
 from blocks.docker_engine import save
 from blocks.docker_gpu_host import DockerGpuHost
 from blocks.docker_spec import (
+    DEFAULT_NETWORKS,
+    FRONT_COMMAND,
+    FRONT_PORT_IN_CONTAINER,
+    LABEL_FRONT_TARGET,
     LABEL_GPU_SHARING,
     LABEL_GPUS,
     LABEL_KIND,
@@ -45,6 +57,7 @@ from blocks.docker_spec import (
     HealthCheck,
     check_env_names,
     container_name,
+    front_container,
     http_probe,
     secret_env_text,
     server_container,
@@ -79,9 +92,19 @@ class DockerServing(ServingBackend, DockerGpuHost):
         None, description="Host name in the endpoint's URL (None: the engine's host: 127.0.0.1 for a local socket, "
         "the host of a tcp:// or ssh:// base_url; bind_address when it names one address).",
     )
-    network: str | None = Field(
-        None, description="Docker network of the server (None: the engine's default bridge). Not host: each version "
-        "needs its own port while both run.",
+    network: str = Field(
+        "gpuferry-serving", description="Docker network of the service's versions and its front: a user-defined "
+        "bridge (made when missing), whose DNS lets the front reach a version by name. Not host, none or the "
+        "engine's default bridge, where no container name resolves.",
+    )
+    service_port: int | None = Field(
+        None, ge=1, le=65535, description="The service's port on bind_address: its front publishes it and forwards "
+        "each request to the version serving now, so the address outlives versions. None: a port the engine picks "
+        "when the front is made, kept as long as the front exists.",
+    )
+    front_ready_seconds: float = Field(
+        60.0, gt=0, description="How long a new or switched front may take to answer readiness_path through to the "
+        "new version before the deploy fails (and the previous version keeps serving).",
     )
     container_port: int = Field(
         8080, ge=1, le=65535, description="Port gpuferry's model server listens on inside (a workload's own server: its serve.port)."
@@ -127,10 +150,11 @@ class DockerServing(ServingBackend, DockerGpuHost):
                                      "Kubernetes stack with the MIG device plugin for slices")  # fmt: skip
         if spec.replicas != 1:
             raise ConfigurationError(f"replicas={spec.replicas}: Docker serving runs one replica; set replicas=1")
-        if self.network == "host":
+        if self.network in DEFAULT_NETWORKS:
             raise ConfigurationError(
-                "network='host': a new version must listen on its own port while the old one serves; use a bridge "
-                "network (None, or a network's name)"
+                f"network={self.network!r}: the service's front reaches its versions by name, which the engine's "
+                "own networks do not resolve (and a new version listens next to the old one); use a user-defined "
+                "network: gpuferry-serving (the default, made when missing) or one of yours"
             )
         check_env_names([*self.pass_env, *self.env], "pass_env/env")
         for host, target in self.mounts.items():
@@ -148,6 +172,9 @@ class DockerServing(ServingBackend, DockerGpuHost):
     def active_name(self, service: str) -> str:
         return container_name("gpuferry-serve", service)
 
+    def front_name(self, service: str) -> str:
+        return container_name("gpuferry-front", service)
+
     def deploy(self, spec: ServingSpec, release: Release) -> Endpoint:
         self.validate(spec)
         image = check_image(release.image.reference if release.image else None)
@@ -159,9 +186,11 @@ class DockerServing(ServingBackend, DockerGpuHost):
         if previous is not None:
             labels = previous["Config"].get("Labels") or {}
             url = self._url(previous)
+            target, readiness = labels.get(LABEL_FRONT_TARGET), labels.get(LABEL_READINESS, "/readyz")
             if (labels.get(LABEL_MODEL_VERSION) == release.version and labels.get(LABEL_MODEL_URI) == release.model_uri
-                    and url and _ready(url, labels.get(LABEL_READINESS, "/readyz"))):  # fmt: skip
-                return self._endpoint(spec, release.version, previous, url, previous_version=release.version,
+                    and target and url and _ready(url, readiness)):  # fmt: skip
+                front = self._route(service, target, previous["Config"]["Image"], readiness, restore=None)
+                return self._endpoint(spec, release.version, previous, front, url, previous_version=release.version,
                                       changed=False)  # fmt: skip
         smoke = require_smoke_request(spec)
         request = self.gpu_request(spec)
@@ -169,11 +198,14 @@ class DockerServing(ServingBackend, DockerGpuHost):
         self._remove_leftovers(service, keep={active})
         engine.ensure_image(image, self.registry_credentials)
         gpu_mode = self.resolved_gpu_mode() if request.wanted else "cdi"
-        candidate = container_name("gpuferry-serve", service, f"v{release.version}", uuid.uuid4().hex[:6])
+        engine.ensure_network(self.network, {LABEL_KIND: "network"})
+        suffix = uuid.uuid4().hex[:6]
+        candidate = container_name("gpuferry-serve", service, f"v{release.version}", suffix)
+        alias = container_name(f"v{release.version}", suffix, service)[:63].rstrip("-.")  # a DNS label: 63 at most
         secret_file = self._write_secrets(candidate)
 
         def build(gpus: list[HostGpu]) -> Any:
-            return self._container(spec, release, image, candidate, gpus, request, gpu_mode, secret_file)
+            return self._container(spec, release, image, candidate, alias, gpus, request, gpu_mode, secret_file)
 
         def own(summary: dict[str, Any]) -> bool:  # the service's containers: the new version may take their GPUs
             return (summary.get("Labels") or {}).get(LABEL_SERVICE) == service
@@ -183,11 +215,14 @@ class DockerServing(ServingBackend, DockerGpuHost):
         except BaseException:
             self._forget_secrets(candidate)
             raise
+        restore = None if previous is None else (previous["Config"].get("Labels") or {}).get(LABEL_FRONT_TARGET)
         try:
             engine.start(container)
             info = self._wait_ready(container, release, spec.ready_timeout_seconds)
             url = self._url(info)
             smoke_test(url, release.server, smoke)
+            front = self._route(service, f"{alias}:{self._port(release)}", image, release.server.readiness_path,
+                                restore=restore)  # fmt: skip
         except BaseException as exc:
             tail = engine.tail(container, 30) or ""
             engine.remove(container)
@@ -203,12 +238,17 @@ class DockerServing(ServingBackend, DockerGpuHost):
             engine.remove(previous["Id"])
             self._forget_secrets(previous["Name"].lstrip("/"))
         info = engine.inspect(container) or info
-        return self._endpoint(spec, release.version, info, url, previous_version=_version(previous) if previous else None)
+        return self._endpoint(spec, release.version, info, front, url,
+                              previous_version=_version(previous) if previous else None)  # fmt: skip
 
-    def _container(self, spec: ServingSpec, release: Release, image: str, name: str, gpus: list[HostGpu],
+    def _port(self, release: Release) -> int:
+        """The port the server listens on inside its container."""
+        return self.container_port if release.server.mlflow_server else release.server.port
+
+    def _container(self, spec: ServingSpec, release: Release, image: str, name: str, alias: str, gpus: list[HostGpu],
                    request: GpuRequest, gpu_mode: str, secret_file: str | None) -> Any:  # fmt: skip
         server = release.server
-        port = self.container_port if server.mlflow_server else server.port
+        port = self._port(release)
         env = {
             **server.env, contract.MODEL_URI: release.model_uri, contract.MAX_BATCH_SIZE: str(spec.max_batch_size),
             contract.MAX_BATCH_WAIT_MS: str(spec.max_batch_wait_ms), contract.MAX_QUEUE: str(spec.max_queue),
@@ -216,7 +256,7 @@ class DockerServing(ServingBackend, DockerGpuHost):
         }  # fmt: skip
         labels = {LABEL_KIND: "server", LABEL_SERVICE: spec.service, LABEL_MODEL_NAME: release.model_name,
                   LABEL_MODEL_VERSION: release.version, LABEL_MODEL_URI: release.model_uri, LABEL_PORT: str(port),
-                  LABEL_READINESS: server.readiness_path}  # fmt: skip
+                  LABEL_READINESS: server.readiness_path, LABEL_FRONT_TARGET: f"{alias}:{port}"}  # fmt: skip
         if gpus:
             labels.update({LABEL_GPUS: claim_label(gpus), LABEL_GPU_SHARING: str(request.share).lower()})
         health = None
@@ -230,7 +270,7 @@ class DockerServing(ServingBackend, DockerGpuHost):
             name=name, image=image, command=server.command, port=port, env=env, labels=labels,
             workdir=None if server.mlflow_server else server.workdir,
             gpus=self.device_ids(gpus, request, gpu_mode) if gpus else (), gpu_count=len(gpus), gpu_mode=gpu_mode,
-            model_dir=model_dir, mounts=self.mounts, network=self.network, bind_address=self.bind_address,
+            model_dir=model_dir, mounts=self.mounts, network=self.network, aliases=(alias,), bind_address=self.bind_address,
             restart_policy=self.restart_policy, restart_retries=self.restart_max_retries, healthcheck=health,
             memory_mb=None if self.memory_limit_gb is None else int(self.memory_limit_gb * 1024),
             stop_timeout_s=self.drain_seconds, secret_file=secret_file,
@@ -269,6 +309,69 @@ class DockerServing(ServingBackend, DockerGpuHost):
         if not wait_until(ready, timeout, first=0.1, most=1.0):
             raise DeployFailed(f"v{release.version} was not ready within {timeout:.0f} s (ready_timeout_seconds)")
         return seen["info"]
+
+    def _route(self, service: str, target: str, image: str, readiness: str, *, restore: str | None) -> str:
+        """Point the service's front at ``target`` (making the front when there is none that fits) and wait until
+        it answers ``readiness`` through to it: the front's URL. On failure the front goes back to ``restore``
+        (a front made here is removed)."""
+        engine = self.engine()
+        name = self.front_name(service)
+        info = engine.inspect(name)
+        if info is not None and not self._front_fits(info):
+            engine.remove(info["Id"])  # gone astray (stopped, or another network or port): made again
+            info = None
+        made, front = info is None, None
+        try:
+            if info is None:
+                spec = front_container(name=name, image=image, target=target, labels={LABEL_KIND: "front",
+                                       LABEL_SERVICE: service}, network=self.network, bind_address=self.bind_address,
+                                       host_port=self.service_port, restart_policy=self.restart_policy)  # fmt: skip
+                front = engine.create(spec)
+                engine.start(front)
+                info = engine.inspect(front)
+            else:
+                front = info["Id"]
+                self._set_target(front, target)
+            url = self._url(info, FRONT_PORT_IN_CONTAINER) if info is not None else None
+            ended: list[str] = []
+
+            def answers() -> bool:
+                if url is not None and _ready(url, readiness):
+                    return True
+                now = engine.inspect(front)
+                if now is None or now["State"]["Status"] in ("exited", "dead"):
+                    ended.append(f"exited with code {now['State'].get('ExitCode')}" if now else "vanished")
+                return url is None or bool(ended)  # nothing more to wait for
+
+            if not wait_until(answers, self.front_ready_seconds, most=0.5) or url is None or ended:
+                tail = engine.tail(front, 20) or ""
+                why = ended[0] if ended else "has no published port" if url is None else (
+                    f"did not answer {readiness} through to {target} within {self.front_ready_seconds:.0f} s "
+                    "(front_ready_seconds)")  # fmt: skip
+                raise DeployFailed(f"the service's front {name} {why}\n--- last lines of the front's log ---\n{tail}")
+        except BaseException as exc:
+            if made and front is not None:
+                engine.remove(front)
+            elif front is not None and restore is not None:
+                try:
+                    self._set_target(front, restore)
+                except Exception as again:  # noqa: BLE001 - the first failure is the one to raise
+                    exc.add_note(f"pointing the front back at {restore} failed too: {again}")
+            raise
+        return url
+
+    def _set_target(self, front: str, target: str) -> None:
+        code, output = self.engine().exec(front, [*FRONT_COMMAND, "set", target])
+        if code != 0:
+            raise DeployFailed(f"the service's front refused the target {target} (exit {code}): {output.strip()[-500:]}")
+
+    def _front_fits(self, info: dict[str, Any]) -> bool:
+        """The front is running, on this block's network, published where this block says."""
+        networks = (info.get("NetworkSettings") or {}).get("Networks") or {}
+        bound = ((info.get("NetworkSettings") or {}).get("Ports") or {}).get(f"{FRONT_PORT_IN_CONTAINER}/tcp") or []
+        return (info["State"]["Status"] == "running" and self.network in networks and bool(bound)
+                and bound[0].get("HostIp", self.bind_address) in (self.bind_address, "")
+                and (self.service_port is None or bound[0].get("HostPort") == str(self.service_port)))  # fmt: skip
 
     def _switch(self, previous: dict[str, Any] | None, container: str, active: str) -> None:
         """Traffic moves: the service's name passes to the new container."""
@@ -311,10 +414,11 @@ class DockerServing(ServingBackend, DockerGpuHost):
 
     # ---- what serves -------------------------------------------------------------------------
 
-    def _url(self, info: dict[str, Any]) -> str | None:
+    def _url(self, info: dict[str, Any], port: int | None = None) -> str | None:
+        """Where the container's ``port`` (a server's: its own) is published, as clients reach it."""
         labels = info["Config"].get("Labels") or {}
         ports = (info.get("NetworkSettings") or {}).get("Ports") or {}
-        bound = ports.get(f"{labels.get(LABEL_PORT, self.container_port)}/tcp") or []
+        bound = ports.get(f"{port or labels.get(LABEL_PORT, self.container_port)}/tcp") or []
         if not bound or not bound[0].get("HostPort"):
             return None
         host = self.advertise_host
@@ -323,13 +427,19 @@ class DockerServing(ServingBackend, DockerGpuHost):
         return f"http://{host}:{bound[0]['HostPort']}"
 
     def current(self, service: str) -> dict[str, Any] | None:
-        info = self.engine().inspect(self.active_name(service))
+        """What serves ``service``: its version, ``url`` (the front's address; None when no front runs),
+        ``version_url`` (the version's own port), container, image, GPUs, health."""
+        engine = self.engine()
+        info = engine.inspect(self.active_name(service))
         if info is None or info["State"]["Status"] != "running":
             return None
         labels = info["Config"].get("Labels") or {}
+        front = engine.inspect(self.front_name(service))
+        url = self._url(front, FRONT_PORT_IN_CONTAINER) if front and front["State"]["Status"] == "running" else None
         return {
             "version": labels.get(LABEL_MODEL_VERSION), "model_uri": labels.get(LABEL_MODEL_URI),
-            "model_name": labels.get(LABEL_MODEL_NAME), "url": self._url(info), "container": info["Name"].lstrip("/"),
+            "model_name": labels.get(LABEL_MODEL_NAME), "url": url, "version_url": self._url(info),
+            "container": info["Name"].lstrip("/"),
             "image": info["Config"].get("Image"), "gpus": labels.get(LABEL_GPUS, ""),
             "health": (info["State"].get("Health") or {}).get("Status"), "started": info["State"].get("StartedAt"),
         }  # fmt: skip
@@ -342,16 +452,19 @@ class DockerServing(ServingBackend, DockerGpuHost):
             engine.stop(summary["Id"], timeout=self.drain_seconds)
             engine.remove(summary["Id"])
             self._forget_secrets(str((summary.get("Names") or [""])[0]).lstrip("/"))
+        for summary in engine.containers({LABEL_SERVICE: service, LABEL_KIND: "front"}):
+            engine.remove(summary["Id"])
         return running
 
-    def _endpoint(self, spec: ServingSpec, version: str, info: dict[str, Any], url: str | None, *,
+    def _endpoint(self, spec: ServingSpec, version: str, info: dict[str, Any], url: str, version_url: str | None, *,
                   previous_version: str | None, changed: bool = True) -> Endpoint:  # fmt: skip
         labels = info["Config"].get("Labels") or {}
         return Endpoint(
-            service=spec.service, url=url or "", model_version=version, backend=self.get_block_type_slug(),
+            service=spec.service, url=url, model_version=version, backend=self.get_block_type_slug(),
             previous_version=previous_version,
             detail={"changed": changed, "container": self.active_name(spec.service), "host": self.host_label,
-                    "gpus": labels.get(LABEL_GPUS, ""), "started": time.time()},
+                    "gpus": labels.get(LABEL_GPUS, ""), "started": time.time(), "version_url": version_url or "",
+                    "front": self.front_name(spec.service)},
         )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """The container of a training job or an inference server, as the engine's API takes it (pure: no I/O).
 
-``training_container(...)`` and ``server_container(...)`` build a ``ContainerSpec`` — image, argv, variables,
-labels, bind mounts, GPUs, network, ports, restart policy, health check — and ``docker_body`` /
+``training_container(...)``, ``server_container(...)`` and ``front_container(...)`` (a service's fixed address,
+``runtime/front.py``) build a ``ContainerSpec`` — image, argv, variables, labels, bind mounts, GPUs, network and
+aliases on it, ports, restart policy, health check — and ``docker_body`` /
 ``libpod_body`` render it as the body of ``POST /containers/create`` of the Docker Engine API, or of
 podman's own ``POST /libpod/containers/create``. No value ever passes through a shell: the argv is a list.
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from blocks.errors import ConfigurationError, explain_exit_code
-from runtime import contract
+from runtime import contract, front
 
 LABEL_PREFIX = "io.gpuferry."
 LABEL_KIND = LABEL_PREFIX + "kind"  # "job" or "server"
@@ -43,6 +44,7 @@ LABEL_PORT = LABEL_PREFIX + "port"
 LABEL_READINESS = LABEL_PREFIX + "readiness-path"
 LABEL_GPUS = LABEL_PREFIX + "gpus"  # the GPUs it holds: UUIDs (else indices), comma-separated
 LABEL_GPU_SHARING = LABEL_PREFIX + "gpu-sharing"  # "true": it lets others share its GPUs
+LABEL_FRONT_TARGET = LABEL_PREFIX + "front-target"  # a server's host:port on its network, as its front reaches it
 
 GPU_MODES = ("nvidia", "cdi")
 RESTART_POLICIES = ("no", "on-failure", "always", "unless-stopped")
@@ -52,6 +54,9 @@ EXIT_RECORD = "exit.json"  # in a job's directory once its backend has ended it:
 ENV_FILE_LAUNCHER = 'set -a; . "$1"; set +a; shift; exec "$@"'
 LAUNCHER_NAME = "gpuferry-env"  # $0: how the shell names itself in its errors
 MLFLOW_SERVER_COMMAND = ("python", "-m", "runtime.serve")
+FRONT_COMMAND = ("python", "-m", "runtime.front")
+FRONT_PORT_IN_CONTAINER = front.DEFAULT_PORT
+DEFAULT_NETWORKS = ("bridge", "podman", "default", "host", "none")  # no name resolution between containers
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CDI_KIND = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?/[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
@@ -93,7 +98,9 @@ class ContainerSpec:
     gpus: tuple[str, ...] = ()
     gpu_mode: Literal["nvidia", "cdi"] = "nvidia"
     network: str | None = None  # "host", a network's name; None: the engine's default (bridge)
+    aliases: tuple[str, ...] = ()  # more names the container answers to on ``network`` (its DNS)
     ports: tuple[int, ...] = ()  # container ports, published on bind_address at ports the engine picks
+    host_ports: Mapping[int, int] = field(default_factory=dict)  # container port -> the host port it must have
     bind_address: str = "127.0.0.1"
     restart_policy: Literal["no", "on-failure", "always", "unless-stopped"] = "no"
     restart_retries: int = 0
@@ -185,9 +192,9 @@ def server_container(
     *, name: str, image: str, command: Sequence[str] | None, port: int, env: Mapping[str, str],
     labels: Mapping[str, str], workdir: str | None, gpus: tuple[str, ...], gpu_count: int, gpu_mode: str,
     model_dir: str | None = None, mounts: Mapping[str, str] | None = None, network: str | None = None,
-    bind_address: str = "127.0.0.1", restart_policy: str = "unless-stopped", restart_retries: int = 0,
-    healthcheck: HealthCheck | None = None, memory_mb: int | None = None, stop_timeout_s: int = 30,
-    secret_file: str | None = None,
+    aliases: Sequence[str] = (), bind_address: str = "127.0.0.1", restart_policy: str = "unless-stopped",
+    restart_retries: int = 0, healthcheck: HealthCheck | None = None, memory_mb: int | None = None,
+    stop_timeout_s: int = 30, secret_file: str | None = None,
 ) -> ContainerSpec:  # fmt: skip
     """The inference server's container: ``command`` (None: gpuferry's MLflow model server) listening on
     ``port`` on every address inside, published on ``bind_address``; a ``file://`` model's directory
@@ -212,9 +219,28 @@ def server_container(
     check_env_names(list(variables), "env")
     return ContainerSpec(
         name=name, image=image, command=argv, env=variables, labels=dict(labels), workdir=workdir,
-        mounts=tuple(binds), gpus=gpus, gpu_mode=gpu_mode, network=network, ports=(port,),  # type: ignore[arg-type]
-        bind_address=bind_address, restart_policy=restart_policy, restart_retries=restart_retries,  # type: ignore[arg-type]
-        healthcheck=healthcheck, memory_mb=memory_mb, stop_timeout_s=stop_timeout_s,
+        mounts=tuple(binds), gpus=gpus, gpu_mode=gpu_mode, network=network, aliases=tuple(aliases),  # type: ignore[arg-type]
+        ports=(port,), bind_address=bind_address, restart_policy=restart_policy,  # type: ignore[arg-type]
+        restart_retries=restart_retries, healthcheck=healthcheck, memory_mb=memory_mb, stop_timeout_s=stop_timeout_s,
+    )  # fmt: skip
+
+
+def front_container(
+    *, name: str, image: str, target: str, labels: Mapping[str, str], network: str, bind_address: str,
+    host_port: int | None, restart_policy: str = "unless-stopped",
+) -> ContainerSpec:
+    """The service's front (``runtime/front.py``): listens on ``FRONT_PORT_IN_CONTAINER``, published on
+    ``bind_address`` at ``host_port`` (None: a port the engine picks), and forwards to ``target`` (host:port on
+    ``network``) until the deploy sets another. No GPU."""
+    if restart_policy not in RESTART_POLICIES:
+        raise ConfigurationError(f"restart_policy={restart_policy!r}: use one of {', '.join(RESTART_POLICIES)}")
+    variables = {**gpu_env(0), "PYTHONUNBUFFERED": "1", front.PORT_ENV: str(FRONT_PORT_IN_CONTAINER),
+                 front.TARGET_ENV: target}  # fmt: skip
+    return ContainerSpec(
+        name=name, image=image, command=FRONT_COMMAND, env=variables, labels=dict(labels), network=network,
+        ports=(FRONT_PORT_IN_CONTAINER,), bind_address=bind_address,
+        host_ports={FRONT_PORT_IN_CONTAINER: host_port} if host_port else {},
+        restart_policy=restart_policy, stop_timeout_s=10,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -250,7 +276,8 @@ def docker_body(spec: ContainerSpec) -> dict[str, Any]:
         else:
             host["DeviceRequests"] = [{"Driver": "cdi", "DeviceIDs": list(spec.gpus)}]
     if spec.ports:
-        host["PortBindings"] = {f"{p}/tcp": [{"HostIp": spec.bind_address, "HostPort": ""}] for p in spec.ports}
+        host["PortBindings"] = {f"{p}/tcp": [{"HostIp": spec.bind_address, "HostPort": str(spec.host_ports.get(p, ""))}]
+                                for p in spec.ports}  # fmt: skip
     if spec.shm_size_mb:
         host["ShmSize"] = spec.shm_size_mb << 20
     if spec.memory_mb:
@@ -270,6 +297,8 @@ def docker_body(spec: ContainerSpec) -> dict[str, Any]:
         body["User"] = spec.user
     if spec.ports:
         body["ExposedPorts"] = {f"{p}/tcp": {} for p in spec.ports}
+    if spec.aliases and spec.network:
+        body["NetworkingConfig"] = {"EndpointsConfig": {spec.network: {"Aliases": list(spec.aliases)}}}
     if spec.healthcheck:
         h = spec.healthcheck
         body["Healthcheck"] = {"Test": ["CMD", *h.command], "Interval": _ns(h.interval_s), "Timeout": _ns(h.timeout_s),
@@ -303,13 +332,14 @@ def libpod_body(spec: ContainerSpec) -> dict[str, Any]:
         body["netns"] = {"nsmode": "host"}
     elif spec.network:
         body["netns"] = {"nsmode": "bridge"}
-        body["networks"] = {spec.network: {}}
+        body["networks"] = {spec.network: {"aliases": list(spec.aliases)} if spec.aliases else {}}
     else:
         body["netns"] = {"nsmode": "bridge"}
     if spec.gpus:
         body["devices"] = [{"path": name} for name in spec.gpus]
     if spec.ports:
-        body["portmappings"] = [{"container_port": p, "host_ip": spec.bind_address, "protocol": "tcp"}
+        body["portmappings"] = [{"container_port": p, "host_ip": spec.bind_address, "protocol": "tcp",
+                                 **({"host_port": spec.host_ports[p]} if p in spec.host_ports else {})}
                                 for p in spec.ports]  # fmt: skip
     if spec.workdir:
         body["work_dir"] = spec.workdir

@@ -26,7 +26,7 @@ from blocks.ssh_hosts import SshHosts
 from blocks.s3 import S3CheckpointStore
 from blocks.serving import LocalServing, ServingBackend
 from blocks.slurm import SlurmCluster
-from blocks.specs import Node
+from blocks.specs import Node, Resources, ServingSpec
 from blocks.storage import CheckpointStore, LocalCheckpointStore
 from blocks.tracking import MlflowTracking
 
@@ -107,6 +107,16 @@ class Stack(Block):
         update = {step: block.with_inventory(nodes) for step in ("compute", "serving")
                   if isinstance(block := getattr(self, step), DockerGpuHost)}  # fmt: skip
         return self.model_copy(update=update) if update else self
+
+    def check_gpus(self, resources: Resources, serving: ServingSpec) -> None:
+        """The run's GPU requests against the inventories of the Docker hosts that choose GPUs themselves: a
+        count larger than the host's, or an index or UUID it lacks, is a ``ConfigurationError`` naming the host's
+        GPUs; so is a request to a host whose inventory is still unknown. Once the provider's nodes are in
+        (``with_inventory``), before anything is built or submitted on them."""
+        if isinstance(self.compute, DockerCompute):
+            self.compute.check_gpu_request(self.compute.gpu_request(resources), required=True)
+        if isinstance(self.serving, DockerServing):
+            self.serving.check_gpu_request(self.serving.gpu_request(serving), required=True)
 
     def backends(self) -> dict[str, str]:
         """The block type of each step, for the run's tags."""

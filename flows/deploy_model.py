@@ -22,7 +22,7 @@ from blocks.stack import Stack
 from flows.retrain import check_images_for_serving, load_stack
 from flows.ship import deploy_and_record
 from tasks.build import build_image
-from tasks.provision import host_inventory
+from tasks.provision import with_host_gpus
 from tasks.registry import resolve_version, version_tags
 from tasks.upload import model_serving_example
 from tasks.workload import load
@@ -63,8 +63,7 @@ def deploy_model(
         raise ConfigurationError("version and alias are both empty: give one of them")
     blocks = load_stack(stack)
     check_images_for_serving(blocks)
-    if blocks.needs_inventory():  # a Docker host chooses the server's GPUs from its provider's inventory
-        blocks = blocks.with_inventory(host_inventory(blocks.provider))
+    blocks = with_host_gpus(blocks)  # a Docker host chooses the server's GPUs from its provider's inventory
 
     if skip_if_moved and version and alias:
         current, _ = resolve_version(blocks.tracking, model_name, None, alias)

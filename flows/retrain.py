@@ -20,7 +20,7 @@ from flows.ship import ship
 from runtime import contract
 from tasks.build import build_image
 from tasks.deploy import serving_preflight
-from tasks.provision import provision_nodes, release_nodes
+from tasks.provision import provision_nodes, release_nodes, with_host_gpus
 from tasks.track import finish_run, run_metrics, start_run
 from tasks.train import train, train_suspending
 from tasks.workload import load, plan
@@ -53,6 +53,7 @@ def retrain(
     blocks = load_stack(stack)
     work = load(workload)
     run = plan(work, training, serving, promotion)
+    blocks = with_host_gpus(blocks)  # Docker hosts: every GPU request is checked against the host's GPUs below
     preflight(blocks, run)
     serving_preflight(blocks.serving, run.serving)  # before nodes are acquired and days of training start
     run_key = f"{flow_run.get_id() or 'local'}"
@@ -63,6 +64,7 @@ def retrain(
     )
     blocks = blocks.with_inventory(nodes)  # backends that choose GPUs themselves learn their host's
     try:
+        blocks.check_gpus(run.resources, run.serving)  # nodes made on demand: their GPUs are known only now
         image = build_image(blocks.images, work)
         run_id = start_run(
             blocks.tracking, run.experiment, f"retrain-{flow_run.get_name() or run_key}",

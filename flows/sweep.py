@@ -27,7 +27,7 @@ from flows.ship import ship
 from runtime import contract
 from tasks.build import build_image
 from tasks.deploy import serving_preflight
-from tasks.provision import provision_nodes, release_nodes
+from tasks.provision import provision_nodes, release_nodes, with_host_gpus
 from tasks.sweep import child_metrics, mark_children, train_sweep
 from tasks.track import finish_run, log_run, start_run
 from tasks.workload import load, plan
@@ -64,6 +64,7 @@ def sweep(
         raise blocks.compute.no_arrays()
     if parallelism is not None and parallelism < 1:
         raise ConfigurationError(f"parallelism={parallelism}: give a positive number, or None for no limit")
+    blocks = with_host_gpus(blocks)  # Docker hosts: every GPU request is checked against the host's GPUs below
     preflight(blocks, run)
     serving_preflight(blocks.serving, run.serving)  # before nodes are acquired and the array is submitted
     run_key = f"{flow_run.get_id() or 'local'}"
@@ -74,6 +75,7 @@ def sweep(
     )
     blocks = blocks.with_inventory(nodes)  # backends that choose GPUs themselves learn their host's
     try:
+        blocks.check_gpus(run.resources, run.serving)  # nodes made on demand: their GPUs are known only now
         image = build_image(blocks.images, work)
         params = {k: v for k, v in run.params().items() if k not in grid.values}
         params.update({"sweep.configurations": len(configurations), "sweep.grid": json.dumps(grid.values)})

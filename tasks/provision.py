@@ -7,6 +7,7 @@ from prefect.artifacts import create_table_artifact
 
 from blocks.provision import NodeFailures, NodeProvider, NodeRequirements
 from blocks.specs import Node
+from blocks.stack import Stack
 from tasks.retry import retry_options
 
 
@@ -67,3 +68,12 @@ def host_inventory(provider: NodeProvider) -> list[Node]:
 @task(name="release", **retry_options(retries=5))
 def release_nodes(provider: NodeProvider, nodes: list[Node]) -> None:
     provider.release(nodes)
+
+
+def with_host_gpus(stack: Stack) -> Stack:
+    """``stack`` with its Docker hosts' GPU inventories read from the provider's standing hosts (nvidia-smi; nothing
+    acquired), so that each GPU request is checked against them before anything is acquired, built or submitted.
+    A provider that makes its nodes on demand has none yet: ``Stack.check_gpus`` checks once they are in."""
+    if not stack.needs_inventory():
+        return stack
+    return stack.with_inventory(host_inventory(stack.provider))

@@ -240,6 +240,42 @@ def test_two_jobs_get_disjoint_gpus_and_a_third_that_does_not_fit_never_starts(
     assert c.watch(handle, timeout_seconds=600).state == "COMPLETED", c.log_tail(handle)
 
 
+def test_two_jobs_that_both_share_get_the_same_gpu_and_one_that_does_not_cannot(
+    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path,
+    keys: list[str],
+) -> None:  # fmt: skip
+    c = compute(stack, gpus, tmp_path)
+    pair = [make_job(c, image, keys, f"share{i}", "wait", gpu_devices=["1"], share_gpus=True) for i in range(2)]
+    handles = [c.submit(job) for job in pair]
+    seen = [probe(job) for job in pair]
+    assert seen[0]["devices"] == seen[1]["devices"] == ["/dev/nvidia1"]  # both at once, on the same device
+    assert all(s["env"][gpus.env_name(1)] == gpus.uuids[1] for s in seen)
+    assert [x.status for job in pair for x in containers_of(engine, job.key)] == ["running", "running"]
+    # One that does not share is refused GPU 1, naming the two that hold it; by count it gets a free GPU.
+    with pytest.raises(GpusBusy, match=r"cannot give gpu_devices \['1'\] now: GPU 1 .* by container ") as busy:
+        c.submit(make_job(c, image, keys, "alone", "wait", gpu_devices=["1"]))
+    for job in pair:
+        assert f"container gpuferry-job-{job.key} (sharing)" in str(busy.value)
+    alone = make_job(c, image, keys, "alone-count", "wait", gpus_per_node=1)
+    alone_handle = c.submit(alone)
+    assert probe(alone)["devices"] == ["/dev/nvidia0"]  # the lowest free one, never the shared GPU 1
+    # A sharing request cannot join a GPU whose holder does not share.
+    with pytest.raises(GpusBusy, match=r"GPU 0 .* by container gpuferry-job-.*-alone-count\..*they do not share"):
+        c.submit(make_job(c, image, keys, "share-late", "wait", gpu_devices=["0"], share_gpus=True))
+
+    # A job whose state file is lost is adopted by its label, with the GPUs the label says it holds.
+    state_file = Path(pair[0].workdir) / "docker-job.json"
+    state_file.unlink()
+    assert c.submit(pair[0]).job_id == handles[0].job_id
+    assert json.loads(state_file.read_text())["gpus"] == [f"1 ({gpus.uuids[1]}, NVIDIA Fake-80GB)"]
+    assert len(containers_of(engine, pair[0].key)) == 1
+
+    for job in [*pair, alone]:
+        (Path(job.workdir) / "release").touch()
+    for handle in [*handles, alone_handle]:
+        assert c.watch(handle, timeout_seconds=600).state == "COMPLETED", c.log_tail(handle)
+
+
 def test_two_submits_from_two_machines_at_once_end_on_disjoint_gpus(
     stack: dict[str, str], gpus: FakeGpus, image: ImageRef, tmp_path: Path, keys: list[str],
     monkeypatch: pytest.MonkeyPatch,

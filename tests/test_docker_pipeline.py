@@ -20,6 +20,7 @@ from prefect_docker.host import DockerHost
 from blocks.docker_compute import DockerCompute
 from blocks.docker_image import DockerImageBuilder
 from blocks.docker_serving import DockerServing
+from blocks.errors import ConfigurationError
 from blocks.provision import LocalMachine
 from blocks.specs import Resources, ServingSpec, TrainingSpec
 from blocks.stack import Stack
@@ -39,6 +40,85 @@ def gpus(tmp_path: Path) -> Iterator[FakeGpus]:
         yield fake
 
 
+def _registry() -> dict[str, str]:
+    registry = stack_env("registry")
+    registry["REGISTRY_PASSWORD"] = Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip()
+    return registry
+
+
+def docker_stack(gpus: FakeGpus, root: Path, storage: S3CheckpointStore, repository: str) -> Stack:
+    """LocalMachine (its nvidia-smi reports the stand-in GPUs) + DockerImageBuilder + DockerCompute + ``storage`` +
+    the mlflow stack's server + DockerServing, all on the registry stack's podman."""
+    registry = _registry()
+    host = DockerHost(base_url=registry["DOCKER_HOST"])
+    return Stack(
+        provider=LocalMachine(nvidia_smi=gpus.nvidia_smi, nvidia_ctk="/nonexistent"),
+        images=DockerImageBuilder(docker_host=host, credentials=credentials(registry), repository=repository,
+                                  build_args={"BASE_IMAGE": registry["BASE_IMAGE"]}),
+        compute=DockerCompute(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
+                              workdir_root=str(root / "jobs")),
+        storage=storage,
+        tracking=MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None),
+        serving=DockerServing(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
+                              env={"WARMUP_ITERATIONS": "1"}, drain_seconds=5),
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("prefect_server")
+@pytest.mark.parametrize(("case", "resources", "serving_gpus", "error"), [
+    ("serving count", {}, 3, r"asks for 3 GPU\(s\) but Docker host .* has 2: 0 \(GPU-"),
+    ("training index", {"gpu_devices": ["1", "7"]}, 1, r"names '7', which Docker host .* does not have; it has 2 GPU\(s\): 0 \(GPU-"),
+    ("training UUID", {"gpu_devices": ["GPU-00000000-nope"]}, 1, r"names 'GPU-00000000-nope', which Docker host .* does not have; it has 2 GPU\(s\): 0 \(GPU-"),
+])  # fmt: skip
+def test_gpus_the_host_lacks_fail_the_retrain_before_anything_is_built_or_run(
+    case: str, resources: dict, serving_gpus: int, error: str, gpus: FakeGpus, tmp_path: Path,
+    s3_store: S3CheckpointStore,
+) -> None:  # fmt: skip
+    """Training's and serving's GPU requests are checked against the provider's inventory first: no node
+    provisioned, no image built, no MLflow run, no job, no server, no front."""
+    from mlflow import MlflowClient
+
+    from flows.retrain import retrain
+    from tests.examples import DIGITS
+
+    tag = uuid.uuid4().hex[:8]
+    stack = docker_stack(gpus, tmp_path, s3_store, f"gpuferry-test/preflight-{tag}")
+    name = f"docker-preflight-{tag}"
+    stack.save(name, overwrite=True)
+    service = f"digits-{tag}"
+    state = retrain(
+        workload=str(DIGITS),
+        training=TrainingSpec(experiment=f"gpuferry-preflight-{tag}", model_name=f"digits-preflight-{tag}",
+                              hyperparameters={"epochs": 1}, resources=Resources(**resources)),
+        serving=ServingSpec(service_name=service, gpus=serving_gpus), stack=name, force_deploy=True,
+        return_state=True,
+    )  # fmt: skip
+    assert state.is_failed()
+    with pytest.raises(ConfigurationError, match=error):
+        state.result()
+    assert tasks_of(state.state_details.flow_run_id) <= {"load-workload", "host-inventory", "serving-preflight"}
+    mlflow = MlflowClient(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"])
+    assert mlflow.get_experiment_by_name(f"gpuferry-preflight-{tag}") is None  # no run was started
+    engine = docker.DockerClient(base_url=_registry()["DOCKER_HOST"], timeout=300)
+    try:
+        assert isinstance(stack.images, DockerImageBuilder)
+        assert engine.images.list(name=stack.images.image_name()) == []  # nothing was built
+        assert engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service}"}) == []
+    finally:
+        engine.close()
+    assert not (tmp_path / "jobs").exists()  # no job was submitted
+
+
+def tasks_of(flow_run_id: object) -> set[str]:
+    """The tasks the flow run ran (nodes provisioned, an image built, a run started would show here)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0] for run in runs}
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_retrain_on_a_docker_host_trains_and_serves_on_the_providers_gpus(
     gpus: FakeGpus, tmp_path: Path, s3_store: S3CheckpointStore, s3_for_containers: dict[str, str],
@@ -51,24 +131,13 @@ def test_retrain_on_a_docker_host_trains_and_serves_on_the_providers_gpus(
 
     for key, value in s3_for_containers.items():  # what the server container gets by name (pass_env)
         monkeypatch.setenv(key, value)
-    registry, mlflow_env = stack_env("registry"), stack_env("mlflow")
-    registry["REGISTRY_PASSWORD"] = Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip()
-    host = DockerHost(base_url=registry["DOCKER_HOST"])
+    registry, mlflow_env = _registry(), stack_env("mlflow")
     context = tmp_path / "digits"
     shutil.copytree(DIGITS, context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    builder = DockerImageBuilder(docker_host=host, credentials=credentials(registry), repository="gpuferry-test/docker-pipeline",
-                                 build_args={"BASE_IMAGE": registry["BASE_IMAGE"]})  # fmt: skip
+    stack = docker_stack(gpus, tmp_path, s3_store, "gpuferry-test/docker-pipeline")
+    builder, serving = stack.images, stack.serving
+    assert isinstance(builder, DockerImageBuilder) and isinstance(serving, DockerServing)
     service = f"digits-{uuid.uuid4().hex[:6]}"
-    serving = DockerServing(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
-                            env={"WARMUP_ITERATIONS": "1"}, drain_seconds=5)  # fmt: skip
-    stack = Stack(
-        provider=LocalMachine(nvidia_smi=gpus.nvidia_smi, nvidia_ctk="/nonexistent"), images=builder,
-        compute=DockerCompute(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
-                              workdir_root=str(tmp_path / "jobs")),
-        storage=s3_store,
-        tracking=MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None),
-        serving=serving,
-    )  # fmt: skip
     name = f"docker-{uuid.uuid4().hex[:8]}"
     stack.save(name, overwrite=True)
     tag = uuid.uuid4().hex[:8]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,6 +129,52 @@ def predict(url: str, request: dict) -> int:
         return 0
 
 
+class SteadyLoad:
+    """Clients asking the service's address without pause: half on keep-alive connections, half on a new
+    connection per request. ``answers``: (when the request started, status; 0: no answer)."""
+
+    def __init__(self, url: str, request: dict, clients: int = 4) -> None:
+        self.url, self.request = url, request
+        self.answers: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._ask, args=(i % 2 == 0,)) for i in range(clients)]
+
+    def _ask(self, keep_alive: bool) -> None:
+        client = httpx.Client(timeout=30) if keep_alive else None
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                post = client.post if client is not None else httpx.post
+                status = post(f"{self.url}/invocations", json=self.request, timeout=30).status_code
+            except httpx.HTTPError:
+                status = 0
+            self.answers.append((started, status))
+            self._stop.wait(0.02)  # about 40 requests a second from each client: steady, not a flood
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> SteadyLoad:
+        for t in self._threads:
+            t.start()
+        wait_for(lambda: len(self.answers) >= 20)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def after(self, moment: float) -> int:
+        return sum(1 for started, _ in self.answers if started > moment)
+
+
+def wait_for(condition, timeout: float = 300) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def test_deploy_switch_and_a_bad_image_leaves_the_old_one_serving(
     serving: DockerServing, images: tuple[ImageRef, ImageRef], model: tuple[str, dict], engine: docker.DockerClient,
 ) -> None:  # fmt: skip
@@ -135,8 +182,10 @@ def test_deploy_switch_and_a_bad_image_leaves_the_old_one_serving(
     first = serving.deploy(spec(model, gpu_devices=["1"]), release("1", good, model))
     assert first.model_version == "1" and first.previous_version is None
     assert predict(first.url, model[1]) == 200
-    active = serving.active_name(service_name)
+    active, front = serving.active_name(service_name), serving.front_name(service_name)
+    assert first.url != first.detail["version_url"] and predict(first.detail["version_url"], model[1]) == 200
     assert devices(engine, active) == ["nvidia1"]  # the GPU asked for by index, nothing else
+    assert devices(engine, front) == []  # the front holds no GPU
     info = engine.api.inspect_container(active)
     assert info["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
     assert info["Config"]["Healthcheck"]["Test"][:2] == ["CMD", "python"]  # the engine's own check of /healthz
@@ -146,40 +195,64 @@ def test_deploy_switch_and_a_bad_image_leaves_the_old_one_serving(
     again = serving.deploy(spec(model, gpu_devices=["1"]), release("1", good, model))
     assert again.detail["changed"] is False and again.url == first.url
 
-    # A version whose image cannot serve: removed; v1 answers all along and still serves.
-    answers: list[int] = []
-    stop = threading.Event()
-
-    def keep_asking() -> None:
-        while not stop.is_set():
-            answers.append(predict(first.url, model[1]))
-
-    asker = threading.Thread(target=keep_asking)
-    asker.start()
-    try:
+    # A version whose image cannot serve: removed; the service's address answered every request all along.
+    with SteadyLoad(first.url, model[1]) as load:
         with pytest.raises(DeployFailed, match=r"v2 of .* was removed, v1 keeps serving: ") as caught:
             serving.deploy(spec(model, gpus=1), release("2", bad, model))
-    finally:
-        stop.set()
-        asker.join(60)
+        failed = time.monotonic()
+        wait_for(lambda: load.after(failed) >= 20)
     assert "exited (exit code 127) before it was ready" in str(caught.value)
     assert "python: not found" in str(caught.value)  # the tail of its log comes with the error
-    assert answers and set(answers) == {200}, answers
+    assert {status for _, status in load.answers} == {200}, load.answers
     assert serving.current(service_name)["version"] == "1"
-    assert [c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}"})] == [active]
+    assert sorted(c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}"})
+                  ) == sorted([active, front])  # fmt: skip
     tags = DeployOutcome.from_error(release("2", bad, model), caught.value).tags()
     assert tags["deploy.status"] == "failed" and tags["deploy.failed_version"] == "2"
     assert tags["deploy.reason"].startswith("DeployFailed: v2 of")
 
-    # A good v2 by count: a free GPU (not v1's), ready and answering before it takes the service's name.
-    second = serving.deploy(spec(model, gpus=1), release("2", good, model))
-    assert second.previous_version == "1" and second.url != first.url
-    assert predict(second.url, model[1]) == 200 and predict(first.url, model[1]) == 0  # v1 drained and gone
+    # A good v2 by count: a free GPU (not v1's), ready and answering before the front moves to it. The service's
+    # address stays and loses no request on the way, on keep-alive connections and new ones alike.
+    with SteadyLoad(first.url, model[1]) as load:
+        second = serving.deploy(spec(model, gpus=1), release("2", good, model))
+        switched = time.monotonic()
+        wait_for(lambda: load.after(switched) >= 20)  # v1 is gone by now: these reached v2
+    assert {status for _, status in load.answers} == {200}, [a for a in load.answers if a[1] != 200][:5]
+    assert second.previous_version == "1" and second.url == first.url
+    assert predict(first.detail["version_url"], model[1]) == 0  # v1 drained and gone
     assert devices(engine, active) == ["nvidia0"]
     assert serving.current(service_name)["version"] == "2"
     tags = DeployOutcome.deployed(release("2", good, model), second).tags()
     assert tags["deploy.status"] == "deployed" and tags["deploy.backend"] == "gpuferry-docker-serving"
-    assert tags["deploy.endpoint"] == second.url and tags["deploy.previous_version"] == "1"
+    assert tags["deploy.endpoint"] == second.url == first.url and tags["deploy.previous_version"] == "1"
+
+
+def test_a_front_that_cannot_reach_the_new_version_goes_back_to_the_old_one(
+    serving: DockerServing, images: tuple[ImageRef, ImageRef], model: tuple[str, dict], engine: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The new version answered on its own port, but not through the front (made so here: the readiness check
+    through the front never succeeds): the front is pointed back at v1, v2 is removed, no request is lost."""
+    import blocks.docker_serving as module
+
+    first = serving.deploy(spec(model), release("1", images[0], model))
+    real_ready = module._ready
+    monkeypatch.setattr(module, "_ready", lambda url, path="/readyz": url != first.url and real_ready(url, path))
+    impatient = serving.model_copy(update={"front_ready_seconds": 3})
+    with SteadyLoad(first.url, model[1]) as load:
+        with pytest.raises(DeployFailed, match=r"v2 of .* was removed, v1 keeps serving: the service's front "
+                                               r"gpuferry-front-.* did not answer /readyz through to v2-"):  # fmt: skip
+            impatient.deploy(spec(model), release("2", images[0], model))
+        failed = time.monotonic()
+        wait_for(lambda: load.after(failed) >= 20)
+    assert {status for _, status in load.answers} == {200}, [a for a in load.answers if a[1] != 200][:5]
+    front = engine.containers.get(serving.front_name(service_name))
+    v1 = engine.containers.get(serving.active_name(service_name))
+    assert front.exec_run(["cat", "/tmp/gpuferry-front/target"]).output.decode().strip() == \
+        v1.labels["io.gpuferry.front-target"]  # fmt: skip
+    assert serving.current(service_name)["version"] == "1"
+    assert sorted(c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}"})
+                  ) == sorted([front.name, v1.name])  # fmt: skip
 
 
 def test_gpus_the_host_lacks_or_that_others_hold_fail_before_a_container_starts(
@@ -196,3 +269,42 @@ def test_gpus_the_host_lacks_or_that_others_hold_fail_before_a_container_starts(
         other.deploy(other_spec, release("1", images[0], model))
     assert engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}-other"}) == []
     assert predict(first.url, model[1]) == 200
+
+
+def test_a_training_job_and_a_server_on_the_same_host_get_disjoint_gpus(
+    serving: DockerServing, stack: dict[str, str], gpus: FakeGpus, images: tuple[ImageRef, ImageRef],
+    model: tuple[str, dict], engine: docker.DockerClient, tmp_path: Path,
+) -> None:  # fmt: skip
+    """Training and serving choose from one record, the engine's labels: neither takes the other's GPU."""
+    compute = DockerCompute(docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), cdi_kind=gpus.kind,
+                            registry_credentials=credentials(stack), workdir_root=str(tmp_path / "jobs"),
+                            stop_timeout_seconds=5).with_inventory(_inventory(gpus))  # fmt: skip
+    assert isinstance(compute, DockerCompute)
+
+    def job(name: str) -> TrainingJob:
+        key = f"t{uuid.uuid4().hex[:8]}-{name}"
+        return TrainingJob(key=key, workdir=compute.job_workdir(key), image=images[0],
+                           command=["python", "-c", "import time; time.sleep(900)"],
+                           resources=Resources(time_limit_minutes=20, gpus_per_node=1))  # fmt: skip
+
+    trainer = job("holds")
+    handle = compute.submit(trainer)
+    try:
+        held = devices(engine, compute.container_of(trainer.key))
+        assert len(held) == 1
+        served = serving.deploy(spec(model, gpus=1), release("1", images[0], model))
+        assert predict(served.url, model[1]) == 200
+        assert len(devices(engine, serving.active_name(service_name))) == 1
+        assert devices(engine, serving.active_name(service_name)) != held  # the other GPU
+        # The host is full now: a second job (or server) is refused before it starts, naming both holders.
+        late = job("late")
+        with pytest.raises(GpusBusy, match=r"GPU 0 .* by container gpuferry-(job|serve)-.*GPU 1 .* by container "
+                                           r"gpuferry-(job|serve)-.*Free: none"):  # fmt: skip
+            compute.submit(late)
+        assert engine.containers.list(all=True, filters={"label": f"io.gpuferry.job-key={late.key}"}) == []
+        with pytest.raises(GpusBusy, match=r"by container gpuferry-job-"):
+            serving.deploy(spec(model, gpus=2), release("2", images[0], model))
+        assert serving.current(service_name)["version"] == "1"
+    finally:
+        compute.cancel(handle)
+        compute.watch(handle, timeout_seconds=300)

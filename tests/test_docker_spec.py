@@ -16,6 +16,7 @@ from blocks.docker_spec import (
     container_exit_reason,
     container_name,
     docker_body,
+    front_container,
     gpu_device_ids,
     http_probe,
     libpod_body,
@@ -50,7 +51,7 @@ def serve_container():
         name="gpuferry-serve-digits-v3-abc123", image=IMAGE, command=None, port=8080,
         env={"MODEL_URI": "file:///store/digits/run1"}, labels={"io.gpuferry.kind": "server"}, workdir=None,
         gpus=("nvidia.com/gpu=1",), gpu_count=1, gpu_mode="cdi", model_dir="/store/digits/run1",
-        bind_address="127.0.0.1", restart_policy="unless-stopped",
+        network="gpuferry-serving", aliases=("v3-abc123-digits",), bind_address="127.0.0.1", restart_policy="unless-stopped",
         healthcheck=HealthCheck(http_probe(8080, "/healthz"), interval_s=10, timeout_s=3, retries=3, start_period_s=120),
         stop_timeout_s=30,
     )  # fmt: skip
@@ -84,6 +85,26 @@ def test_golden_server_docker_and_podman() -> None:
     assert docker_body(spec)["HostConfig"]["PortBindings"] == {"8080/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}
     assert {"type": "bind", "source": "/store/digits/run1", "destination": "/store/digits/run1",
             "options": ["rbind", "ro"]} in libpod_body(spec)["mounts"]  # fmt: skip
+    # The front reaches the version by its alias on the service's network.
+    assert docker_body(spec)["NetworkingConfig"] == {"EndpointsConfig": {"gpuferry-serving": {"Aliases": ["v3-abc123-digits"]}}}
+    assert libpod_body(spec)["networks"] == {"gpuferry-serving": {"aliases": ["v3-abc123-digits"]}}
+
+
+def test_golden_front_docker_and_podman() -> None:
+    spec = front_container(name="gpuferry-front-digits", image=IMAGE, target="v3-abc123-digits:8080",
+                           labels={"io.gpuferry.kind": "front", "io.gpuferry.service": "digits"},
+                           network="gpuferry-serving", bind_address="0.0.0.0", host_port=8500)  # fmt: skip
+    docker, podman = docker_body(spec), libpod_body(spec)
+    check_golden("docker_front", docker)
+    check_golden("podman_front", podman)
+    assert docker["HostConfig"]["PortBindings"] == {"8000/tcp": [{"HostIp": "0.0.0.0", "HostPort": "8500"}]}
+    assert podman["portmappings"] == [{"container_port": 8000, "host_ip": "0.0.0.0", "protocol": "tcp", "host_port": 8500}]
+    assert docker["Cmd"] == ["python", "-m", "runtime.front"] and "FRONT_TARGET=v3-abc123-digits:8080" in docker["Env"]
+    assert "DeviceRequests" not in docker["HostConfig"] and "devices" not in podman
+    unpinned = front_container(name="f", image=IMAGE, target="v1-x-s:8080", labels={}, network="n",
+                               bind_address="127.0.0.1", host_port=None)  # fmt: skip
+    assert docker_body(unpinned)["HostConfig"]["PortBindings"]["8000/tcp"][0]["HostPort"] == ""  # the engine picks
+    assert "host_port" not in libpod_body(unpinned)["portmappings"][0]
 
 
 def test_a_job_without_gpus_sees_none() -> None:

@@ -1,0 +1,428 @@
+"""The front of a service on one Docker host: a fixed address that forwards each HTTP request to the version
+serving now. gpuferry's ``DockerServing`` runs it as a container of its own, from the image of a version, on
+the Docker network of the versions; it needs nothing but Python's standard library.
+
+``python -m runtime.front`` listens on ``FRONT_PORT`` (8000) and forwards every request to ``host:port``, read
+from the file ``FRONT_TARGET_FILE`` (/tmp/gpuferry-front/target), or from ``FRONT_TARGET`` while that file does
+not exist. ``python -m runtime.front set HOST:PORT``, run in the front's container (``docker exec``), replaces
+the file at once (a rename); the front reads it again whenever it changed, so every request that starts after
+``set`` returned goes to the new target, and requests under way finish where they started.
+
+Each request picks its upstream connection when it starts: an idle one to the current target (kept for at
+most 1 s idle, and only for the target of the moment: a switch closes the others), else a new one. Nothing
+pins a client to a version, and a client's keep-alive connection to the front outlives any number of
+switches. A kept connection that the version had closed before reading the request (its idle timeout) is
+tried once more on a new one (bodies up to 64 KiB are held for that); a target that refuses connections (a
+version the engine restarts) is tried again, against the target of that moment, for
+``FRONT_CONNECT_TIMEOUT`` seconds (10); then the answer is 502. Requests and responses keep their framing
+(Content-Length or chunked); ``Expect: 100-continue`` is answered by the front. HTTP/1.1 and 1.0 only: no
+upgrade to WebSocket or HTTP/2. SIGTERM stops accepting, lets requests under way finish for up to
+``FRONT_DRAIN_SECONDS`` (5) and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+PORT_ENV = "FRONT_PORT"
+TARGET_ENV = "FRONT_TARGET"
+TARGET_FILE_ENV = "FRONT_TARGET_FILE"
+CONNECT_TIMEOUT_ENV = "FRONT_CONNECT_TIMEOUT"
+DRAIN_ENV = "FRONT_DRAIN_SECONDS"
+DEFAULT_PORT = 8000
+DEFAULT_TARGET_FILE = "/tmp/gpuferry-front/target"
+
+MAX_HEAD = 64 * 1024  # request line and headers
+CHUNK = 64 * 1024
+BUFFERED = 64 * 1024  # a body up to this size is read whole and sent with its head in one write
+KEEP_IDLE_S = 1.0  # an upstream connection idle longer is not used again (servers close idle ones: uvicorn after 5 s)
+KEEP_MAX = 64  # idle upstream connections kept at most
+IDLE_TIMEOUT_S = 75.0  # a client's keep-alive connection with no request for this long is closed
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"upgrade", b"te", b"expect"})
+NO_BODY_STATUS = frozenset({204, 304})
+
+log = logging.getLogger("gpuferry.front")
+
+
+class BadRequest(Exception):
+    """The client's request cannot be forwarded: answered with ``status`` and the connection closed."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+def parse_target(text: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); ValueError when it is not one."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+        raise ValueError(f"{text.strip()!r} is not host:port")
+    return host, int(port)
+
+
+class Target:
+    """The current target: the file when it exists (read again when it changed), else the variable."""
+
+    def __init__(self, path: str, fallback: str | None) -> None:
+        self.path = path
+        self.fallback = parse_target(fallback) if fallback else None
+        self._seen: tuple[int, int, int] | None = None
+        self._value: tuple[str, int] | None = None
+
+    def get(self) -> tuple[str, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return self._value or self.fallback
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            try:
+                with open(self.path) as handle:
+                    value = parse_target(handle.read())
+            except (OSError, ValueError) as exc:  # keep the last good one
+                log.error("target file %s: %s", self.path, exc)
+            else:
+                if value != self._value:
+                    log.info("forwarding to %s:%d", *value)
+                self._value = value
+            self._seen = key
+        return self._value or self.fallback
+
+
+def write_target(path: str, target: str) -> None:
+    """Replace the target file at once (write a sibling, then rename it over)."""
+    parse_target(target)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as handle:
+        handle.write(target.strip() + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP
+
+
+def _split_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    lines = head[:-4].split(b"\r\n")
+    headers = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            raise BadRequest(400, f"malformed header line {line[:80]!r}")
+        headers.append((name, value.strip()))
+    return lines[0], headers
+
+
+def _values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
+    return [v for n, v in headers if n.lower() == name]
+
+
+def _tokens(headers: list[tuple[bytes, bytes]], name: bytes) -> set[bytes]:
+    return {t.strip().lower() for v in _values(headers, name) for t in v.split(b",") if t.strip()}
+
+
+def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
+    """How a message's body is delimited: ("chunked", 0), ("length", n) or ("none", 0)."""
+    codings = [t.strip().lower() for v in _values(headers, b"transfer-encoding") for t in v.split(b",")]
+    if codings:
+        if codings[-1] != b"chunked":
+            raise BadRequest(400, "a transfer coding other than chunked last")
+        return "chunked", 0
+    lengths = {v.strip() for v in _values(headers, b"content-length")}
+    if len(lengths) > 1 or any(not v.isdigit() for v in lengths):
+        raise BadRequest(400, "an invalid Content-Length")
+    return ("length", int(lengths.pop())) if lengths else ("none", 0)
+
+
+def _forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers without the hop-by-hop ones (and those the Connection header names)."""
+    named = _tokens(headers, b"connection")
+    return [(n, v) for n, v in headers if n.lower() not in HOP_BY_HOP and n.lower() not in named]
+
+
+def _head(first: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    return first + b"\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in headers) + b"\r\n"
+
+
+async def _copy_length(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, length: int) -> None:
+    while length:
+        data = await reader.read(min(CHUNK, length))
+        if not data:
+            raise ConnectionError("the peer closed before the end of the body")
+        writer.write(data)
+        await writer.drain()
+        length -= len(data)
+
+
+async def _copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy a chunked body as it is (sizes, extensions, trailers), up to and with its last CRLF."""
+    while True:
+        line = await reader.readuntil(b"\r\n")
+        writer.write(line)
+        size_text = line.split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise BadRequest(400, f"a malformed chunk size {size_text[:20]!r}") from None
+        if size == 0:
+            while True:  # trailers, then the empty line
+                trailer = await reader.readuntil(b"\r\n")
+                writer.write(trailer)
+                if trailer == b"\r\n":
+                    await writer.drain()
+                    return
+        await _copy_length(reader, writer, size)
+        crlf = await reader.readexactly(2)
+        writer.write(crlf)
+
+
+async def _copy_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, framing: tuple[str, int]) -> None:
+    kind, length = framing
+    if kind == "chunked":
+        await _copy_chunked(reader, writer)
+    elif kind == "length":
+        await _copy_length(reader, writer, length)
+
+
+def _simple(status: int, reason: str, text: str) -> bytes:
+    body = text.encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: "
+            f"{len(body)}\r\nconnection: close\r\n\r\n").encode() + body  # fmt: skip
+
+
+class _Stale(Exception):
+    """A kept upstream connection was closed by the version before it read the request."""
+
+
+Connection = tuple[tuple[str, int], asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class Front:
+    """The proxy: one task per client connection; upstream connections kept for the current target only."""
+
+    def __init__(self, target: Target, connect_timeout: float) -> None:
+        self.target = target
+        self.connect_timeout = connect_timeout
+        self.active = 0
+        self._idle: list[tuple[Connection, float]] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.active += 1
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
+                asyncio.TimeoutError):  # fmt: skip
+            pass
+        except BadRequest as exc:
+            writer.write(_simple(exc.status, "Bad Request" if exc.status == 400 else "Error", f"{exc}\n"))
+        finally:
+            self.active -= 1
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Forward one request; whether the client's connection stays open for another."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IDLE_TIMEOUT_S)
+        except asyncio.LimitOverrunError:
+            raise BadRequest(431, "the request's head is larger than 64 KiB") from None
+        except (asyncio.IncompleteReadError, TimeoutError, asyncio.TimeoutError):
+            return False
+        first, headers = _split_head(head)
+        parts = first.split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            raise BadRequest(400, f"not an HTTP/1.x request line: {first[:80]!r}")
+        method, version = parts[0], parts[2]
+        framing = _framing(headers)
+        connection = _tokens(headers, b"connection")
+        keep_alive = b"close" not in connection if version == b"HTTP/1.1" else b"keep-alive" in connection
+        if b"100-continue" in _tokens(headers, b"expect"):
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the front answers it; the version never sees it
+        request = _head(first, _forwarded(headers))
+        body = None  # a small body is read whole: sent with its head at once, and again when a kept connection was stale
+        if framing[0] == "none" or (framing[0] == "length" and framing[1] <= BUFFERED):
+            body = await reader.readexactly(framing[1])
+
+        upstream, status, response_headers, response_first = None, 0, [], b""
+        for attempt in range(2):
+            upstream = self._kept() if body is not None and attempt == 0 else None
+            if upstream is None:
+                upstream = await self._connect()
+                if upstream is None:
+                    writer.write(_simple(502, "Bad Gateway", "no version of the service answers (the front's target "
+                                         "refused the connection)\n"))  # fmt: skip
+                    await writer.drain()
+                    return False
+                kept = False
+            else:
+                kept = True
+            _, up_reader, up_writer = upstream
+            try:
+                try:
+                    if body is not None:
+                        up_writer.write(request + body)
+                    else:
+                        up_writer.write(request)
+                        await _copy_body(reader, up_writer, framing)
+                    await up_writer.drain()
+                except (BrokenPipeError, ConnectionResetError):
+                    raise _Stale() from None
+                status, response_headers, response_first = await self._response_head(up_reader, writer)
+                break
+            except (_Stale, ConnectionError) as exc:
+                up_writer.close()
+                if kept and isinstance(exc, _Stale):
+                    continue  # the version had closed that kept connection: once more, on a new one
+                writer.write(_simple(502, "Bad Gateway", "the service's version closed the connection without "
+                                     "answering\n"))  # fmt: skip
+                await writer.drain()
+                return False
+            except BaseException:
+                up_writer.close()
+                raise
+        assert upstream is not None
+        target, up_reader, up_writer = upstream
+        reusable = b"close" not in _tokens(response_headers, b"connection") and response_first.startswith(b"HTTP/1.1")
+        try:
+            if method == b"HEAD" or status in NO_BODY_STATUS:
+                response_body: tuple[str, int] | None = ("none", 0)
+            else:
+                response_body = _framing(response_headers)
+                if response_body == ("none", 0):
+                    response_body = None  # delimited by the end of the connection
+                    keep_alive = reusable = False
+            out = _forwarded(response_headers)
+            if not keep_alive:
+                out.append((b"connection", b"close"))
+            response = _head(response_first, out)
+            if response_body is None:
+                writer.write(response)
+                while data := await up_reader.read(CHUNK):
+                    writer.write(data)
+                    await writer.drain()
+            elif response_body[0] != "chunked" and response_body[1] <= BUFFERED:
+                writer.write(response + await up_reader.readexactly(response_body[1]))
+            else:
+                writer.write(response)
+                await _copy_body(up_reader, writer, response_body)
+        except BaseException:
+            up_writer.close()
+            raise
+        if reusable:
+            self._keep((target, up_reader, up_writer))
+        else:
+            up_writer.close()
+        await writer.drain()
+        return keep_alive
+
+    def _kept(self) -> Connection | None:
+        """An idle connection to the current target that is still fresh; older ones and other targets' are closed."""
+        target = self.target.get()
+        while self._idle:
+            (kept_target, reader, writer), since = self._idle.pop()
+            if (kept_target == target and time.monotonic() - since < KEEP_IDLE_S and not reader.at_eof()
+                    and not writer.is_closing()):  # fmt: skip
+                return kept_target, reader, writer
+            writer.close()
+        return None
+
+    def _keep(self, upstream: Connection) -> None:
+        if upstream[0] == self.target.get() and len(self._idle) < KEEP_MAX:
+            self._idle.append((upstream, time.monotonic()))
+        else:
+            upstream[2].close()
+
+    async def _response_head(self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                             ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:  # fmt: skip
+        first_read = True
+        while True:
+            try:
+                head = await up_reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
+                if first_read and not getattr(exc, "partial", b""):  # closed before a byte of an answer
+                    raise _Stale() from None
+                raise ConnectionError("the version closed the connection in its answer's head") from None
+            except asyncio.LimitOverrunError:
+                raise ConnectionError("the version's answer has a head larger than 64 KiB") from None
+            first_read = False
+            first, headers = _split_head(head)
+            try:
+                status = int(first.split(b" ", 2)[1])
+            except (IndexError, ValueError):
+                raise ConnectionError(f"not an HTTP response: {first[:80]!r}") from None
+            if 100 <= status < 200 and status != 101:
+                if status != 100:  # 100 was the front's own answer already
+                    writer.write(head)
+                continue
+            return status, headers, first
+
+    async def _connect(self) -> Connection | None:
+        deadline = time.monotonic() + self.connect_timeout
+        delay = 0.02
+        while True:
+            target = self.target.get()
+            if target is not None:
+                try:
+                    reader, writer = await asyncio.wait_for(asyncio.open_connection(*target, limit=MAX_HEAD),
+                                                            max(0.05, deadline - time.monotonic()))  # fmt: skip
+                    return target, reader, writer
+                except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
+                    failure = f"{target[0]}:{target[1]}: {exc}"
+            else:
+                failure = "no target set"
+            if time.monotonic() >= deadline:
+                log.error("no connection to the target within %.0f s: %s", self.connect_timeout, failure)
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+async def serve(port: int, front: Front, drain_seconds: float) -> None:
+    server = await asyncio.start_server(front.handle, host="0.0.0.0", port=port, limit=MAX_HEAD)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("front listening on :%d, target %s", port, front.target.get())
+    await stop.wait()
+    server.close()
+    deadline = time.monotonic() + drain_seconds
+    while front.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    log.info("front stopped (%d connection(s) still open)", front.active)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = os.environ.get(TARGET_FILE_ENV, DEFAULT_TARGET_FILE)
+    if argv[:1] == ["set"] and len(argv) == 2:
+        try:
+            write_target(path, argv[1])
+        except ValueError as exc:
+            print(f"front: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if argv:
+        print("usage: python -m runtime.front [set HOST:PORT]", file=sys.stderr)
+        return 2
+    try:
+        front = Front(Target(path, os.environ.get(TARGET_ENV)), float(os.environ.get(CONNECT_TIMEOUT_ENV, "10")))
+        port = int(os.environ.get(PORT_ENV, DEFAULT_PORT))
+        drain = float(os.environ.get(DRAIN_ENV, "5"))
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    asyncio.run(serve(port, front, drain))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
