@@ -23,7 +23,8 @@ Launch modes:
   ``[python, script, *args]`` command with its own interpreter, any other program with
   ``--no-python`` and ``torchrun_python``); on one node with ``--standalone``, on several with one
   ``srun`` task per node and a c10d rendezvous on the address of the first node of
-  ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``, then that node's ``NodeAddr``). The port is
+  ``SLURM_JOB_NODELIST`` (``scontrol show hostnames``, then that node's ``NodeAddr``), which that
+  node's task hosts (``is_host`` by ``SLURM_NODEID``, not torchrun's guess from hostnames). The port is
   ``rdzv_port + SLURM_JOB_ID % rdzv_port_span``: two multi-node jobs that share their first node
   (several slurmd on one host, or nodes not allocated exclusively) do not meet on one port.
 
@@ -400,6 +401,15 @@ def _in_container(c: Container | None, launch: str, workdir: str) -> str:
     return f"in_image {launch}"
 
 
+# Each node's task says whether it hosts the rendezvous (torchrun reads PET_RDZV_CONF): the first node of the
+# allocation does. torchrun's own guess compares the endpoint with the machine's hostname and addresses, and misses
+# when NodeAddr is on another interface (an InfiniBand or cluster network): no node would host, every one would wait.
+_RDZV_HOST = "bash -c {} rendezvous ".format(shlex.quote(
+    'export PET_RDZV_CONF="is_host=$((SLURM_NODEID == 0))${PET_RDZV_CONF:+,$PET_RDZV_CONF}" '
+    'GPUFERRY_CONTAINER_ENV="${GPUFERRY_CONTAINER_ENV:-} PET_RDZV_CONF"; exec "$@"'
+))
+
+
 def _in_container_srun(c: Container | None, workdir: str) -> tuple[str, str]:
     """(extra srun options, the prefix of the command srun runs) for a launch through srun."""
     if c is None:
@@ -491,7 +501,7 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
             srun_options, in_image = _in_container_srun(container, workdir)
             launch = (
                 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
-                f"--kill-on-bad-exit=1{srun_options} {in_image}{shlex.join(torchrun)} "
+                f"--kill-on-bad-exit=1{srun_options} {_RDZV_HOST}{in_image}{shlex.join(torchrun)} "
                 '--nnodes="$SLURM_JOB_NUM_NODES" --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" '
                 f'--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" {shlex.join(program)}'
             )

@@ -3,7 +3,7 @@
 #
 #   munged -> slurmdbd (accounting in the MariaDB that runs here)
 #   -> slurmctld -> two slurmd on one host (nodes n1, n2; own ports; fake GPUs)
-#   + an sshd on 127.0.0.1 (own host key, key-only login) = the cluster's login node.
+#   + an sshd (own host key, key-only login) = the cluster's login node.
 #
 # Nodes can join: slurmctld is reached at $CTLD_ADDR (a /32 on the loopback interface, so that
 # other network namespaces and hosts routed to this one reach it; slurmctld listens on every
@@ -11,13 +11,19 @@
 # `slurmd -Z --conf "... Feature=joined"` lands in the `joined` partition (a NodeSet by feature),
 # never in the default one. blocks/ssh_hosts.py joins hosts this way (see README, provisioning).
 #
-# The cluster has a filesystem of its own: slurmd (and so every job) and the login node's sshd (and so
-# every command over SSH) run in a mount namespace where $CLUSTER_ROOT (/srv) holds the cluster's shared
-# directory ($CLUSTER_ROOT/shared) and its own Python environment ($CLUSTER_ROOT/env: Debian's python3 with
-# the examples' and gpuferry runtime's requirements, not the worker's venv). Those paths do not exist on
-# this machine outside the namespace, so a test that gives the block them proves the orchestrator never
-# reads the cluster's files. The namespace shares the network (loopback) with this machine; see README.
-# The older shared directory ($SHARED, visible to both) stays for the same-host tests.
+# The cluster has a filesystem and a network of its own: slurmd (and so every job) and the login node's sshd
+# (and so every command over SSH) run in a mount and a network namespace.
+#   * Files: $CLUSTER_ROOT (/srv) holds the cluster's shared directory ($CLUSTER_ROOT/shared) and its own
+#     Python environment ($CLUSTER_ROOT/env: Debian's python3 with the examples' and gpuferry runtime's
+#     requirements, not the worker's venv). Those paths do not exist on this machine outside the namespace,
+#     so a test that gives the block them proves the orchestrator never reads the cluster's files. The older
+#     shared directory ($SHARED, visible to both) stays for the same-host tests.
+#   * Network: a veth pair, this machine at $NET.1 and the cluster at $NET.2 (the login node's address and
+#     both nodes' NodeAddr), the cluster's default route through this machine: slurmd reaches slurmctld and
+#     slurmdbd at $CTLD_ADDR, slurmctld reaches the nodes at $NET.2. The cluster's loopback is its own; the
+#     services a job talks to (the s3, mlflow and registry stacks, loopback-only on this machine) are relayed
+#     into it on the same addresses ($REACH), as a site's gateway would, and nothing else on this machine's
+#     loopback is reachable from a job.
 #
 # Everything this script writes lives under $GPUFERRY_STACKS/slurm (configs, state, pids, logs,
 # keys, the fake GPU device nodes and the "shared filesystem" for job directories); nothing is
@@ -48,6 +54,13 @@ SHARED=$RUN/shared
 NS=$RUN/ns                                                   # the cluster's mount namespace (a bound ns file)
 CLUSTERFS=$RUN/clusterfs                                     # what the cluster sees at $CLUSTER_ROOT
 CLUSTER_ROOT=${GPUFERRY_SLURM_CLUSTER_ROOT:-/srv}
+NET=${GPUFERRY_SLURM_CLUSTER_NET:-10.231.5}                   # the cluster's network: this machine .1, the cluster .2
+NET_IFACE=${GPUFERRY_SLURM_NET_IFACE:-gfslurm0}              # this machine's end of the veth pair
+CLUSTER_ADDR=$NET.2
+SOCKS=$RUN/sock                                              # the relays' Unix sockets
+# The loopback ports of this machine a job reaches (relayed into the cluster's network on the same port): the s3
+# stack (http, https), the mlflow stack and the registry stack, at their scripts' default ports.
+REACH=${GPUFERRY_SLURM_CLUSTER_REACHES:-"${GPUFERRY_S3_PORT:-5070} $((${GPUFERRY_S3_PORT:-5070} + 1)) ${GPUFERRY_MLFLOW_PORT:-5075} ${GPUFERRY_REGISTRY_PORT:-5090}"}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 CLUSTER=${GPUFERRY_SLURM_CLUSTER:-gpuferry}
@@ -77,7 +90,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # ---- install -----------------------------------------------------------------------------------
 install_packages() {
   local missing=() p
-  for p in munge slurm-wlm slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client openssh-server; do
+  for p in munge slurm-wlm slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client openssh-server socat; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   ((${#missing[@]})) || return 0
@@ -148,7 +161,7 @@ MpiDefault=none
 MailProg=/bin/true
 GresTypes=gpu
 AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
+AccountingStorageHost=$CTLD_ADDR
 AccountingStoragePort=$DBD_PORT
 AccountingStorageTRES=gres/gpu
 AccountingStorageEnforce=associations,limits,qos
@@ -174,7 +187,7 @@ EOF
     i=0
     for n in "${NODES[@]}"; do
       i=$((i + 1))
-      echo "NodeName=$n NodeHostname=$host NodeAddr=127.0.0.1 Port=$((SLURMD_PORT_BASE + i)) CPUs=$CPUS_PER_NODE RealMemory=8000 Gres=gpu:fake:$GPUS_PER_NODE State=UNKNOWN"
+      echo "NodeName=$n NodeHostname=$host NodeAddr=$CLUSTER_ADDR Port=$((SLURMD_PORT_BASE + i)) CPUs=$CPUS_PER_NODE RealMemory=8000 Gres=gpu:fake:$GPUS_PER_NODE State=UNKNOWN"
     done
     echo "PartitionName=$PARTITION Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP"
     echo "NodeSet=$JOIN_PARTITION Feature=$JOIN_PARTITION"
@@ -234,13 +247,15 @@ ensure_ctld_addr() {
   log "added $CTLD_ADDR/32 to lo (slurmctld's address for joined nodes)"
 }
 
-# ---- the cluster's own filesystem: a mount namespace -------------------------------------------------
+# ---- the cluster's own filesystem and network: a mount and a network namespace ------------------------
 mounted() { findmnt -rn -M "$1" >/dev/null 2>&1; }
-ns_id() { echo "mnt:[$(stat -L -c %i "$NS/mnt")]"; }
-in_cluster() { nsenter --mount="$NS/mnt" -- "$@"; }
+ns_ids() { echo "mnt:[$(stat -L -c %i "$NS/mnt")] net:[$(stat -L -c %i "$NS/net")]"; }
+in_cluster() { nsenter --mount="$NS/mnt" --net="$NS/net" -- "$@"; }
+on_cluster_fs() { nsenter --mount="$NS/mnt" -- "$@"; }   # the cluster's files with this machine's network
 
 namespace_up() {
-  if mounted "$NS/mnt"; then return 0; fi
+  if mounted "$NS/mnt" && mounted "$NS/net" && ip link show "$NET_IFACE" >/dev/null 2>&1; then return 0; fi
+  namespace_down   # what an older `up` (a mount namespace only) or a half-made one left
   [[ -d $CLUSTER_ROOT ]] || die "$CLUSTER_ROOT does not exist (the cluster's filesystem is mounted there; set GPUFERRY_SLURM_CLUSTER_ROOT to an existing directory)"
   [[ ! -e $CLUSTER_ROOT/shared ]] || die "$CLUSTER_ROOT/shared exists on this machine: the cluster's paths must not (set GPUFERRY_SLURM_CLUSTER_ROOT to another directory)"
   mkdir -p "$NS" "$CLUSTERFS/shared"
@@ -249,22 +264,74 @@ namespace_up() {
   mounted "$NS" || mount --bind "$NS" "$NS"
   mount --make-private "$NS"
   : >"$NS/mnt"
-  unshare --mount="$NS/mnt" --propagation private -- mount --bind "$CLUSTERFS" "$CLUSTER_ROOT" ||
-    { namespace_down; die "could not make the cluster's mount namespace"; }
-  log "the cluster's filesystem: $CLUSTERFS at $CLUSTER_ROOT, in the mount namespace $NS/mnt"
+  : >"$NS/net"
+  unshare --mount="$NS/mnt" --net="$NS/net" --propagation private -- bash -euc '
+    ip link set lo up
+    mount --bind "$1" "$2"
+  ' _ "$CLUSTERFS" "$CLUSTER_ROOT" || { namespace_down; die "could not make the cluster's namespaces"; }
+  # The veth pair: this machine's end stays here, the other goes into the cluster as eth0 (moved through a
+  # process that holds the namespace for a moment).
+  local holder
+  nsenter --net="$NS/net" sleep 60 &
+  holder=$!
+  ip link add "$NET_IFACE" type veth peer name eth0 netns "$holder" &&
+    ip addr add "$NET.1/24" dev "$NET_IFACE" && ip link set "$NET_IFACE" up &&
+    nsenter --net="$NS/net" bash -euc '
+      ip addr add "$1/24" dev eth0
+      ip link set eth0 up
+      ip route add default via "$2"
+    ' _ "$CLUSTER_ADDR" "$NET.1" ||
+    { kill "$holder" 2>/dev/null; namespace_down; die "could not connect the cluster's network ($NET_IFACE, $NET.0/24; set GPUFERRY_SLURM_CLUSTER_NET to a free /24)"; }
+  kill "$holder" 2>/dev/null || true
+  wait "$holder" 2>/dev/null || true
+  log "the cluster: $CLUSTERFS at $CLUSTER_ROOT and $CLUSTER_ADDR, in the namespaces $NS/mnt and $NS/net"
 }
 
 namespace_down() {
-  if mounted "$NS/mnt"; then umount "$NS/mnt" || die "cannot unmount $NS/mnt"; fi
+  local f
+  for f in "$NS/mnt" "$NS/net"; do
+    if mounted "$f"; then umount "$f" || die "cannot unmount $f"; fi
+  done
   if mounted "$NS"; then umount "$NS" || die "cannot unmount $NS"; fi
+  # The pair goes with the network namespace once nothing runs in it; an end left behind goes now.
+  if ip link show "$NET_IFACE" >/dev/null 2>&1; then ip link del "$NET_IFACE" 2>/dev/null || true; fi
+  rm -f "$NS/mnt" "$NS/net"
 }
 
-# A daemon started before the namespace existed (an older `up`) runs outside it: stop it to start it inside.
+# A daemon started outside the cluster's namespaces (an older `up`, or namespaces made anew) is stopped, to
+# start it inside.
 outside_namespace() {
   local pid
   pid_alive "$1" "$2" || return 1
   pid=$(<"$1")
-  [[ $(readlink "/proc/$pid/ns/mnt") != "$(ns_id)" ]]
+  [[ "$(readlink "/proc/$pid/ns/mnt") $(readlink "/proc/$pid/ns/net")" != "$(ns_ids)" ]]
+}
+
+# ---- what a job reaches on this machine: relays into the cluster's network ---------------------------------
+# For each port in $REACH: inside the cluster, 127.0.0.1:PORT -> a Unix socket -> this machine's 127.0.0.1:PORT
+# (connected when a job connects, so the service may come up after this stack).
+start_relays() {
+  local port
+  mkdir -p "$SOCKS"
+  for port in $REACH; do
+    if outside_namespace "$PIDS/relay-$port-in.pid" socat; then stop_pid "$PIDS/relay-$port-in.pid" socat; fi
+    if ! pid_alive "$PIDS/relay-$port-out.pid" socat; then
+      start-stop-daemon --start --background --make-pidfile --pidfile "$PIDS/relay-$port-out.pid" --exec /usr/bin/socat -- \
+        "UNIX-LISTEN:$SOCKS/$port.sock,fork,unlink-early" "TCP:127.0.0.1:$port"
+    fi
+    if ! pid_alive "$PIDS/relay-$port-in.pid" socat; then
+      wait_for 10 /dev/null "the relay's socket $SOCKS/$port.sock" test -S "$SOCKS/$port.sock"
+      start-stop-daemon --start --background --make-pidfile --pidfile "$PIDS/relay-$port-in.pid" \
+        --exec /usr/bin/nsenter -- --mount="$NS/mnt" --net="$NS/net" /usr/bin/socat \
+        "TCP-LISTEN:$port,bind=127.0.0.1,fork,reuseaddr" "UNIX-CONNECT:$SOCKS/$port.sock"
+    fi
+  done
+}
+
+stop_relays() {
+  local f
+  for f in "$PIDS"/relay-*.pid; do [[ -e $f ]] && stop_pid "$f" socat; done
+  rm -rf "$SOCKS"
 }
 
 # The cluster's Python: Debian's interpreter in a venv of its own, with what the examples and gpuferry's
@@ -279,8 +346,8 @@ cluster_env() {
   for f in "$REPO"/examples/*/requirements.txt "$REPO/runtime/requirements.txt"; do reqs+=(-r "$f"); done
   local links=()
   [[ -d /opt/wheels ]] && links=(--find-links /opt/wheels)
-  in_cluster "$uv" venv -q --clear --python /usr/bin/python3 "$env" >"$LOGS/cluster-env.log" 2>&1 &&
-    in_cluster "$uv" pip install --python "$env/bin/python" "${links[@]}" -c "$REPO/requirements.lock" \
+  on_cluster_fs "$uv" venv -q --clear --python /usr/bin/python3 "$env" >"$LOGS/cluster-env.log" 2>&1 &&
+    on_cluster_fs "$uv" pip install --python "$env/bin/python" "${links[@]}" -c "$REPO/requirements.lock" \
       "${reqs[@]}" pyyaml >>"$LOGS/cluster-env.log" 2>&1 ||
     { tail -n 20 "$LOGS/cluster-env.log" >&2; die "could not make the cluster's Python environment"; }
   echo "$want" >"$CLUSTERFS/env/.inputs"
@@ -394,12 +461,12 @@ start_sshd() {
   [[ -s $SSHDIR/client_ed25519 ]] || ssh-keygen -q -t ed25519 -N '' -C gpuferry-slurm-client -f "$SSHDIR/client_ed25519"
   printf 'environment="SLURM_CONF=%s" %s\n' "$SLURM_CONF" "$(<"$SSHDIR/client_ed25519.pub")" |
     write_if_changed "$SSHDIR/authorized_keys" 600 || true
-  printf '[127.0.0.1]:%s %s\n' "$SSH_PORT" "$(cut -d' ' -f1,2 "$SSHDIR/host_ed25519_key.pub")" |
+  printf '[%s]:%s %s\n' "$CLUSTER_ADDR" "$SSH_PORT" "$(cut -d' ' -f1,2 "$SSHDIR/host_ed25519_key.pub")" |
     write_if_changed "$SSHDIR/known_hosts" 644 || true
   local changed=1
   cat <<EOF | write_if_changed "$SSHDIR/sshd_config" 600 && changed=0
 Port $SSH_PORT
-ListenAddress 127.0.0.1
+ListenAddress $CLUSTER_ADDR
 HostKey $SSHDIR/host_ed25519_key
 PidFile $PIDS/sshd.pid
 AuthorizedKeysFile $SSHDIR/authorized_keys
@@ -419,20 +486,20 @@ EOF
     mkdir -p /run/sshd
     /usr/sbin/sshd -t -f "$SSHDIR/sshd_config" || die "sshd rejected $SSHDIR/sshd_config"
     in_cluster /usr/sbin/sshd -f "$SSHDIR/sshd_config" -E "$LOGS/sshd.log"   # the login node: the cluster's files
-    wait_for 20 "$LOGS/sshd.log" "sshd listening on $SSH_PORT" bash -c "echo > /dev/tcp/127.0.0.1/$SSH_PORT"
-    log "sshd started ($(<"$PIDS/sshd.pid")) on 127.0.0.1:$SSH_PORT"
+    wait_for 20 "$LOGS/sshd.log" "sshd listening on $SSH_PORT" bash -c "echo > /dev/tcp/$CLUSTER_ADDR/$SSH_PORT"
+    log "sshd started ($(<"$PIDS/sshd.pid")) on $CLUSTER_ADDR:$SSH_PORT"
   fi
 }
 
 ssh_works() {
   ssh -n -o BatchMode=yes -o UserKnownHostsFile="$SSHDIR/known_hosts" -o StrictHostKeyChecking=yes \
-    -o GlobalKnownHostsFile=/dev/null -i "$SSHDIR/client_ed25519" -p "$SSH_PORT" "$(id -un)@127.0.0.1" \
+    -o GlobalKnownHostsFile=/dev/null -i "$SSHDIR/client_ed25519" -p "$SSH_PORT" "$(id -un)@$CLUSTER_ADDR" \
     sinfo -h -o %P >/dev/null 2>&1
 }
 
 write_env() {
   cat <<EOF | write_if_changed "$RUN/env" 644 || true
-SLURM_SSH_HOST=127.0.0.1
+SLURM_SSH_HOST=$CLUSTER_ADDR
 SLURM_SSH_PORT=$SSH_PORT
 SLURM_SSH_USER=$(id -un)
 SLURM_SSH_KEY=$SSHDIR/client_ed25519
@@ -465,6 +532,7 @@ up() {
   [[ -n $(ls -A "$PIDS" 2>/dev/null) ]] || restart=0   # first start: nothing to restart
   make_fake_gpus
   namespace_up
+  start_relays
   cluster_env
   start_munge
   start_slurm "$restart"
@@ -482,6 +550,7 @@ down() {
   local n
   rm -f "$RUN/env"
   stop_pid "$PIDS/sshd.pid" sshd
+  stop_relays
   for n in "${NODES[@]}"; do stop_pid "$PIDS/slurmd-$n.pid" slurmd; done
   stop_pid "$PIDS/slurmctld.pid" slurmctld
   stop_pid "$PIDS/slurmdbd.pid" slurmdbd
@@ -507,6 +576,7 @@ start_controller() {
   [[ -f $RUN/env ]] || die "the stack is not up (run \`$0 up\` first)"
   ensure_ctld_addr
   namespace_up
+  start_relays
   start_slurm 0
   wait_for 90 "$LOGS/slurmctld.log" "nodes ${NODES[*]} usable in sinfo" nodes_idle
 }
