@@ -271,9 +271,17 @@ namespace_up() {
   ' _ "$CLUSTERFS" "$CLUSTER_ROOT" || { namespace_down; die "could not make the cluster's namespaces"; }
   # The veth pair: this machine's end stays here, the other goes into the cluster as eth0 (moved through a
   # process that holds the namespace for a moment).
-  local holder
+  local holder deadline
   nsenter --net="$NS/net" sleep 60 &
   holder=$!
+  # `$!` is nsenter's pid before it has entered the namespace: wait until it is inside, or the peer would be
+  # made here, where an eth0 already exists ("RTNETLINK answers: File exists").
+  deadline=$((SECONDS + 30))
+  until [[ $(stat -L -c %i "/proc/$holder/ns/net" 2>/dev/null) == "$(stat -L -c %i "$NS/net")" ]]; do
+    kill -0 "$holder" 2>/dev/null && ((SECONDS < deadline)) ||
+      { kill "$holder" 2>/dev/null; namespace_down; die "could not enter the cluster's network namespace $NS/net"; }
+    sleep 0.05
+  done
   ip link add "$NET_IFACE" type veth peer name eth0 netns "$holder" &&
     ip addr add "$NET.1/24" dev "$NET_IFACE" && ip link set "$NET_IFACE" up &&
     nsenter --net="$NS/net" bash -euc '
