@@ -129,40 +129,56 @@ def exec_command(client: paramiko.SSHClient, command: str, *, timeout: float, op
     (exit status, stdout, stderr). ``stdin`` is fed to it, then closed. A dead connection, a channel closed
     before the exit status and ``timeout`` passing raise ``OSError`` / ``EOFError`` / ``paramiko.SSHException``
     (``socket.timeout`` is an ``OSError``), for the caller to reconnect or give up."""
+    return exec_commands(client, [command], timeout=timeout, open_timeout=open_timeout, stdin=stdin)[0]
+
+
+def exec_commands(client: paramiko.SSHClient, commands: list[str], *, timeout: float, open_timeout: float,
+                  stdin: bytes | None = None) -> list[tuple[int, str, str]]:  # fmt: skip
+    """Several commands at once, one channel each (all started before any is read: a login shell can be slow
+    to start), each as ``exec_command`` runs one; ``stdin`` is fed to every one."""
     transport = client.get_transport()
-    if transport is None:
-        raise EOFError("no SSH transport")
-    chan = transport.open_session(timeout=open_timeout)
+    if transport is None or not transport.is_active():
+        raise EOFError("no SSH transport (the connection is closed)")
+    channels: list[paramiko.Channel] = []
     try:
-        chan.settimeout(timeout)
-        chan.exec_command(command)
-        if stdin:
-            chan.sendall(stdin)
-        chan.shutdown_write()
-        out, err = bytearray(), bytearray()
+        for command in commands:
+            chan = transport.open_session(timeout=open_timeout)
+            channels.append(chan)
+            chan.settimeout(timeout)
+            chan.exec_command(command)
+            if stdin:
+                chan.sendall(stdin)
+            chan.shutdown_write()
         deadline = time.monotonic() + timeout
-        while True:
-            progressed = False
-            while chan.recv_ready():
-                out += chan.recv(1 << 16)
-                progressed = True
-            while chan.recv_stderr_ready():
-                err += chan.recv_stderr(1 << 16)
-                progressed = True
-            # Done at EOF *and* exit status: sshd may send the status while output is still queued.
-            if chan.eof_received and chan.exit_status_ready() and not progressed:
-                break
-            if chan.closed and not progressed and not chan.exit_status_ready():
-                raise EOFError("the SSH channel closed before the command's exit status arrived")
-            if time.monotonic() > deadline:
-                raise socket.timeout(f"no exit status within {timeout:.0f} s")
-            if not progressed:
-                select.select([chan], [], [], 0.05)
-        # Drain what arrived together with the exit status.
+        return [_collect(chan, timeout, deadline) for chan in channels]
+    finally:
+        for chan in channels:
+            chan.close()
+
+
+def _collect(chan: paramiko.Channel, timeout: float, deadline: float) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a started channel, read until its end or ``deadline``."""
+    out, err = bytearray(), bytearray()
+    while True:
+        progressed = False
         while chan.recv_ready():
             out += chan.recv(1 << 16)
+            progressed = True
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(1 << 16)
-        return chan.recv_exit_status(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    finally:
-        chan.close()
+            progressed = True
+        # Done at EOF *and* exit status: sshd may send the status while output is still queued.
+        if chan.eof_received and chan.exit_status_ready() and not progressed:
+            break
+        if chan.closed and not progressed and not chan.exit_status_ready():
+            raise EOFError("the SSH channel closed before the command's exit status arrived")
+        if time.monotonic() > deadline:
+            raise socket.timeout(f"no exit status within {timeout:.0f} s")
+        if not progressed:
+            select.select([chan], [], [], 0.05)
+    # Drain what arrived together with the exit status.
+    while chan.recv_ready():
+        out += chan.recv(1 << 16)
+    while chan.recv_stderr_ready():
+        err += chan.recv_stderr(1 << 16)
+    return chan.recv_exit_status(), out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
