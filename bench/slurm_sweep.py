@@ -309,13 +309,14 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from blocks.slurm import SlurmCluster
+    from blocks.ssh_credentials import SshCredentials
 
     root = Path(tempfile.mkdtemp(prefix="bench-sweep-", dir=env["SLURM_SHARED_DIR"]))
     os.environ["GPUFERRY_HOME"] = str(root / "home")
     cluster = SlurmCluster(
-        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), user=env["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=env["SLURM_CONF"],
+        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), slurm_conf=env["SLURM_CONF"],
+        credentials=SshCredentials(user=env["SLURM_SSH_USER"], known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(),
+                                   private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text())),
         workdir_root=str(root / "jobs"), partition=env["SLURM_PARTITION"],
         poll_interval_start=0.5, poll_interval_max=1.0,  # the floor polls once a second too
     )  # fmt: skip

@@ -19,19 +19,24 @@ if TYPE_CHECKING:
     import paramiko
 
     from blocks.slurm import SlurmCluster
+    from blocks.ssh_credentials import SshCredentials
     from blocks.ssh_hosts import SshHosts
 
 _GRES_GPU = re.compile(r"^gpu(?::[^:()]+)?:(\d+)")
 
 
-def ssh_rows(probe: Probe, *, host: str | None, port: int, user: str | None, key_text: str | None,
-             passphrase: str | None, known_hosts: str, label: str = "") -> paramiko.SSHClient | None:  # fmt: skip
-    """The rows SSH reach, host key and login of one host; the logged-in client, or None when one failed."""
-    from blocks._ssh import connect_verified, fingerprint, load_private_key, parse_known_hosts
+def ssh_rows(probe: Probe, *, host: str | None, port: int, credentials: SshCredentials | None,
+             user: str | None = None, label: str = "") -> paramiko.SSHClient | None:  # fmt: skip
+    """The rows SSH reach, host key and login of one host; the logged-in client, or None when one failed.
+    ``user``: the host's own (default: the credentials')."""
+    from blocks._ssh import fingerprint
 
     prefix = f"{label} " if label else ""
-    if not host or not user or not key_text:
-        missing = [n for n, v in (("host", host), ("user", user), ("private_key", key_text)) if not v]
+    user = user or (credentials.user if credentials is not None else None)
+    key_text = credentials.private_key if credentials is not None else None
+    if not host or not user or not key_text or credentials is None:
+        missing = [n for n, v in (("host", host), ("credentials.user", user), ("credentials.private_key", key_text))
+                   if not v]  # fmt: skip
         probe.add(f"{prefix}SSH", "failed", f"{', '.join(missing)} not set", "set them in the stack file")
         return None
     if not probe.step(f"{prefix}SSH reach", lambda: tcp_reach(host, port, probe.left),
@@ -39,7 +44,7 @@ def ssh_rows(probe: Probe, *, host: str | None, port: int, user: str | None, key
         return None
     login_fix = f"check user and private_key, and that the public key is in ~{user}/.ssh/authorized_keys"
     try:
-        key = load_private_key(key_text, passphrase)
+        key = credentials.key()
     except ConfigurationError as exc:
         probe.add(f"{prefix}SSH login", "failed", str(exc), login_fix)
         return None
@@ -48,9 +53,9 @@ def ssh_rows(probe: Probe, *, host: str | None, port: int, user: str | None, key
 
     def host_key() -> str:
         try:
-            client.append(connect_verified(
-                address=host, port=port, user=user, key=key, known=parse_known_hosts(known_hosts),
-                timeout=probe.left, name=f"{host}:{port}", check_against="matches the one the admins publish",
+            client.append(credentials.get_client(
+                host, port, user=user, key=key, timeout=probe.left, name=f"{host}:{port}",
+                check_against="matches the one the admins publish",
             ))  # fmt: skip
         except ConfigurationError as exc:
             if "SSH login as" not in str(exc):
@@ -91,17 +96,11 @@ def check_slurm(cluster: SlurmCluster, probe: Probe) -> None:
     if cluster.local:
         probe.info("login node", "local=True: Slurm commands run on this machine")
     else:
-        client = ssh_rows(
-            probe, host=cluster.host, port=cluster.port, user=cluster.user,
-            key_text=cluster.private_key.get_secret_value() if cluster.private_key else None,
-            passphrase=cluster.private_key_passphrase.get_secret_value() if cluster.private_key_passphrase else None,
-            known_hosts=cluster.known_hosts,
-        )  # fmt: skip
+        client = ssh_rows(probe, host=cluster.host, port=cluster.port, credentials=cluster.credentials)
         if client is None:
             return
         # The commands below go over this (verified) connection instead of opening another.
-        c._client, c._sftp_client = client, None
-        c._client_for = (c.host, c.port, c.user, c.private_key, c.known_hosts)
+        c._session, c._session_for = c._new_session().adopt(client), c._connection_key
     try:
         _slurm_rows(c, probe)
     finally:
@@ -265,10 +264,7 @@ def _slurm_rows(c: SlurmCluster, probe: Probe) -> None:
 def check_ssh_hosts(hosts: SshHosts, probe: Probe) -> None:
     """SSH reach, host key and login of every host (in order: each has the rest of the deadline)."""
     for host in hosts.hosts:
-        client = ssh_rows(
-            probe, host=host.address, port=host.port, user=host.user, key_text=hosts.private_key.get_secret_value(),
-            passphrase=hosts.private_key_passphrase.get_secret_value() if hosts.private_key_passphrase else None,
-            known_hosts=hosts.known_hosts, label=host.node_name,
-        )  # fmt: skip
+        client = ssh_rows(probe, host=host.address, port=host.port, credentials=hosts.credentials,
+                          user=hosts.user_of(host), label=host.node_name)  # fmt: skip
         if client is not None:
             client.close()

@@ -44,7 +44,9 @@ from blocks.backoff import Poll
 from blocks.errors import ConfigurationError, TransientError
 from blocks.provision import STATE_ACQUIRED, STATE_FAILED, STATE_READY, NodeProvider, NodeRequirements
 from blocks.specs import GpuInfo, Node
-from blocks.ssh_hosts import SlurmJoin, SshHost, SshHosts
+from blocks.slurm_join import SlurmJoin
+from blocks.ssh_credentials import SshCredentials
+from blocks.ssh_hosts import SshHost, SshHosts
 
 RUN_TAG = "gpuferry:run"
 LIVE_STATES = ["pending", "running"]
@@ -271,8 +273,9 @@ class Ec2Provider(NodeProvider):
         known_hosts = (ssh.known_hosts if ssh.known_hosts is not None
                        else self._console_known_hosts(hosts, ssh.host_key_timeout_seconds))  # fmt: skip
         return SshHosts(
-            hosts=hosts, private_key=ssh.private_key, private_key_passphrase=ssh.private_key_passphrase,
-            known_hosts=known_hosts, connect_attempts=ssh.connect_attempts, slurm=ssh.slurm,
+            hosts=hosts, connect_attempts=ssh.connect_attempts, slurm=ssh.slurm,
+            credentials=SshCredentials(private_key=ssh.private_key, private_key_passphrase=ssh.private_key_passphrase,
+                                       known_hosts=known_hosts),
         )  # fmt: skip
 
     def _console_known_hosts(self, hosts: list[SshHost], timeout: float) -> str:

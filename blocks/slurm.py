@@ -41,9 +41,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
-import paramiko
 from prefect_docker.credentials import DockerRegistryCredentials
-from pydantic import Field, PrivateAttr, SecretStr
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from blocks import remote_store
 from blocks.backoff import Poll
@@ -56,6 +55,8 @@ from blocks.slurm_arrays import TASKS_DIR, SlurmArrays
 from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME, SlurmContainers
 from blocks.slurm_script import ADDITIONAL_DIRECTIVES, PODMAN_OPTIONS, check_name, check_pinned_image, sbatch_script
 from blocks.slurm_ssh import SlurmTransport
+from blocks.ssh_credentials import CREDENTIAL_FIELDS, SshCredentials, credentials_from_flat
+from blocks.ssh_session import SshSession
 from blocks.slurm_state import (
     SACCT_STATUS_FORMAT, SACCT_USAGE_FORMAT, accounting_settled, aggregate, parse_squeue, squeue_argv,
     status_from_squeue, statuses_from_sacct, usage, usage_rows,
@@ -76,16 +77,19 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
     enforces_time_limit: ClassVar[bool] = True  # --time: Slurm ends (or requeues) a job past its limit
     supports_arrays: ClassVar[bool] = True
     _description = "Runs training jobs on a Slurm cluster: sbatch over SSH, batched squeue polling, sacct accounting."
+    # A validation error never echoes its input: the input may hold the private key.
+    model_config = ConfigDict(hide_input_in_errors=True)
+    # The older flat credential fields, as a stack file may still name them (``blocks/stack_file.py``).
+    field_aliases: ClassVar[dict[str, tuple[str, str]]] = {f: ("credentials", f) for f in CREDENTIAL_FIELDS}
 
     local: bool = Field(False, description="Run Slurm commands on this machine (the flow runs on the login node).")
     host: str | None = Field(None, description="SSH host of the login node.")
     port: int = Field(22, ge=1, le=65535, description="SSH port of the login node.")
-    user: str | None = Field(None, description="SSH user (the Slurm user the jobs run as).")
-    private_key: SecretStr | None = Field(None, description="SSH private key (OpenSSH or PEM text).")
-    private_key_passphrase: SecretStr | None = Field(None, description="Passphrase of the private key, if any.")
-    known_hosts: str = Field(
-        "", description="known_hosts lines of the login node (`ssh-keyscan -p PORT HOST`); unknown keys are refused."
-    )
+    credentials: SshCredentials | None = Field(
+        None, description="SSH login to the login node: user (the Slurm user the jobs run as), private key, "
+        "known_hosts. Not needed with local=True. (The older flat fields user, private_key, "
+        "private_key_passphrase and known_hosts still load into it.)",
+    )  # fmt: skip
     connect_timeout: float = Field(15.0, gt=0, description="Seconds to wait for the SSH connection.")
     command_timeout: float = Field(120.0, gt=0, description="Seconds one Slurm command may take.")
     slurm_conf: str | None = Field(
@@ -153,13 +157,17 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
     poll_interval_start: float = Field(0.5, gt=0, description="First wait between two polls, in seconds.")
 
     _lock: Any = PrivateAttr(default_factory=threading.RLock)
-    _client: paramiko.SSHClient | None = PrivateAttr(None)
-    _sftp_client: paramiko.SFTPClient | None = PrivateAttr(None)
-    _client_for: tuple[Any, ...] | None = PrivateAttr(None)
+    _session: SshSession | None = PrivateAttr(None)
+    _session_for: tuple[Any, ...] | None = PrivateAttr(None)
     _last_jobs: tuple[float, list[dict[str, Any]]] = PrivateAttr((0.0, []))
     _detected_runtime: tuple[tuple[Any, ...], str] | None = PrivateAttr(None)
     _known_partitions: tuple[tuple[Any, ...], float, list[str]] | None = PrivateAttr(None)
     _shipped_code: dict[tuple[Any, ...], set[str]] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_credentials(cls, data: Any) -> Any:
+        return credentials_from_flat(data, "SlurmCluster")
 
     # ---- the job's files ---------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ allocation the orchestrator itself runs in. The script then adds the contract's 
 own and its secrets (a 0600 file it sources).
 
 ``SlurmTransport`` is a mixin of ``SlurmCluster``: it reads the block's connection fields (``local``,
-``host``, ``port``, ``user``, ``private_key``, ``private_key_passphrase``, ``known_hosts``,
-``connect_timeout``, ``command_timeout``, ``slurm_conf``, ``pass_env``) and keeps the connection in its private
-attributes (``_lock``, ``_client``, ``_sftp_client``, ``_client_for``).
+``host``, ``port``, ``credentials``, ``connect_timeout``, ``command_timeout``, ``slurm_conf``, ``pass_env``)
+and keeps its ``SshSession`` (``blocks/ssh_session.py``, the one SSH session of every block) in its private
+attributes (``_lock``, ``_session``, ``_session_for``).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 import paramiko
 
-from blocks._ssh import connect_verified, exec_command, load_private_key, parse_known_hosts
 from blocks.compute import inherited_environment
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.slurm_state import command_error, command_name
+from blocks.ssh_session import TRANSPORT_ERRORS, SshSession
 
 if TYPE_CHECKING:
-    from pydantic import SecretStr
+    from blocks.ssh_credentials import SshCredentials
 
 
 class SlurmTransport:
@@ -53,75 +53,68 @@ class SlurmTransport:
         local: bool
         host: str | None
         port: int
-        user: str | None
-        private_key: SecretStr | None
-        private_key_passphrase: SecretStr | None
-        known_hosts: str
+        credentials: SshCredentials | None
         connect_timeout: float
         command_timeout: float
         slurm_conf: str | None
         pass_env: list[str]
         _lock: Any
-        _client: paramiko.SSHClient | None
-        _sftp_client: paramiko.SFTPClient | None
-        _client_for: tuple[Any, ...] | None
+        _session: SshSession | None
+        _session_for: tuple[Any, ...] | None
 
     # ---- connection ------------------------------------------------------------------------
 
-    def _connect(self) -> paramiko.SSHClient:
-        if not self.host or not self.user or self.private_key is None:
-            raise ConfigurationError("host, user and private_key are required unless local=True")
-        key = load_private_key(
-            self.private_key.get_secret_value(),
-            self.private_key_passphrase.get_secret_value() if self.private_key_passphrase else None,
-        )
+    @property
+    def user(self) -> str | None:
+        """The SSH user on the login node (``credentials.user``): the Slurm user the jobs run as."""
+        return self.credentials.user if self.credentials is not None else None
+
+    @property
+    def _connection_key(self) -> tuple[Any, ...]:
+        return (self.host, self.port, self.credentials.identity if self.credentials is not None else None)
+
+    def _new_session(self) -> SshSession:
+        if not self.host or self.credentials is None or not self.credentials.user or \
+                self.credentials.private_key is None:  # fmt: skip
+            raise ConfigurationError(
+                "host and credentials (user, private_key, known_hosts) are required unless local=True"
+            )
+        return SshSession(
+            self.credentials, self.host, self.port, connect_timeout=self.connect_timeout,
+            command_timeout=self.command_timeout, name=f"{self.host}:{self.port}",
+            check_against="matches the one the cluster's admins publish",
+        )  # fmt: skip
+
+    def _ssh(self) -> SshSession:
+        """The session to the login node; a copy of the block (model_copy) with other settings gets its own."""
+        with self._lock:
+            if self._session is None or self._session_for != self._connection_key:
+                # (a copy's inherited session belongs to the original block: replaced here, not closed)
+                self._session = self._new_session()
+                self._session_for = self._connection_key
+            return self._session
+
+    def _connected(self) -> SshSession:
+        """The session, connected; a failed connection is a ``TransientError`` naming the login node."""
+        session = self._ssh()
         try:
-            return connect_verified(
-                address=self.host, port=self.port, user=self.user, key=key, known=parse_known_hosts(self.known_hosts),
-                timeout=self.connect_timeout, name=f"{self.host}:{self.port}",
-                check_against="matches the one the cluster's admins publish",
-            )  # fmt: skip
+            session.client()
         except GpuferryError:
             raise
-        except (OSError, EOFError, paramiko.SSHException) as exc:
+        except TRANSPORT_ERRORS as exc:
             raise TransientError(f"cannot reach the login node {self.host}:{self.port}: {exc}") from exc
-
-    def _ssh(self) -> paramiko.SSHClient:
-        with self._lock:
-            client = self._client
-            transport = client.get_transport() if client is not None else None
-            # A copy of the block (model_copy) with other settings must not reuse this connection.
-            wanted = (self.host, self.port, self.user, self.private_key, self.known_hosts)
-            if client is None or transport is None or not transport.is_active() or self._client_for != wanted:
-                self.close()
-                self._client = self._connect()
-                self._client_for = wanted
-            assert self._client is not None
-            return self._client
+        return session
 
     def _sftp(self) -> paramiko.SFTPClient:
-        with self._lock:
-            client = self._ssh()
-            if self._sftp_client is None or self._sftp_client.get_channel() is None or \
-                    self._sftp_client.get_channel().get_transport() is not client.get_transport():  # fmt: skip
-                self._sftp_client = client.open_sftp()
-            return self._sftp_client
+        return self._connected().sftp()
 
     def close(self) -> None:
         """Close the SSH connection (the next command opens a new one)."""
         with self._lock:
-            if self._client_for != (self.host, self.port, self.user, self.private_key, self.known_hosts):
-                # A copy's inherited connection belongs to the original block: forget it, don't close it.
-                self._sftp_client = self._client = None
-                return
-            for closable in (self._sftp_client, self._client):
-                try:
-                    if closable is not None:
-                        closable.close()
-                except Exception:  # noqa: BLE001 - closing a broken connection
-                    pass
-            self._sftp_client = None
-            self._client = None
+            if self._session is not None and self._session_for == self._connection_key:
+                self._session.close()
+            else:  # a copy's inherited session belongs to the original block: forget it, don't close it
+                self._session = None
 
     # ---- commands --------------------------------------------------------------------------
 
@@ -150,7 +143,7 @@ class SlurmTransport:
                 try:
                     rc, out, err = self._exec(shlex.join(argv), timeout, stdin)
                     break
-                except (OSError, EOFError, paramiko.SSHException) as exc:
+                except TRANSPORT_ERRORS as exc:
                     self.close()
                     if attempt == 2 or not retry:
                         raise TransientError(f"SSH connection to {self.host}:{self.port} failed running "
@@ -160,7 +153,7 @@ class SlurmTransport:
         return rc, out, err
 
     def _exec(self, command: str, timeout: float, stdin: bytes | None = None) -> tuple[int, str, str]:
-        return exec_command(self._ssh(), command, timeout=timeout, open_timeout=self.connect_timeout, stdin=stdin)
+        return self._connected().run(command, timeout=timeout, stdin=stdin)
 
     def _raise_for(self, argv: Sequence[str], rc: int, message: str) -> None:
         raise command_error(argv, rc, message)

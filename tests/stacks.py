@@ -141,12 +141,16 @@ def slurm_login() -> dict[str, object]:
     """The SlurmCluster fields that reach the slurm stack's login node over SSH (its key, host key, partition)."""
     from pydantic import SecretStr
 
+    from blocks.ssh_credentials import SshCredentials
+
     slurm = stack_env("slurm")
+    credentials = SshCredentials(
+        user=slurm["SLURM_SSH_USER"], private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
+        known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(),
+    )  # fmt: skip
     return dict(
-        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), user=slurm["SLURM_SSH_USER"],
-        private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
-        known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(), slurm_conf=slurm["SLURM_CONF"],
-        partition=slurm["SLURM_PARTITION"],
+        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), credentials=credentials,
+        slurm_conf=slurm["SLURM_CONF"], partition=slurm["SLURM_PARTITION"],
     )  # fmt: skip
 
 

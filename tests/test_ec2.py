@@ -239,7 +239,8 @@ def test_bootstrap_goes_over_ssh_to_the_instances_private_addresses(
 ) -> None:
     """moto's instances cannot be reached over SSH: SshHosts' bootstrap/release are recorded, not run."""
     from blocks.ec2 import Ec2SshAccess
-    from blocks.ssh_hosts import SlurmJoin, SshHosts
+    from blocks.slurm_join import SlurmJoin
+    from blocks.ssh_hosts import SshHosts
 
     calls: list[tuple[str, list[tuple[str, str, int, str]], list[str], dict[str, str]]] = []
 
@@ -248,7 +249,7 @@ def test_bootstrap_goes_over_ssh_to_the_instances_private_addresses(
             states = {n.name: s for n, s in ((n, instances_of(block, key).get(n.name)) for n in nodes)}
             calls.append((action, [(h.name, h.address, h.port, h.user) for h in self.hosts], [n.name for n in nodes],
                           states))  # fmt: skip
-            assert self.slurm == join and self.known_hosts == known_hosts
+            assert self.slurm == join and self.credentials.known_hosts == known_hosts
             return [n.model_copy(update={"state": STATE_READY, "labels": {**n.labels, "bootstrap": "changed"}})
                     for n in nodes] if action == "bootstrap" else None  # fmt: skip
         return method

@@ -45,6 +45,7 @@ def test_a_remote_cluster_with_a_file_tracking_uri_is_refused_before_the_cluster
 
     from blocks.s3 import S3CheckpointStore
     from blocks.slurm import SlurmCluster
+    from blocks.ssh_credentials import SshCredentials
     from blocks.stack import Stack
     from blocks.tracking import MlflowTracking
 
@@ -57,11 +58,12 @@ def test_a_remote_cluster_with_a_file_tracking_uri_is_refused_before_the_cluster
 
         return reached
 
-    for method in ("_connect", "run", "submit", "submit_command"):
+    for method in ("_new_session", "run", "submit", "submit_command"):
         monkeypatch.setattr(SlurmCluster, method, never(method))
     tracking_db = tmp_path / "mlflow.db"
     stack = Stack.embedded()
-    stack.compute = SlurmCluster(host="login.hpc.invalid", user="alice", private_key=SecretStr("unused"),
+    login = SshCredentials(user="alice", private_key=SecretStr("unused"))
+    stack.compute = SlurmCluster(host="login.hpc.invalid", credentials=login,
                                  workdir_root="/shared/gpuferry", partition="gpu")  # fmt: skip
     stack.storage = S3CheckpointStore(bucket=S3Bucket(bucket_name="models", credentials=AwsCredentials(
         aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key="unused", region_name="us-east-1",

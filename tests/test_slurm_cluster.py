@@ -169,10 +169,15 @@ def test_bad_input_is_refused_before_anything_is_submitted(cluster: SlurmCluster
 def test_unknown_or_changed_host_key_is_refused(cluster: SlurmCluster, tmp_path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
     other = (tmp_path / "other.pub").read_text().split()[:2]
-    changed = cluster.model_copy(update={"known_hosts": f"[{cluster.host}]:{cluster.port} {' '.join(other)}\n"})
+    def trusting(known_hosts: str) -> SlurmCluster:
+        assert cluster.credentials is not None
+        return cluster.model_copy(update={"credentials": cluster.credentials.model_copy(
+            update={"known_hosts": known_hosts})})
+
+    changed = trusting(f"[{cluster.host}]:{cluster.port} {' '.join(other)}\n")
     with pytest.raises(ConfigurationError, match="host key .* CHANGED.*confirm the new fingerprint"):
         changed.partitions()
-    unknown = cluster.model_copy(update={"known_hosts": ""})
+    unknown = trusting("")
     with pytest.raises(ConfigurationError, match="not in known_hosts.*ssh-keyscan"):
         unknown.partitions()
 
@@ -181,11 +186,11 @@ def test_connection_dropped_mid_poll_reconnects(cluster: SlurmCluster, env: dict
     k = key("drop")
     handle = cluster.submit_command(k, ["sleep", "4"])
     assert cluster.poll([handle])[handle.job_id].state in ("PENDING", "RUNNING")
-    old = cluster._ssh().get_transport()
+    old = cluster._ssh().client().get_transport()
     assert old is not None
     old.sock.shutdown(socket.SHUT_RDWR)  # the network drops the connection under the client
     assert cluster.poll([handle])[handle.job_id].state in ("PENDING", "RUNNING", "COMPLETED")
-    assert cluster._ssh().get_transport() is not old
+    assert cluster._ssh().client().get_transport() is not old
     assert cluster.submit_command(k, ["sleep", "4"]) == handle  # a retried submit after the drop: adopted
     assert cluster.watch(handle, timeout_seconds=120).state == "COMPLETED"
     assert jobs_named(env, k) == [handle.job_id]
@@ -232,7 +237,7 @@ def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]
     status = local.watch(handle, timeout_seconds=120)
     assert status.state == "COMPLETED"
     assert "tiny job on" in local.read_log(handle)[0]
-    assert local._client is None  # no SSH connection was made
+    assert local._session is None  # no SSH connection was made
 
 
 def test_local_mode_jobs_do_not_get_the_orchestrators_environment(cluster: SlurmCluster, env: dict[str, str],

@@ -47,7 +47,9 @@ from blocks.provision import (
     parse_nvidia_smi,
 )
 from blocks.specs import Node
-from blocks.ssh_hosts import SlurmJoin, SshHost, SshHosts, gres_type
+from blocks.slurm_join import SlurmJoin, gres_type
+from blocks.ssh_credentials import SshCredentials
+from blocks.ssh_hosts import SshHost, SshHosts
 from tasks.provision import inventory_rows
 from tasks.retry import is_transient
 from tests.stacks import stack_env, stacks_root
@@ -316,8 +318,8 @@ class FakeHosts:
     def block(self, *names: str, known_hosts: str | None = None, **settings: object) -> SshHosts:
         return SshHosts(
             hosts=[SshHost(address=self[n].address, name=n) for n in names],
-            private_key=self.client_key,
-            known_hosts=self.known_hosts() if known_hosts is None else known_hosts,
+            credentials=SshCredentials(private_key=self.client_key,
+                                       known_hosts=self.known_hosts() if known_hosts is None else known_hosts),
             connect_timeout=5, **settings,
         )  # fmt: skip
 
@@ -614,7 +616,8 @@ def joining(hosts: FakeHosts, tmp_path: Path) -> Iterator[tuple[SshHosts, dict[s
     )  # fmt: skip
     block = SshHosts(
         hosts=[SshHost(address=hosts[h].address, name=node) for h, node in names.items()],
-        private_key=hosts.client_key, known_hosts=hosts.known_hosts(), connect_timeout=5, slurm=join,
+        credentials=SshCredentials(private_key=hosts.client_key, known_hosts=hosts.known_hosts()), connect_timeout=5,
+        slurm=join,
     )  # fmt: skip
     try:
         yield block, names, env
@@ -725,7 +728,8 @@ def test_slurm_join_settings_are_checked_before_anything_runs() -> None:
     with pytest.raises(ValueError, match=r"slurm.features: \['a b'\]"):
         SlurmJoin(slurm_conf=conf, features=["a b"])
     with pytest.raises(ValueError, match=r"hosts: \['10.0.0.7'\] are not Slurm node names .* set `name`"):
-        SshHosts(hosts=[SshHost(address="10.0.0.7")], private_key="k", known_hosts="", slurm=SlurmJoin(slurm_conf=conf))
+        SshHosts(hosts=[SshHost(address="10.0.0.7")], credentials=SshCredentials(private_key="k"),
+                 slurm=SlurmJoin(slurm_conf=conf))
     join = SlurmJoin(slurm_conf=conf + "SlurmdPidFile=/run/slurmd-%n.pid\n", features=["joined"])
     assert join.pid_file("g1") == "/run/slurmd-g1.pid"
     assert gres_type("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
