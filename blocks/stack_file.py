@@ -12,9 +12,10 @@
         compute:
           type: SlurmCluster
           host: login.hpc.example.org
-          user: alice
-          private_key: {file: ~/.ssh/id_ed25519}      # secrets are references, never values
-          known_hosts: {file: known_hosts}            # relative to this file
+          credentials:                               # SshCredentials (SshHosts takes the same block)
+            user: alice
+            private_key: {file: ~/.ssh/id_ed25519}    # secrets are references, never values
+            known_hosts: {file: known_hosts}          # relative to this file
         storage: ...
         tracking: {tracking_uri: https://mlflow.example.org}
         serving: {type: KubernetesCluster, kubeconfig: {secret: team-kubeconfig}, namespace: models}
@@ -25,7 +26,10 @@ allows several, e.g. ``bucket.credentials``: AwsCredentials or MinIOCredentials)
 reference instead of a value: ``{env: NAME}`` (an environment variable), ``{file: PATH}`` (a file's
 content; ``~`` and paths relative to the stack file work) or ``{secret: NAME}`` (an existing Prefect
 Secret block). A secret field (private keys, passwords, kubeconfig) must be a reference: a value written in
-the file is refused. References are resolved when the file is applied; the saved block holds the value
+the file is refused. The SSH login of ``SlurmCluster`` and ``SshHosts`` may still be written flat, as older
+files do (``user``, ``private_key``, ``private_key_passphrase``, ``known_hosts`` beside ``host``): the
+block moves them into ``credentials``, the form to write.
+References are resolved when the file is applied; the saved block holds the value
 (Prefect keeps it encrypted and masks it in the UI and the API).
 
 Every problem is reported at once as ``FILE:LINE: FIELD: what is wrong`` (unknown fields list the valid
@@ -142,6 +146,8 @@ class _Reader:
             if key == "type":
                 continue
             info = model.model_fields.get(key) if isinstance(key, str) and not key.startswith("_") else None
+            if info is None and isinstance(key, str):
+                info = _alias_field(model, key)
             if info is None:
                 self.problem((*loc, key), f"unknown field of {model.__name__}; valid fields: {', '.join(model.model_fields)}")
                 ok = False
@@ -203,6 +209,17 @@ class _Reader:
 
 
 _FAILED = object()
+
+
+def _alias_field(model: type[BaseModel], key: str) -> Any:
+    """The field an older name of ``model`` stands for (``field_aliases``: the older flat credential fields
+    of ``SlurmCluster`` and ``SshHosts`` → ``credentials.<field>``); the model's validator moves the value."""
+    target = getattr(model, "field_aliases", {}).get(key)
+    if target is None:
+        return None
+    parent, child = target
+    nested = _models(model.model_fields[parent].annotation)
+    return nested[0].model_fields.get(child) if nested else None
 
 
 def _is_reference(value: Any) -> bool:

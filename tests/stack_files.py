@@ -29,8 +29,9 @@ def local_stack(bucket: str, namespace: str = "default", workdir_root: str | Non
         },
         "compute": {
             "type": "SlurmCluster", "host": slurm["SLURM_SSH_HOST"], "port": int(slurm["SLURM_SSH_PORT"]),
-            "user": slurm["SLURM_SSH_USER"], "private_key": {"file": slurm["SLURM_SSH_KEY"]},
-            "known_hosts": {"file": slurm["SLURM_KNOWN_HOSTS"]}, "slurm_conf": slurm["SLURM_CONF"],
+            "credentials": {"user": slurm["SLURM_SSH_USER"], "private_key": {"file": slurm["SLURM_SSH_KEY"]},
+                            "known_hosts": {"file": slurm["SLURM_KNOWN_HOSTS"]}},
+            "slurm_conf": slurm["SLURM_CONF"],
             "partition": slurm["SLURM_PARTITION"], "account": slurm["SLURM_ACCOUNT"], "python": sys.executable,
             "workdir_root": workdir_root or str(Path(slurm["SLURM_SHARED_DIR"]) / "stack-file"),
             "podman_gpu_mode": "env",  # the stack's GPUs are stand-in character devices

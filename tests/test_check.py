@@ -152,11 +152,11 @@ def _down(tmp: Path) -> dict[str, Callable[[dict[str, Any]], tuple[str, str, str
         return "compute", "SSH reach", "nothing listens there", "check host and port"
 
     def host_key(s: dict[str, Any]) -> tuple[str, str, str, str]:
-        s["compute"]["known_hosts"] = {"file": _other_key(tmp)}
+        s["compute"]["credentials"]["known_hosts"] = {"file": _other_key(tmp)}
         return "compute", "SSH host key", "CHANGED", "ssh-keyscan -p"
 
     def ssh_user(s: dict[str, Any]) -> tuple[str, str, str, str]:
-        s["compute"]["user"] = "gpuferry-no-such-user"  # the login node's sshd refuses the key for this user
+        s["compute"]["credentials"]["user"] = "gpuferry-no-such-user"  # the login node's sshd refuses the key for it
         return "compute", "SSH login", "SSH login as gpuferry-no-such-user@", "check user and private_key"
 
     def account(s: dict[str, Any]) -> tuple[str, str, str, str]:

@@ -63,7 +63,9 @@ def test_a_stack_file_gives_the_blocks_with_references_resolved(files: Path) -> 
     stacks = read(stack_yaml(), files)
     stack = stacks["hpc"]
     assert isinstance(stack.compute, SlurmCluster)
-    assert stack.compute.private_key.get_secret_value() == KEY  # the file's content, its last newline dropped
+    # The older flat login fields land in credentials (the file's content, its last newline dropped).
+    assert stack.compute.credentials.private_key.get_secret_value() == KEY
+    assert stack.compute.credentials.user == "alice" and stack.compute.user == "alice"
     assert stack.compute.partition == "gpu" and stack.compute.host == "login.hpc.example.org"
     assert stack.tracking.tracking_uri == "http://mlflow.example.org:5000"
     assert stack.storage.filesystem.basepath == "/shared/checkpoints"
@@ -76,7 +78,7 @@ def test_a_typo_names_the_file_line_field_and_the_valid_fields(files: Path) -> N
     message = str(err.value)
     line = next(i for i, ln in enumerate(text.splitlines(), 1) if "partiton" in ln)
     assert f"stack.yaml:{line}: stacks.hpc.compute.partiton: unknown field of SlurmCluster; valid fields: " in message
-    assert "partition" in message.split("valid fields:")[1] and "known_hosts" in message
+    assert "partition" in message.split("valid fields:")[1] and "credentials" in message
 
 
 def test_an_unknown_backend_lists_the_known_ones(files: Path) -> None:
@@ -136,6 +138,35 @@ bucket:
         read(typo, files)
 
 
+NESTED = """\
+type: SlurmCluster
+host: login.hpc.example.org
+credentials:
+  user: alice
+  private_key: {file: id_ed25519}
+  known_hosts: {file: known_hosts}
+partition: gpu"""
+
+
+def test_the_login_in_credentials_gives_the_same_block_as_the_older_flat_fields(files: Path) -> None:
+    nested, flat = read(stack_yaml(compute=NESTED), files)["hpc"], read(stack_yaml(), files)["hpc"]
+    assert nested.compute.credentials.private_key.get_secret_value() == KEY
+    assert nested.compute.model_dump() == flat.compute.model_dump()
+    written = stack_yaml(compute=NESTED.replace("private_key: {file: id_ed25519}", "private_key: hunter2"))
+    with pytest.raises(ConfigurationError, match=r"stacks\.hpc\.compute\.credentials\.private_key: is a secret"):
+        read(written, files)
+
+
+def test_a_login_given_both_flat_and_in_credentials_is_refused_naming_the_fields(files: Path) -> None:
+    text = stack_yaml(compute=NESTED + "\nknown_hosts: other.example ssh-ed25519 AAAA\nuser: bob")
+    with pytest.raises(ConfigurationError) as err:
+        read(text, files)
+    message = str(err.value)
+    assert "stacks.hpc.compute: SlurmCluster: known_hosts, user given both flat and in credentials: set them in " \
+        "credentials only" in message
+    assert "not-a-real-key" not in message and "AAAAC3NzaC1lZDI1NTE5AAAAIK" not in message
+
+
 def test_a_bad_value_names_the_field_by_its_path_in_the_file(files: Path) -> None:
     text = stack_yaml().replace("partition: gpu", "partition: gpu\n      port: 70000")
     with pytest.raises(ConfigurationError, match=r"stack\.yaml:\d+: stacks\.hpc\.compute\.port: Input should be less"):
@@ -165,8 +196,8 @@ def test_apply_twice_changes_nothing_the_second_time(files: Path) -> None:
     path.write_text(stack_yaml(name).replace("partition: gpu", "partition: a100"))
     code, out = run("stack", "apply", str(path), "--dry-run")
     assert code == 0 and out.splitlines() == [
-        f"{name}: would be updated (2 changes)", "  compute.partition: 'gpu' → 'a100'",
-        "  compute.private_key: (secret) changed", "dry run: nothing saved",
+        f"{name}: would be updated (2 changes)", "  compute.credentials.private_key: (secret) changed",
+        "  compute.partition: 'gpu' → 'a100'", "dry run: nothing saved",
     ]  # fmt: skip
     assert "another" not in out
     assert Stack.load(name).compute.partition == "gpu"
