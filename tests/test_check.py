@@ -276,7 +276,7 @@ def _hanging(port: int, tmp: Path) -> dict[str, Callable[[dict[str, Any]], set[t
     """Case → a change pointing backends at the silent listener, and the (step, check) rows that must fail."""
 
     def ssh_and_s3(s: dict[str, Any]) -> set[tuple[str, str]]:
-        s["compute"]["port"] = port
+        s["compute"]["host"], s["compute"]["port"] = "127.0.0.1", port  # the login node has an address of its own
         s["storage"]["bucket"]["credentials"]["aws_client_parameters"]["endpoint_url"] = f"http://127.0.0.1:{port}"
         return {("compute", "SSH host key"), ("storage", "bucket")}  # the TCP connection opens: the next check waits
 
