@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import re
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,11 +33,13 @@ from urllib.parse import urlparse
 import docker
 import docker.constants
 import docker.errors
+import paramiko
 import requests.exceptions
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
 from blocks.docker_image import _registry_parts
+from blocks.docker_transport import Connection, DockerSsh, DockerTls
 from blocks.docker_spec import (
     EXIT_RECORD,
     LABEL_GPU_SHARING,
@@ -62,17 +65,48 @@ class NameInUse(GpuferryError):
     """A container of that name exists already."""
 
 
+def _tls_refused(exc: BaseException) -> bool:
+    """An SSL alert among the causes of ``exc``: the engine refused the handshake after it began (TLS 1.3 sends a
+    refused client certificate's alert with the first answer, so it comes as a reset connection)."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, ssl.SSLError):
+            return True
+        todo += [item.__cause__, item.__context__, *item.args]
+    return False
+
+
+def _tls_failure(where: str, what: str, exc: BaseException) -> str:
+    text = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        fix = ("the engine's certificate is not one tls.ca_cert signed for the host of base_url: set tls.ca_cert to "
+               "the CA the engine's certificate comes from (its --tlscacert signed it; `ca.pem`)")
+    else:
+        fix = ("the engine refused this client's certificate (none, or one its CA did not sign): it runs with "
+               "--tlsverify, so set tls.client_cert and tls.client_key to a certificate signed by the CA it trusts")
+    return f"the TLS handshake with the Docker engine at {where} failed ({what}): {fix} [{text}]"
+
+
 def _explain(exc: docker.errors.APIError) -> str:
     return str(getattr(exc, "explanation", None) or exc)
 
 
 class Engine:
-    """A Docker Engine or podman reached through ``docker_host``; ``api``: auto, docker or libpod."""
+    """A Docker Engine or podman reached through ``docker_host`` (with ``tls`` or ``ssh`` settings when given,
+    ``blocks/docker_transport.py``); ``api``: auto, docker or libpod."""
 
-    def __init__(self, docker_host: DockerHost, *, api: str = "auto", timeout: float = 120.0) -> None:
+    def __init__(self, docker_host: DockerHost, *, api: str = "auto", timeout: float = 120.0,
+                 tls: DockerTls | None = None, ssh: DockerSsh | None = None) -> None:  # fmt: skip
         self.docker_host = docker_host
         self.api_choice = api
         self.timeout = timeout
+        self.tls, self.ssh = tls, ssh
+        self._connection: Connection | None = None
         self._client: docker.DockerClient | None = None
         self._api: str | None = None
         self._lock = threading.RLock()
@@ -95,11 +129,16 @@ class Engine:
                 if host.timeout is None:
                     update["timeout"] = int(self.timeout)
                 try:
-                    client = host.model_copy(update=update).get_client()
-                    with self.calling("answer /_ping"):
-                        ping = client.api._get(client.api._url("/_ping", versioned_api=False))
-                        client.api._raise_for_status(ping)
-                except docker.errors.DockerException as exc:
+                    try:
+                        self._connection = Connection(host.model_copy(update=update), self.tls, self.ssh)
+                        client = self._connection.client
+                        with self.calling("answer /_ping"):
+                            ping = client.api._get(client.api._url("/_ping", versioned_api=False))
+                            client.api._raise_for_status(ping)
+                    except BaseException:
+                        self.close()
+                        raise
+                except (docker.errors.DockerException, paramiko.SSHException, OSError, EOFError) as exc:
                     raise TransientError(
                         f"cannot reach the Docker engine at {self.where}: {exc} — is it (or `podman system "
                         "service`) running, and is docker_host.base_url right?"
@@ -113,9 +152,9 @@ class Engine:
 
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-            self._client = None
+            if self._connection is not None:
+                self._connection.close()
+            self._connection = self._client = None
 
     @contextmanager
     def calling(self, what: str) -> Iterator[None]:
@@ -123,6 +162,8 @@ class Engine:
         try:
             yield
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            if isinstance(exc, requests.exceptions.SSLError) or _tls_refused(exc):
+                raise ConfigurationError(_tls_failure(self.where, what, exc)) from exc
             raise TransientError(f"the Docker engine at {self.where} did not answer ({what}): {exc}") from exc
         except docker.errors.NotFound:
             raise
@@ -135,6 +176,12 @@ class Engine:
             raise ConfigurationError(f"the Docker engine at {self.where} refused to {what}: {text}{_hint(text)}") from exc
         except docker.errors.DockerException as exc:
             raise TransientError(f"the Docker engine at {self.where} failed to {what}: {exc}") from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if self.ssh is None:
+                raise
+            # The block's SSH connection made again on the way (last: the SDK's errors are OSErrors too; a refused
+            # login or host key is a ConfigurationError).
+            raise TransientError(f"the SSH connection to the Docker engine at {self.where} failed ({what}): {exc}") from exc
 
     @property
     def api(self) -> str:
