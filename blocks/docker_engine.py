@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import re
-import ssl
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -39,7 +38,7 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
 from blocks.docker_image import _registry_parts
-from blocks.docker_transport import Connection, DockerSsh, DockerTls
+from blocks.docker_transport import Connection, DockerSsh, DockerTls, tls_failure
 from blocks.docker_spec import (
     EXIT_RECORD,
     LABEL_GPU_SHARING,
@@ -63,33 +62,6 @@ LOG_OFFSET_SPAN = 1_000_000  # a log offset is second * this + the lines of that
 
 class NameInUse(GpuferryError):
     """A container of that name exists already."""
-
-
-def _tls_refused(exc: BaseException) -> bool:
-    """An SSL alert among the causes of ``exc``: the engine refused the handshake after it began (TLS 1.3 sends a
-    refused client certificate's alert with the first answer, so it comes as a reset connection)."""
-    seen: set[int] = set()
-    todo: list[object] = [exc]
-    while todo:
-        item = todo.pop()
-        if not isinstance(item, BaseException) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, ssl.SSLError):
-            return True
-        todo += [item.__cause__, item.__context__, *item.args]
-    return False
-
-
-def _tls_failure(where: str, what: str, exc: BaseException) -> str:
-    text = str(exc)
-    if "CERTIFICATE_VERIFY_FAILED" in text:
-        fix = ("the engine's certificate is not one tls.ca_cert signed for the host of base_url: set tls.ca_cert to "
-               "the CA the engine's certificate comes from (its --tlscacert signed it; `ca.pem`)")
-    else:
-        fix = ("the engine refused this client's certificate (none, or one its CA did not sign): it runs with "
-               "--tlsverify, so set tls.client_cert and tls.client_key to a certificate signed by the CA it trusts")
-    return f"the TLS handshake with the Docker engine at {where} failed ({what}): {fix} [{text}]"
 
 
 def _explain(exc: docker.errors.APIError) -> str:
@@ -162,8 +134,9 @@ class Engine:
         try:
             yield
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-            if isinstance(exc, requests.exceptions.SSLError) or _tls_refused(exc):
-                raise ConfigurationError(_tls_failure(self.where, what, exc)) from exc
+            refused = tls_failure(self.where, what, exc)
+            if refused:
+                raise ConfigurationError(refused) from exc
             raise TransientError(f"the Docker engine at {self.where} did not answer ({what}): {exc}") from exc
         except docker.errors.NotFound:
             raise

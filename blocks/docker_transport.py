@@ -8,11 +8,12 @@ from ~/.ssh/config or ~/.ssh/id_* and the host keys from ~/.ssh/known_hosts; pre
 * ``DockerTls``: what ``docker --tlsverify --tlscacert --tlscert --tlskey`` takes. The PEM texts go to 0600 files in
   a 0700 directory of their own while the connection lives (the TLS library reads them from files) and are removed
   when it is closed. The engine's certificate is checked against ca_cert even where REQUESTS_CA_BUNDLE or
-  CURL_CA_BUNDLE is set (which requests would otherwise put in its place). A refused handshake (a CA that did not sign the engine's certificate, an engine that wants a
-  client certificate and got none or one it does not trust) is a ``ConfigurationError`` naming these fields.
+  CURL_CA_BUNDLE is set (which requests would otherwise put in its place). A refused handshake (a CA that did not
+  sign the engine's certificate, an engine that wants a client certificate and got none or one it does not trust)
+  is a ``ConfigurationError`` naming these fields.
 * ``DockerSsh``: the private key and known_hosts lines, as the other SSH blocks take them. The connection is
   paramiko's, as docker-py's own, but logs in with that key only and refuses a host key that is not in
-  known_hosts (``blocks/_ssh.py``); each request runs ``docker system dial-stdio`` on the host, as the docker CLI's
+  known_hosts (``blocks/_ssh.py``); each connection runs ``docker system dial-stdio`` on the host, as the docker CLI's
   ``ssh://`` does. A dropped connection is made again on the next request.
 """
 
@@ -32,6 +33,7 @@ import docker
 import docker.constants
 import docker.tls
 import paramiko
+import requests.exceptions
 from docker.transport.sshconn import SSHHTTPAdapter
 from prefect_docker.host import DockerHost
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -109,6 +111,37 @@ def check_transport(base_url: str | None, tls: DockerTls | None, ssh: DockerSsh 
                 f"ssh is set but docker_host.base_url is {base_url!r}: it must be ssh://USER@HOST[:PORT]"
             )
         ssh.check()
+
+
+def _tls_refused(exc: BaseException) -> bool:
+    """An SSL error among the causes of ``exc`` (requests wraps it in errors of its own; under TLS 1.3 a refused client
+    certificate shows only on the first answer, as the engine's alert or as the connection's end)."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (ssl.SSLError, requests.exceptions.SSLError)):
+            return True
+        todo += [item.__cause__, item.__context__, *item.args]
+    return False
+
+
+def tls_failure(where: str, what: str, exc: BaseException) -> str | None:
+    """What to fix when ``exc`` (a request's failure) is a TLS handshake the engine or this client refused; None
+    when it is not one."""
+    if not _tls_refused(exc):
+        return None
+    text = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        fix = ("the engine's certificate is not one tls.ca_cert signed for the host of base_url: set tls.ca_cert to "
+               "the CA the engine's certificate comes from (its --tlscacert signed it; `ca.pem`)")
+    else:
+        fix = ("the engine refused this client's certificate (none, or one its CA did not sign): it runs with "
+               "--tlsverify, so set tls.client_cert and tls.client_key to a certificate signed by the CA it trusts")
+    return f"the TLS handshake with the Docker engine at {where} failed ({what}): {fix} [{text}]"
 
 
 class _TlsFiles:
