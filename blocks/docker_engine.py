@@ -32,11 +32,13 @@ from urllib.parse import urlparse
 import docker
 import docker.constants
 import docker.errors
+import paramiko
 import requests.exceptions
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
 from blocks.docker_image import _registry_parts
+from blocks.docker_transport import Connection, DockerSsh, DockerTls, tls_failure
 from blocks.docker_spec import (
     EXIT_RECORD,
     LABEL_GPU_SHARING,
@@ -67,12 +69,16 @@ def _explain(exc: docker.errors.APIError) -> str:
 
 
 class Engine:
-    """A Docker Engine or podman reached through ``docker_host``; ``api``: auto, docker or libpod."""
+    """A Docker Engine or podman reached through ``docker_host`` (with ``tls`` or ``ssh`` settings when given,
+    ``blocks/docker_transport.py``); ``api``: auto, docker or libpod."""
 
-    def __init__(self, docker_host: DockerHost, *, api: str = "auto", timeout: float = 120.0) -> None:
+    def __init__(self, docker_host: DockerHost, *, api: str = "auto", timeout: float = 120.0,
+                 tls: DockerTls | None = None, ssh: DockerSsh | None = None) -> None:  # fmt: skip
         self.docker_host = docker_host
         self.api_choice = api
         self.timeout = timeout
+        self.tls, self.ssh = tls, ssh
+        self._connection: Connection | None = None
         self._client: docker.DockerClient | None = None
         self._api: str | None = None
         self._lock = threading.RLock()
@@ -95,11 +101,16 @@ class Engine:
                 if host.timeout is None:
                     update["timeout"] = int(self.timeout)
                 try:
-                    client = host.model_copy(update=update).get_client()
-                    with self.calling("answer /_ping"):
-                        ping = client.api._get(client.api._url("/_ping", versioned_api=False))
-                        client.api._raise_for_status(ping)
-                except docker.errors.DockerException as exc:
+                    try:
+                        self._connection = Connection(host.model_copy(update=update), self.tls, self.ssh)
+                        client = self._connection.client
+                        with self.calling("answer /_ping"):
+                            ping = client.api._get(client.api._url("/_ping", versioned_api=False))
+                            client.api._raise_for_status(ping)
+                    except BaseException:
+                        self.close()
+                        raise
+                except (docker.errors.DockerException, paramiko.SSHException, OSError, EOFError) as exc:
                     raise TransientError(
                         f"cannot reach the Docker engine at {self.where}: {exc} — is it (or `podman system "
                         "service`) running, and is docker_host.base_url right?"
@@ -113,9 +124,9 @@ class Engine:
 
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-            self._client = None
+            if self._connection is not None:
+                self._connection.close()
+            self._connection = self._client = None
 
     @contextmanager
     def calling(self, what: str) -> Iterator[None]:
@@ -123,6 +134,9 @@ class Engine:
         try:
             yield
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            refused = tls_failure(self.where, what, exc)
+            if refused:
+                raise ConfigurationError(refused) from exc
             raise TransientError(f"the Docker engine at {self.where} did not answer ({what}): {exc}") from exc
         except docker.errors.NotFound:
             raise
@@ -135,6 +149,12 @@ class Engine:
             raise ConfigurationError(f"the Docker engine at {self.where} refused to {what}: {text}{_hint(text)}") from exc
         except docker.errors.DockerException as exc:
             raise TransientError(f"the Docker engine at {self.where} failed to {what}: {exc}") from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if self.ssh is None:
+                raise
+            # The block's SSH connection made again on the way (last: the SDK's errors are OSErrors too; a refused
+            # login or host key is a ConfigurationError).
+            raise TransientError(f"the SSH connection to the Docker engine at {self.where} failed ({what}): {exc}") from exc
 
     @property
     def api(self) -> str:

@@ -13,9 +13,10 @@ from typing import Any, Literal
 from prefect.blocks.core import Block
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
 from blocks.docker_engine import Engine
+from blocks.docker_transport import DockerSsh, DockerTls, check_transport
 from blocks.docker_spec import check_cdi_kind, gpu_device_ids
 from blocks.errors import ConfigurationError
 from blocks.gpu_alloc import GpuRequest, HostGpu, check_fits, inventory_of
@@ -29,9 +30,17 @@ class DockerGpuHost(Block):
 
     docker_host: DockerHost = Field(
         default_factory=DockerHost,
-        description="The Docker engine: a local socket (unix://), tcp:// with TLS (the DOCKER_TLS_VERIFY/"
-        "DOCKER_CERT_PATH environment when base_url is empty, or client_kwargs) or ssh://user@host; podman's "
-        "Docker API socket too. Without base_url it follows DOCKER_HOST.",
+        description="The Docker engine: a local socket (unix://), tcp://HOST:2376 with TLS (set tls) or "
+        "ssh://USER@HOST[:PORT] (set ssh); podman's Docker API socket too. Without base_url it follows DOCKER_HOST "
+        "(and DOCKER_TLS_VERIFY/DOCKER_CERT_PATH).",
+    )
+    tls: DockerTls | None = Field(
+        None, description="TLS for a tcp:// base_url, as `docker --tlsverify` takes it: the CA, and the client "
+        "certificate and key an engine run with --tlsverify asks for (PEM texts).",
+    )
+    ssh: DockerSsh | None = Field(
+        None, description="The SSH login for an ssh:// base_url: private key and known_hosts lines. None: "
+        "docker-py's own (~/.ssh/config, ~/.ssh/id_*, ~/.ssh/known_hosts).",
     )
     registry_credentials: DockerRegistryCredentials | None = Field(
         None, description="Login for pulling the image (sent to the engine with the pull, never to a container)."
@@ -60,12 +69,23 @@ class DockerGpuHost(Block):
     _engine_client: Engine | None = PrivateAttr(None)
     _engine_for: tuple[Any, ...] | None = PrivateAttr(None)
 
+    @model_validator(mode="after")
+    def _transport_fits(self) -> DockerGpuHost:
+        check_transport(self.docker_host.base_url, self.tls, self.ssh)  # a ConfigurationError is a ValueError
+        return self
+
     # ---- the engine --------------------------------------------------------------------------
 
     def engine(self) -> Engine:
-        key = (self.docker_host.model_dump_json(), self.api, self.request_timeout_seconds)
+        secrets = [s.get_secret_value() if s else None for s in (
+            self.tls and self.tls.client_key, self.ssh and self.ssh.private_key,
+            self.ssh and self.ssh.private_key_passphrase)]  # fmt: skip
+        key = (self.docker_host.model_dump_json(), self.api, self.request_timeout_seconds,
+               self.tls.model_dump_json() if self.tls else None, self.ssh.model_dump_json() if self.ssh else None,
+               hash(tuple(secrets)))  # fmt: skip
         if self._engine_client is None or self._engine_for != key:
-            self._engine_client = Engine(self.docker_host, api=self.api, timeout=self.request_timeout_seconds)
+            self._engine_client = Engine(self.docker_host, api=self.api, timeout=self.request_timeout_seconds,
+                                         tls=self.tls, ssh=self.ssh)  # fmt: skip
             self._engine_for = key
         return self._engine_client
 

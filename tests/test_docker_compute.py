@@ -117,9 +117,11 @@ def image(stack: dict[str, str], engine: docker.DockerClient, tmp_path_factory: 
 
 
 def compute(stack: dict[str, str], gpus: FakeGpus, root: Path, **fields: object) -> DockerCompute:
-    """The backend with the host's inventory as the stack's provider reads it (LocalMachine, nvidia-smi)."""
+    """The backend with the host's inventory as the stack's provider reads it (LocalMachine, nvidia-smi); on the
+    stack's socket unless ``fields`` name another docker_host."""
+    fields.setdefault("docker_host", DockerHost(base_url=stack["DOCKER_HOST"]))
     block = DockerCompute(
-        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), registry_credentials=credentials(stack),
+        registry_credentials=credentials(stack),
         cdi_kind=gpus.kind, workdir_root=str(root / "jobs"), poll_interval_start=0.25, poll_interval_max=2.0,
         stop_timeout_seconds=60, **fields,
     )  # fmt: skip
