@@ -253,3 +253,20 @@ def test_a_local_job_logs_in_with_its_secret_file_and_the_password_is_nowhere_el
     }
     for place, contents in places.items():
         assert not [c for c in contents if server.password.encode() in c], f"the password in {place}"
+
+
+@pytest.mark.parametrize("login", ["basic", "token", "none"])
+def test_the_check_logs_in_as_the_block_does(server: AuthServer, login: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from blocks.checks import Probe
+
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    given = {"basic": {"username": ADMIN, "password": SecretStr(server.password)},
+             "token": {"token": SecretStr(server.token)}, "none": {}}[login]  # fmt: skip
+    rows = {row.check: row for row in MlflowTracking(tracking_uri=server.uri, **given).self_check(Probe("track", "x"))}
+    if login == "none":
+        refused = [row for row in rows.values() if row.status == "failed"]
+        assert refused and "HTTP 401" in refused[0].detail, rows
+        assert "tracking.username + tracking.password" in refused[0].fix
+    else:
+        assert rows["tracking"].status == "ok" and rows["registry"].status == "ok", rows
