@@ -98,9 +98,23 @@ def check_s3(store: S3CheckpointStore, probe: Probe) -> None:
 # ---- MLflow --------------------------------------------------------------------------------------------
 
 
-def _mlflow_auth() -> httpx.Auth | None:
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
-    return httpx.BasicAuth(user, password) if user and password else None
+def _mlflow_auth(tracking: MlflowTracking) -> httpx.Auth | None:
+    """The login the block's own client sends: the block's, else MLflow's variables of this environment."""
+    creds = tracking.host_creds(tracking.tracking_uri)
+    if creds.username and creds.password:
+        return httpx.BasicAuth(creds.username, creds.password)
+    if creds.token:
+        return _Bearer(creds.token)
+    return None
+
+
+class _Bearer(httpx.Auth):
+    def __init__(self, token: str) -> None:
+        self._header = f"Bearer {token}"
+
+    def auth_flow(self, request: httpx.Request) -> Any:
+        request.headers["Authorization"] = self._header
+        yield request
 
 
 def check_mlflow(tracking: MlflowTracking, probe: Probe) -> None:
@@ -119,13 +133,14 @@ def check_mlflow(tracking: MlflowTracking, probe: Probe) -> None:
     if not _reach_url(probe, uri, "start the MLflow server, or fix tracking_uri"):
         return
     base = uri.rstrip("/")
-    http = httpx.Client(timeout=probe.left, auth=_mlflow_auth())
+    http = httpx.Client(timeout=probe.left, auth=_mlflow_auth(tracking))
 
     def get(path: str, what: str) -> httpx.Response:
         response = http.get(f"{base}{path}")
         if response.status_code in (401, 403):
             raise CheckFailed(f"{what}: HTTP {response.status_code} from {base}",
-                              "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD for this server")  # fmt: skip
+                              "set tracking.username + tracking.password (basic auth) or tracking.token to an "
+                              "account of this server")  # fmt: skip
         return response
 
     def server() -> str:

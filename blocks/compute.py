@@ -48,7 +48,8 @@ from blocks.home import gpuferry_home
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.launch import launch_command
 from blocks.mlflow_model import ModelInfo, check_mlflow_model
-from blocks.secrets import secret_values
+from blocks.docker_spec import SECRET_ENV_NAME, with_env_file
+from blocks.secrets import job_secret_values, write_secret_env
 from blocks.specs import CheckpointRef, JobHandle, JobResult, JobStatus, TrainingJob
 from blocks.storage import CheckpointStore
 from blocks.watchdog import Watchdog
@@ -309,7 +310,9 @@ class LocalProcesses(ComputeBackend):
 
     The embedded default: no cluster needed. Each job gets a directory under ``workdir_root``
     holding its checkpoints, progress and log, and a supervisor process that records its exit
-    code, so a job outlives the flow run that started it.
+    code, so a job outlives the flow run that started it. Its secrets (``job_secret_values``) are in a
+    0600 file there that the job's shell exports (as in a container): never in its argv, in this
+    process's environment or in its record; the file goes when the job ends.
     """
 
     _block_type_name = "gpuferry Local Processes"
@@ -366,13 +369,21 @@ class LocalProcesses(ComputeBackend):
                 )
             return self._handle(workdir, state)  # adopt: never a second job for one key
         state = {"key": job.key, "attempt": 0, "max_requeues": job.resources.max_requeues, "cancelled": False}
+        secrets = job_secret_values(job)
+        if secrets:  # kept for the job's requeues (its record holds no secret), removed when it ends
+            write_secret_env(workdir / SECRET_ENV_NAME, secrets)
         state.update(self._start(job, workdir))
         state["job"] = job.model_dump(mode="json")
         self._write_state(workdir, state)
         return self._handle(workdir, state)
 
     def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
-        return {h.job_id: self._status(Path(h.workdir), h.job_id) for h in handles}
+        out = {}
+        for handle in handles:
+            out[handle.job_id] = status = self._status(Path(handle.workdir), handle.job_id)
+            if status.terminal:  # no attempt reads its secrets again
+                (Path(handle.workdir) / SECRET_ENV_NAME).unlink(missing_ok=True)
+        return out
 
     def cancel(self, handle: JobHandle) -> None:
         workdir = Path(handle.workdir)
@@ -395,14 +406,17 @@ class LocalProcesses(ComputeBackend):
         assert job.code is not None  # validate_job
         env = inherited_environment()
         env.update(job_environment(job, workdir))
-        env.update(secret_values(job.secrets))
         threads = self.threads_per_process or max(1, (os.cpu_count() or 1) // res.processes_per_node)
         env.setdefault("OMP_NUM_THREADS", str(threads))
         env.setdefault("PYTHONUNBUFFERED", "1")
         if res.gpus_per_node:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(res.gpus_per_node))
         # The supervisor is a plain script (the standard library only): the job's environment needs nothing of ours.
-        argv = [sys.executable, _job_runner.__file__, str(workdir), "--", *self.command(job)]
+        command = self.command(job)
+        secret_file = workdir / SECRET_ENV_NAME
+        if secret_file.exists():  # the job's shell exports the secrets: no value on a command line or in our env
+            command = list(with_env_file(command, str(secret_file)))
+        argv = [sys.executable, _job_runner.__file__, str(workdir), "--", *command]
         proc = subprocess.Popen(
             argv, cwd=job.code.root, env=env, start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -52,7 +52,7 @@ from blocks.docker_spec import (
 from blocks.errors import ConfigurationError, explain_exit_code
 from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label, parse_claim_label
 from blocks.launch import launch_command
-from blocks.secrets import secret_values
+from blocks.secrets import job_secret_values
 from blocks.slurm_script import check_name, check_pinned_image
 from blocks.specs import JobHandle, JobStatus, Resources, TrainingJob
 from runtime import contract
@@ -209,7 +209,7 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
         )  # fmt: skip
 
     def _secret_values(self, job: TrainingJob) -> dict[str, str]:
-        values = secret_values(job.secrets)
+        values = job_secret_values(job)
         values.update({name: os.environ[name] for name in self.pass_env if name in os.environ})
         return values
 

@@ -10,11 +10,13 @@ the run before a node is acquired. Pure: no outside calls.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SecretStr
 
 from blocks.mlflow_model import ModelInfo, NoModel
+from blocks.secrets import check_job_secrets
 from blocks.specs import ImageRef, PromotionPolicy, Resources, ServerSpec, ServingSpec, TrainingJob, TrainingSpec
 from blocks.workload import Workload
 from runtime import contract
@@ -44,16 +46,21 @@ class RunPlan(BaseModel):
     serving: ServingSpec
     server: ServerSpec
 
-    def job(self, key: str, workdir: str, image: ImageRef | None, env: dict[str, str]) -> TrainingJob:
-        """The training job of this plan (``env``: what the pipeline adds, e.g. the MLflow run)."""
+    def job(self, key: str, workdir: str, image: ImageRef | None, env: dict[str, str],
+            secret_env: Mapping[str, SecretStr] | None = None) -> TrainingJob:  # fmt: skip
+        """The training job of this plan (``env``: what the pipeline adds, e.g. the MLflow run; ``secret_env``:
+        the secrets it adds, e.g. the tracking server's login)."""
         train = self.workload.definition.train
-        return TrainingJob(
+        job = TrainingJob(
             key=key, workdir=workdir, command=list(train.command),
             env={**train.env, contract.HPARAMS: json.dumps(self.hyperparameters),
                  contract.CHECKPOINT_EVERY: str(self.checkpoint_every), **env},
-            secrets=dict(train.secrets), resources=self.resources, image=image if image and image.reference else None,
-            code=self.workload.code, python=self.workload.definition.environment.python,
+            secrets=dict(train.secrets), secret_env=dict(secret_env or {}), resources=self.resources,
+            image=image if image and image.reference else None, code=self.workload.code,
+            python=self.workload.definition.environment.python,
         )  # fmt: skip
+        check_job_secrets(job)
+        return job
 
     def params(self) -> dict[str, object]:
         """What the MLflow run records as params: the hyperparameters and the resources."""

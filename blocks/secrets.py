@@ -1,14 +1,20 @@
 """The values of a workload's secrets, from Prefect Secret blocks (the workload file names only the blocks).
 
-Values never go into a job's script, command line, logs or MLflow: backends hand them to the job through its
-environment (a local process) or a 0600 file the job's shell sources (Slurm).
+Values never go into a job's script, command line, logs or MLflow: backends hand them to the job through a 0600
+file the job's shell sources (local processes, Docker containers, Slurm).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from blocks.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from blocks.specs import TrainingJob
 
 
 def secret_values(secrets: Mapping[str, str], field: str = "train.secrets") -> dict[str, str]:
@@ -30,3 +36,40 @@ def secret_values(secrets: Mapping[str, str], field: str = "train.secrets") -> d
             ) from None
         out[env] = value if isinstance(value, str) else str(value)
     return out
+
+
+def job_secret_values(job: TrainingJob) -> dict[str, str]:
+    """Every secret variable of ``job``: its workload's Secret blocks (``train.secrets``) and the values the
+    pipeline hands it itself (``secret_env``: the tracking server's login)."""
+    check_job_secrets(job)
+    values = secret_values(job.secrets)
+    values.update({name: value.get_secret_value() for name, value in job.secret_env.items()})
+    return values
+
+
+def check_job_secrets(job: TrainingJob) -> None:
+    """A variable is either the workload's secret or one the pipeline sets, not both (no value is read)."""
+    for name in sorted(set(job.secrets) & set(job.secret_env)):
+        raise ConfigurationError(
+            f"train.secrets[{name!r}] sets a variable the pipeline sets itself (the stack's tracking block logs "
+            "the job in to MLflow): remove it from the workload's secrets"
+        )
+
+
+def job_secret_names(job: TrainingJob) -> list[str]:
+    """The names of ``job``'s secret variables (no value is read)."""
+    return sorted({*job.secrets, *job.secret_env})
+
+
+def write_secret_env(path: Path, values: Mapping[str, str]) -> None:
+    """``values`` as the file a POSIX shell sources (``secret_env_text``), created 0600 before a byte is
+    written, replaced atomically."""
+    from blocks.docker_spec import secret_env_text
+
+    text = secret_env_text(values).encode()
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(text)
+    os.replace(tmp, path)

@@ -50,7 +50,7 @@ from blocks.checks import CheckRow, Probe
 from blocks.compute import ComputeBackend, run_logger
 from blocks.errors import ConfigurationError, JobFailed, TransientError, explain_exit_code
 from blocks.mlflow_model import ModelInfo
-from blocks.secrets import secret_values
+from blocks.secrets import job_secret_values
 from blocks.slurm_arrays import TASKS_DIR, SlurmArrays
 from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME, SlurmContainers
 from blocks.slurm_script import ADDITIONAL_DIRECTIVES, PODMAN_OPTIONS, check_name, check_pinned_image, sbatch_script
@@ -385,7 +385,7 @@ class SlurmCluster(SlurmTransport, SlurmContainers, SlurmArrays, ComputeBackend)
     # ---- submit and adopt: the job key is the job's name (and in its comment) ----------------------------
 
     def _secret_env(self, job: TrainingJob) -> dict[str, SecretStr]:
-        return {name: SecretStr(value) for name, value in secret_values(job.secrets).items()}
+        return {name: SecretStr(value) for name, value in job_secret_values(job).items()}
 
     def submit(self, job: TrainingJob) -> JobHandle:
         self.validate_job(job)

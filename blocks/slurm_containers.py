@@ -16,6 +16,7 @@ import posixpath
 
 from blocks.docker_image import _registry_parts
 from blocks.errors import ConfigurationError
+from blocks.secrets import job_secret_names
 from blocks.slurm_script import CONTAINER_RUNTIMES, Container, check_pinned_image
 from blocks.specs import TrainingJob
 
@@ -64,7 +65,7 @@ class SlurmContainers:
         return Container(
             image=check_pinned_image(job.image.reference, "job.image.reference"), runtime=runtime,  # type: ignore[arg-type]
             mounts=tuple(self.container_mounts), auth_file=auth, runtime_env=dict(self.container_runtime_env),
-            env_names=tuple(sorted(job.secrets)), workdir=job.image.workdir,
+            env_names=tuple(job_secret_names(job)), workdir=job.image.workdir,
             gpu_mode=self.podman_gpu_mode, podman_options=tuple(self.podman_options),
         )  # fmt: skip
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -321,6 +321,11 @@ class TrainingJob(_Record):
     secrets: dict[str, str] = Field(
         default_factory=dict, description="Variable -> Prefect Secret block name; the backend delivers the values."
     )
+    secret_env: dict[str, SecretStr] = Field(
+        default_factory=dict, exclude=True,
+        description="Variable -> value the pipeline itself hands the job (the tracking server's login); the backend "
+        "delivers them like secrets. Never serialized: a job recorded to disk or in a state carries none.",
+    )  # fmt: skip
     resources: Resources = Field(default_factory=Resources)
     image: ImageRef | None = None
     code: CodeRef | None = Field(None, description="The workload's code (runs without an image need it).")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prefect.blocks.core import Block
 from prefect.filesystems import LocalFileSystem
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from blocks.compute import ComputeBackend, LocalProcesses
 from blocks.docker_compute import DockerCompute
@@ -45,6 +45,8 @@ class Stack(Block):
 
     _block_type_name = "gpuferry Stack"
     _description = "Which backend each pipeline step uses: provisioning, image, compute, storage, tracking, serving."
+    # A refused value is not repeated in the error: it may be a backend's password.
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     provider: ProviderChoice = Field(description="Where the nodes come from.")
     images: ImageChoice = Field(description="How the workload's image is built.")

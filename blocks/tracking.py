@@ -8,6 +8,11 @@ The embedded default is a SQLite store under ``$GPUFERRY_HOME``, in write-ahead-
 do not block the writer, and a commit costs one write instead of a journal round trip: a sweep makes
 its child runs several at a time); point ``tracking_uri`` at an MLflow server (``http://...``) for a
 shared one.
+
+A server that requires a login takes ``username`` + ``password`` (MLflow's basic auth) or ``token`` (a bearer
+token). This process's client sends them without putting them in its environment (``blocks/mlflow_client.py``);
+a training job that logs to the server gets them as ``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD`` or
+``MLFLOW_TRACKING_TOKEN`` through its backend's secret file (``job_secrets``), never in its script or argv.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from functools import cached_property
 from typing import Any
 
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from blocks.checks import CheckRow, Probe
 from blocks.home import gpuferry_home
@@ -34,6 +39,11 @@ def _default_tracking_uri() -> str:
     return f"sqlite:///{gpuferry_home() / 'mlflow.db'}"
 
 
+def is_server(uri: str | None) -> bool:
+    """True for the URI of an MLflow server (http(s)), False for a local store."""
+    return uri is not None and uri.startswith(("http://", "https://"))
+
+
 def _default_artifacts() -> str:
     return (gpuferry_home() / "mlartifacts").as_uri()
 
@@ -43,6 +53,8 @@ class MlflowTracking(Block):
 
     _block_type_name = "gpuferry MLflow Tracking"
     _description = "MLflow tracking URI, registry and experiment settings used by the pipeline."
+    # A refused value is not repeated in the error: it may be the password.
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     tracking_uri: str = Field(default_factory=_default_tracking_uri, description="MLflow tracking URI.")
     registry_uri: str | None = Field(None, description="Model registry URI (None: the tracking URI).")
@@ -64,15 +76,76 @@ class MlflowTracking(Block):
         description="Timeout of one HTTP request to the tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT).",
     )
 
+    username: str | None = Field(
+        None, description="User of an MLflow server with basic auth (`mlflow server --app-name basic-auth`), with "
+        "password; not with token. Training jobs get it as MLFLOW_TRACKING_USERNAME through their secret file.",
+    )
+    password: SecretStr | None = Field(
+        None, description="Password of username (basic auth). Training jobs get it as MLFLOW_TRACKING_PASSWORD "
+        "through their secret file, never in a script, command line or log.",
+    )
+    token: SecretStr | None = Field(
+        None, description="Bearer token of an MLflow server behind a token login (instead of username + password). "
+        "Training jobs get it as MLFLOW_TRACKING_TOKEN through their secret file.",
+    )
+
     sqlite_wal: bool = Field(
         True,
         description="For a local SQLite store (sqlite:///...): switch the database file to write-ahead-log mode "
         "(which the file keeps). Turn off when the file is on a network filesystem, where SQLite's WAL does not work.",
     )
 
+    @model_validator(mode="after")
+    def _one_login(self) -> MlflowTracking:
+        basic = self.username is not None or self.password is not None
+        if basic and self.token is not None:
+            raise ValueError("tracking: give username + password (basic auth) or token (a bearer token), not both")
+        if basic and not (self.username and self.password and self.password.get_secret_value()):
+            raise ValueError("tracking.username and tracking.password go together (basic auth): set both, or neither")
+        if (basic or self.token is not None) and not (is_server(self.tracking_uri) or is_server(self.registry_uri)):
+            raise ValueError(
+                f"tracking.username / password / token log in to an MLflow server, but tracking_uri="
+                f"{self.tracking_uri!r} is a local store: point tracking_uri at the server (http(s)://...) or "
+                "remove the credentials"
+            )
+        return self
+
+    def job_secrets(self) -> dict[str, SecretStr]:
+        """The variables a training job that logs to the server needs to log in (empty: no login)."""
+        if self.token is not None:
+            return {"MLFLOW_TRACKING_TOKEN": self.token}
+        if self.username and self.password is not None:
+            return {"MLFLOW_TRACKING_USERNAME": SecretStr(self.username), "MLFLOW_TRACKING_PASSWORD": self.password}
+        return {}
+
+    def host_creds(self, uri: str) -> Any:
+        """MLflow's settings of a request to ``uri`` from the environment, the block's login instead of the
+        environment's when it has one."""
+        from mlflow.utils.credentials import get_default_host_creds
+
+        creds = get_default_host_creds(uri)
+        if self.token is not None:
+            creds.username, creds.password, creds.token = None, None, self.token.get_secret_value()
+        elif self.username and self.password is not None:
+            creds.username, creds.password, creds.token = self.username, self.password.get_secret_value(), None
+        return creds
+
+    def _refusal(self, status: int, uri: str, reason: str) -> str:
+        given = ("tracking.token" if self.token is not None
+                 else f"tracking.username={self.username!r} and its password" if self.username else None)  # fmt: skip
+        if status == 403:
+            return (f"the MLflow server {uri} refused the request (HTTP 403: {reason.strip()[:200]}): the account of "
+                    f"{given or 'the anonymous user'} lacks the permission; grant it on the server, or set "
+                    "tracking.username + tracking.password (or tracking.token) to an account that has it")  # fmt: skip
+        if given is None:
+            return (f"the MLflow server {uri} requires a login (HTTP 401) and the tracking block has none: set "
+                    "tracking.username + tracking.password (basic auth) or tracking.token")
+        return (f"the MLflow server {uri} refused the login of {given} (HTTP 401): fix tracking.username + "
+                "tracking.password (basic auth) or tracking.token")
+
     @cached_property
     def client(self) -> Any:
-        from mlflow import MlflowClient
+        from blocks.mlflow_client import client_with_credentials
 
         if self.sqlite_wal:
             path = sqlite_path(self.tracking_uri)
@@ -83,7 +156,9 @@ class MlflowTracking(Block):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self.http_max_retries))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(self.http_timeout_seconds))
-        return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri or self.tracking_uri)
+        return client_with_credentials(
+            self.tracking_uri, self.registry_uri or self.tracking_uri, self.host_creds, self._refusal
+        )
 
     @property
     def concurrent_writes(self) -> int:
@@ -108,7 +183,7 @@ class MlflowTracking(Block):
             return found.experiment_id
 
     def _artifact_location(self) -> str | None:
-        if self.artifact_location is not None or self.tracking_uri.startswith(("http://", "https://")):
+        if self.artifact_location is not None or is_server(self.tracking_uri):
             return self.artifact_location  # a server's experiments default to its own artifact store
         return _default_artifacts()
 
@@ -147,7 +222,7 @@ class MlflowTracking(Block):
         self.client.set_terminated(run_id, status=status)
 
     def run_url(self, run_id: str) -> str:
-        base = self.ui_url or (self.tracking_uri if self.tracking_uri.startswith(("http://", "https://")) else None)
+        base = self.ui_url or (self.tracking_uri if is_server(self.tracking_uri) else None)
         run = self.client.get_run(run_id)
         if base:
             return f"{base.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"

@@ -74,6 +74,7 @@ def retrain(
             job = run.job(
                 f"{run_key}-train", blocks.compute.job_workdir(f"{run_key}-train"), image,
                 env={contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri, contract.MLFLOW_RUN_ID: run_id},
+                secret_env=blocks.tracking.job_secrets(),
             )  # fmt: skip
             timeout = run.resources.time_limit_minutes * 60
             if wait == "suspend":
@@ -147,7 +148,8 @@ def preflight(blocks: Stack, run: RunPlan) -> None:
             "gpuferry.yaml has no image section: add one (dockerfile, base + requirements, or prebuilt)"
         )
     blocks.serving.validate(run.serving)
-    blocks.compute.validate_job(run.job("preflight", "/nonexistent", image, env={}))
+    blocks.compute.validate_job(run.job("preflight", "/nonexistent", image, env={},
+                                        secret_env=blocks.tracking.job_secrets()))  # fmt: skip
 
 
 def check_images_for_serving(blocks: Stack) -> None:

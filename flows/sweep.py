@@ -87,7 +87,8 @@ def sweep(
         try:
             key = f"{run_key}-sweep"
             job = run.job(key, blocks.compute.job_workdir(key), image,
-                          env={contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri})  # fmt: skip
+                          env={contract.MLFLOW_TRACKING_URI: blocks.tracking.tracking_uri},
+                          secret_env=blocks.tracking.job_secrets())  # fmt: skip
             job = job.model_copy(update={"env": {k: v for k, v in job.env.items() if k != contract.HPARAMS}})
             children, array = train_sweep(blocks.compute, job, configurations, blocks.tracking, parent,
                                           parallelism=parallelism)  # fmt: skip

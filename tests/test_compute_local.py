@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from blocks.compute import LocalProcesses
 from blocks.errors import ConfigurationError, JobFailed
@@ -38,6 +41,10 @@ FAKE_JOB = textwrap.dedent(
         (ckpt / "PREEMPTED").write_text("1"); sys.exit(1)
     if behaviour == "env":  # what the job's environment holds
         (ckpt / "env.json").write_text(json.dumps(dict(os.environ), sort_keys=True)); sys.exit(0)
+    if behaviour == "env-wait":  # the same, then it waits for "go"
+        (ckpt / "env.json").write_text(json.dumps(dict(os.environ), sort_keys=True))
+        while not (ckpt / "go").exists(): time.sleep(0.02)
+        sys.exit(0)
     (ckpt / "PREEMPTED").unlink(missing_ok=True)
     sys.exit(int(behaviour))
     """
@@ -189,6 +196,47 @@ def test_secrets_come_from_prefect_secret_blocks(backend: LocalProcesses) -> Non
     assert "s3cr3t-value" not in (Path(handle.workdir) / "job.json").read_text()
     with pytest.raises(ConfigurationError, match="names the Prefect Secret block 'no-such-secret', which does not exist"):
         backend.submit(job(backend, "nosecret", "env", secrets={"HF_TOKEN": "no-such-secret"}))
+
+
+def test_the_pipelines_secrets_reach_every_attempt_through_a_0600_file_only(backend: LocalProcesses) -> None:
+    planted = f"planted-{uuid.uuid4().hex}"
+    secret = {"MLFLOW_TRACKING_PASSWORD": SecretStr(planted)}
+    handle = backend.submit(job(backend, "login", "75", "env-wait", max_requeues=1).model_copy(
+        update={"secret_env": secret}))  # fmt: skip
+    workdir = Path(handle.workdir)
+    env_json = workdir / "checkpoints" / "env.json"
+    # Polls requeue a preempted local job.
+    wait_for(lambda: backend.poll([handle]) and env_json.exists() and starts(backend, "login") == 2, timeout=120)
+    # The requeued attempt has it too, though the job's record (which the requeue starts from) holds none.
+    assert json.loads(env_json.read_text())["MLFLOW_TRACKING_PASSWORD"] == planted
+    assert planted not in (workdir / "job.json").read_text()
+    secret_file = workdir / ".secret.env"
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600 and planted in secret_file.read_text()
+    state = json.loads((workdir / "job.json").read_text())
+    supervisor = Path(f"/proc/{state['pid']}")
+    assert str(secret_file).encode() in (supervisor / "cmdline").read_bytes()  # the job's shell sources the file
+    assert planted.encode() not in (supervisor / "environ").read_bytes()  # the supervisor never holds the value
+    cmdlines = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdlines.append((entry / "cmdline").read_bytes())
+        except OSError:
+            pass
+    assert not [c for c in cmdlines if planted.encode() in c]
+    (workdir / "checkpoints" / "go").touch()
+    assert backend.watch(handle, timeout_seconds=120).state == "COMPLETED"
+    assert not secret_file.exists()  # removed when the job ended
+    left = [p for p in workdir.rglob("*") if p.is_file() and p != env_json and planted.encode() in p.read_bytes()]
+    assert not left
+
+
+def test_a_workload_secret_cannot_shadow_the_pipelines(backend: LocalProcesses) -> None:
+    shadowing = job(backend, "shadow", "0", secrets={"MLFLOW_TRACKING_PASSWORD": "some-block"}).model_copy(
+        update={"secret_env": {"MLFLOW_TRACKING_PASSWORD": SecretStr("x")}})  # fmt: skip
+    with pytest.raises(ConfigurationError, match=r"train.secrets\['MLFLOW_TRACKING_PASSWORD'\] sets a variable the "
+                                                 r"pipeline sets itself"):  # fmt: skip
+        backend.submit(shadowing)
+    assert not (Path(shadowing.workdir) / "job.json").exists()
 
 
 @pytest.mark.parametrize(

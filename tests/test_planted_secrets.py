@@ -6,10 +6,8 @@ accounting, not in the MLflow run (params, tags, artifacts) or its model version
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import shutil
-import threading
 import uuid
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from mlflow import MlflowClient
 from blocks.specs import Resources, TrainingSpec
 from flows.retrain import retrain
 from tests.examples import DIABETES
+from tests.planted import CommandLines, flow_run_logs
 from tests.stacks import remove_on_cluster, stack_env
 from tests.test_pipeline_slurm import slurm_stack
 from tests.test_slurm_cluster import slurm
@@ -49,35 +48,8 @@ def _workload(tmp_path: Path, secret_block: str, token: str) -> Path:
     return work
 
 
-class CommandLines:
-    """Every process's command line, sampled from /proc until stopped."""
-
-    def __init__(self) -> None:
-        self.seen: set[bytes] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    try:
-                        self.seen.add((entry / "cmdline").read_bytes())
-                    except OSError:
-                        pass
-            self._stop.wait(0.1)
-
-    def stop(self) -> set[bytes]:
-        self._stop.set()
-        self._thread.join(30)
-        return self.seen
-
-
 def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
     from prefect.blocks.system import Secret
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     token = f"planted-{uuid.uuid4().hex}"
     block = f"planted-token-{uuid.uuid4().hex[:8]}"
@@ -105,13 +77,7 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
         # Everything the values must not be in, read once: name -> contents.
         flow_run_id = uuid.UUID(run.data.tags["prefect.flow_run_id"])
 
-        async def logs() -> list[str]:
-            async with get_client() as prefect:
-                found = await prefect.read_logs(
-                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-                return [entry.message for entry in found]
-
-        messages = asyncio.run(logs())
+        messages = flow_run_logs(flow_run_id)
         assert messages
         bucket, _, prefix = outcome.checkpoint.uri.removeprefix("s3://").partition("/")
         s3 = stack.storage.bucket.credentials.get_s3_client()

@@ -320,29 +320,35 @@ def test_a_job_neither_squeue_nor_sacct_knows_is_lost_after_the_grace_a_fresh_on
 
 @pytest.mark.usefixtures("prefect_server")
 def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends(cluster: SlurmCluster) -> None:
+    """A workload's secret (a Prefect Secret block) and the tracking server's login the pipeline hands the job."""
     import stat
 
     from prefect.blocks.system import Secret
+    from pydantic import SecretStr
 
-    planted = f"planted-{uuid.uuid4().hex}"
+    planted, password = f"planted-{uuid.uuid4().hex}", f"planted-pw-{uuid.uuid4().hex}"
     Secret(value=planted).save("slurm-job-token", overwrite=True)
     k = key("secret")
-    probe = ("import os, pathlib; s = os.environ['API_TOKEN']; "
+    probe = ("import os, pathlib; s = os.environ['API_TOKEN']; p = os.environ['MLFLOW_TRACKING_PASSWORD']; "
              "print('token', len(s), s == open(os.environ['EXPECT']).read().strip(), flush=True); "
+             "print('login', len(p), p == open(os.environ['EXPECT'] + '.pw').read().strip(), flush=True); "
              "p = pathlib.Path(os.environ['CHECKPOINT_DIR']).parent / '.secret.env'; print('mode', oct(p.stat().st_mode & 0o777))")  # fmt: skip
     expect = Path(cluster.workdir_root) / f"{k}.expected"
     expect.parent.mkdir(parents=True, exist_ok=True)
     expect.write_text(planted)
+    Path(f"{expect}.pw").write_text(password)
     job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["python", "-c", probe], code=code_of(JOBS),
                       env={"EXPECT": str(expect)}, secrets={"API_TOKEN": "slurm-job-token"},
+                      secret_env={"MLFLOW_TRACKING_PASSWORD": SecretStr(password)},
                       resources=Resources(time_limit_minutes=5))  # fmt: skip
     handle = cluster.submit(job)
     status = cluster.watch(handle, timeout_seconds=120)
     log = cluster.read_log(handle)[0]
     assert status.state == "COMPLETED", log
-    assert f"token {len(planted)} True" in log and "mode 0o600" in log
+    assert f"token {len(planted)} True" in log and f"login {len(password)} True" in log and "mode 0o600" in log
     script = Path(job.workdir, "job.sbatch").read_text()
     assert planted not in script and planted not in log and "API_TOKEN" not in script.split(". /")[0]
+    assert password not in script and password not in log and "MLFLOW_TRACKING_PASSWORD" not in script.split(". /")[0]
     assert not Path(job.workdir, ".secret.env").exists()  # the job completed: it removed its secrets itself
     cluster.result(handle, status)  # the orchestrator's removal (for any other end) finds nothing left
     assert not Path(job.workdir, ".secret.env").exists()

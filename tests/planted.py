@@ -1,0 +1,47 @@
+"""Where a planted secret must not turn up, read by the tests that plant one: every process's command line
+while a run goes on, and the Prefect logs of a flow run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from pathlib import Path
+
+
+class CommandLines:
+    """Every process's command line, sampled from /proc until stopped."""
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        self.seen.add((entry / "cmdline").read_bytes())
+                    except OSError:
+                        pass
+            self._stop.wait(0.1)
+
+    def stop(self) -> set[bytes]:
+        self._stop.set()
+        self._thread.join(30)
+        return self.seen
+
+
+def flow_run_logs(flow_run_id: uuid.UUID) -> list[str]:
+    """Every log message of the flow run (its tasks' too) on the Prefect server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def read() -> list[str]:
+        async with get_client() as prefect:
+            found = await prefect.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            return [entry.message for entry in found]
+
+    return asyncio.run(read())
