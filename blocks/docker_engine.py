@@ -38,7 +38,7 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
 from blocks.docker_image import _registry_parts
-from blocks.docker_transport import Connection, DockerSsh, DockerTls, tls_failure
+from blocks.docker_transport import Connection, DockerTls, tls_failure
 from blocks.docker_spec import (
     EXIT_RECORD,
     LABEL_GPU_SHARING,
@@ -52,6 +52,7 @@ from blocks.docker_spec import (
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
 from blocks.gpu_alloc import Claim, GpuRequest, HostGpu, choose, parse_claim_label
 from blocks.home import gpuferry_home
+from blocks.ssh_credentials import SshCredentials
 from runtime import contract
 
 LIBPOD_API = "/v4.0.0/libpod"  # podman 4 and later serve their own API under any version from 4.0.0
@@ -73,7 +74,7 @@ class Engine:
     ``blocks/docker_transport.py``); ``api``: auto, docker or libpod."""
 
     def __init__(self, docker_host: DockerHost, *, api: str = "auto", timeout: float = 120.0,
-                 tls: DockerTls | None = None, ssh: DockerSsh | None = None) -> None:  # fmt: skip
+                 tls: DockerTls | None = None, ssh: SshCredentials | None = None) -> None:  # fmt: skip
         self.docker_host = docker_host
         self.api_choice = api
         self.timeout = timeout

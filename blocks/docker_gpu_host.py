@@ -16,11 +16,12 @@ from prefect_docker.host import DockerHost
 from pydantic import Field, PrivateAttr, model_validator
 
 from blocks.docker_engine import Engine
-from blocks.docker_transport import DockerSsh, DockerTls, check_transport
+from blocks.docker_transport import DockerTls, check_transport
 from blocks.docker_spec import check_cdi_kind, gpu_device_ids
 from blocks.errors import ConfigurationError
 from blocks.gpu_alloc import GpuRequest, HostGpu, check_fits, inventory_of
 from blocks.specs import GpuInfo, Node
+from blocks.ssh_credentials import SshCredentials
 
 
 class DockerGpuHost(Block):
@@ -38,8 +39,10 @@ class DockerGpuHost(Block):
         None, description="TLS for a tcp:// base_url, as `docker --tlsverify` takes it: the CA, and the client "
         "certificate and key an engine run with --tlsverify asks for (PEM texts).",
     )
-    ssh: DockerSsh | None = Field(
-        None, description="The SSH login for an ssh:// base_url: private key and known_hosts lines. None: "
+    ssh: SshCredentials | None = Field(
+        None, description="The SSH login for an ssh:// base_url (the same credentials block the Slurm cluster and "
+        "SSH hosts take): private key and known_hosts lines; the user is base_url's, else this block's. That user "
+        "runs `docker system dial-stdio` on the host (the docker CLI, and access to the engine's socket). None: "
         "docker-py's own (~/.ssh/config, ~/.ssh/id_*, ~/.ssh/known_hosts).",
     )
     registry_credentials: DockerRegistryCredentials | None = Field(

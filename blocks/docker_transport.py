@@ -3,7 +3,8 @@
 docker-py takes TLS certificates only as files (``docker.tls.TLSConfig``), and its ``ssh://`` adapter reads the key
 from ~/.ssh/config or ~/.ssh/id_* and the host keys from ~/.ssh/known_hosts; prefect-docker's ``DockerHost`` passes
 ``client_kwargs`` through as plain values, which a stored block cannot hold a ``TLSConfig`` in. ``DockerTls`` and
-``DockerSsh`` carry the same settings as text fields of the block:
+the block's ``ssh`` (an ``SshCredentials``, the login the Slurm and SSH-host blocks take) carry the same settings
+as fields of the block:
 
 * ``DockerTls``: what ``docker --tlsverify --tlscacert --tlscert --tlskey`` takes. The PEM texts go to 0600 files in
   a 0700 directory of their own while the connection lives (the TLS library reads them from files) and are removed
@@ -11,7 +12,7 @@ from ~/.ssh/config or ~/.ssh/id_* and the host keys from ~/.ssh/known_hosts; pre
   CURL_CA_BUNDLE is set (which requests would otherwise put in its place). A refused handshake (a CA that did not
   sign the engine's certificate, an engine that wants a client certificate and got none or one it does not trust)
   is a ``ConfigurationError`` naming these fields.
-* ``DockerSsh``: the private key and known_hosts lines, as the other SSH blocks take them. The connection is
+* ``ssh``: the private key and known_hosts lines, as the other SSH blocks take them. The connection is
   paramiko's, as docker-py's own, but logs in with that key only and refuses a host key that is not in
   known_hosts (``blocks/_ssh.py``); each connection runs ``docker system dial-stdio`` on the host, as the docker CLI's
   ``ssh://`` does. A dropped connection is made again on the next request.
@@ -38,8 +39,8 @@ from docker.transport.sshconn import SSHHTTPAdapter
 from prefect_docker.host import DockerHost
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from blocks._ssh import connect_verified, load_private_key, parse_known_hosts
 from blocks.errors import ConfigurationError
+from blocks.ssh_credentials import SshCredentials
 
 TLS_SCHEMES = ("tcp", "https")
 
@@ -72,30 +73,10 @@ class DockerTls(BaseModel):
                 raise ConfigurationError(f"tls.{name} is not PEM text (-----BEGIN ...): paste the file's content")
 
 
-class DockerSsh(BaseModel):
-    """The SSH login for ``docker_host.base_url`` ``ssh://USER@HOST[:PORT]``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    private_key: SecretStr = Field(
-        description="Private key (OpenSSH or PEM text) that logs in as the user of base_url; that user runs "
-        "`docker system dial-stdio` on the host (the docker CLI, and access to the engine's socket).",
-    )
-    private_key_passphrase: SecretStr | None = Field(None, description="Passphrase of the private key, if any.")
-    known_hosts: str = Field(
-        description="known_hosts lines of the host (`ssh-keyscan -p PORT HOST`, fingerprints checked): a host key "
-        "not in them is refused.",
-    )
-    connect_timeout_seconds: float = Field(30.0, gt=0, description="Seconds to connect and log in.")
-
-    def check(self) -> None:
-        load_private_key(self.private_key.get_secret_value(),
-                         self.private_key_passphrase.get_secret_value() if self.private_key_passphrase else None)  # fmt: skip
-        if not parse_known_hosts(self.known_hosts).keys():
-            raise ConfigurationError("ssh.known_hosts has no host key: put the host's `ssh-keyscan` line into it")
+SSH_CONNECT_TIMEOUT_SECONDS = 30.0  # to connect and log in to the engine's host
 
 
-def check_transport(base_url: str | None, tls: DockerTls | None, ssh: DockerSsh | None) -> None:
+def check_transport(base_url: str | None, tls: DockerTls | None, ssh: SshCredentials | None) -> None:
     """``tls`` and ``ssh`` fit ``base_url``'s scheme and their own fields; a ``ConfigurationError`` naming the field."""
     scheme = urlparse(base_url or "").scheme
     if tls is not None:
@@ -106,11 +87,14 @@ def check_transport(base_url: str | None, tls: DockerTls | None, ssh: DockerSsh 
         tls.check()
     if ssh is not None:
         parsed = urlparse(base_url or "")
-        if scheme != "ssh" or not parsed.hostname or not parsed.username:
+        if scheme != "ssh" or not parsed.hostname or not (parsed.username or ssh.user):
             raise ConfigurationError(
-                f"ssh is set but docker_host.base_url is {base_url!r}: it must be ssh://USER@HOST[:PORT]"
+                f"ssh is set but docker_host.base_url is {base_url!r}: it must be ssh://USER@HOST[:PORT] "
+                "(or ssh://HOST[:PORT] with ssh.user set)"
             )
-        ssh.check()
+        ssh.key()
+        if not ssh.host_keys().keys():
+            raise ConfigurationError("ssh.known_hosts has no host key: put the host's `ssh-keyscan` line into it")
 
 
 def _tls_refused(exc: BaseException) -> bool:
@@ -230,7 +214,7 @@ class _KeyedSshAdapter(SSHHTTPAdapter):
 class Connection:
     """A docker-py client for ``host``, with ``tls`` or ``ssh`` when given; ``close`` removes what it wrote."""
 
-    def __init__(self, host: DockerHost, tls: DockerTls | None, ssh: DockerSsh | None) -> None:
+    def __init__(self, host: DockerHost, tls: DockerTls | None, ssh: SshCredentials | None) -> None:
         check_transport(host.base_url, tls, ssh)
         self._tls_files: _TlsFiles | None = None
         if tls is not None:
@@ -248,16 +232,14 @@ class Connection:
             self.close()
             raise
 
-    def _use_ssh(self, host: DockerHost, ssh: DockerSsh) -> None:
+    def _use_ssh(self, host: DockerHost, ssh: SshCredentials) -> None:
         url = urlparse(host.base_url or "")
-        address, port, user = url.hostname or "", url.port or 22, url.username or ""
-        key = load_private_key(ssh.private_key.get_secret_value(),
-                               ssh.private_key_passphrase.get_secret_value() if ssh.private_key_passphrase else None)  # fmt: skip
-        known = parse_known_hosts(ssh.known_hosts)
+        address, port, user = url.hostname or "", url.port or 22, url.username or ssh.user
+        key, known = ssh.key(), ssh.host_keys()  # decrypted once, for every connection of the pool
 
         def connect() -> paramiko.SSHClient:
-            return connect_verified(
-                address=address, port=port, user=user, key=key, known=known, timeout=ssh.connect_timeout_seconds,
+            return ssh.get_client(
+                address, port, user=user, key=key, known=known, timeout=SSH_CONNECT_TIMEOUT_SECONDS,
                 name=f"the Docker engine's host {address}:{port}",
                 check_against="matches the host's own (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` there)",
             )  # fmt: skip

@@ -24,7 +24,8 @@ from prefect_docker.host import DockerHost
 
 from blocks.docker_compute import DockerCompute
 from blocks.docker_serving import DockerServing
-from blocks.docker_transport import DockerSsh, DockerTls
+from blocks.docker_transport import DockerTls
+from blocks.ssh_credentials import SshCredentials
 from blocks.errors import ConfigurationError
 from blocks.provision import LocalMachine
 from blocks.serving import Release
@@ -70,7 +71,7 @@ def tls_fields(tls: TlsEngine, **settings: str | None) -> dict:
 
 def ssh_fields(ssh: SshEngine, **settings: str) -> dict:
     given = {"private_key": ssh.private_key, "known_hosts": ssh.known_hosts, **settings}
-    return {"docker_host": DockerHost(base_url=ssh.url), "ssh": DockerSsh(**given)}
+    return {"docker_host": DockerHost(base_url=ssh.url), "ssh": SshCredentials(**given)}
 
 
 @pytest.fixture(params=["tls", "ssh"])
@@ -157,5 +158,5 @@ def test_ssh_refuses_a_host_key_not_in_known_hosts_and_a_key_it_was_not_given(
     with pytest.raises(ConfigurationError, match=r"SSH login as root@127\.0\.0\.1:\d+ was refused"):
         refused.engine().client  # noqa: B018
     with pytest.raises(ValueError, match=r"it must be ssh://USER@HOST\[:PORT\]"):
-        DockerCompute(docker_host=DockerHost(base_url="ssh://127.0.0.1:22"), ssh=DockerSsh(
+        DockerCompute(docker_host=DockerHost(base_url="ssh://127.0.0.1:22"), ssh=SshCredentials(
             private_key=ssh.private_key, known_hosts=ssh.known_hosts))  # fmt: skip
