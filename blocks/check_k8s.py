@@ -29,6 +29,8 @@ def deploy_permissions(cluster: KubernetesCluster) -> list[tuple[str, str, str, 
                    ("delete", "autoscaling", "horizontalpodautoscalers", True)]  # fmt: skip
     if cluster.pdb_min_available is not None:
         needed += [("patch", "policy", "poddisruptionbudgets", True), ("delete", "policy", "poddisruptionbudgets", True)]
+    if cluster.env_from_secret is None:  # the store's Secret: made, updated, deleted on undeploy
+        needed += [(verb, "", "secrets", True) for verb in ("get", "create", "update", "delete")]
     return needed
 
 

@@ -4,13 +4,16 @@
 for, a HorizontalPodAutoscaler and a PodDisruptionBudget, as plain dicts ready for server-side
 apply. Every knob is a field of ``ManifestOptions``; unknown keys are rejected with the list of
 valid ones. The API versions of the optional objects are arguments because the server decides
-them (discovery, in ``blocks/kubernetes.py``).
+them (discovery, in ``blocks/kubernetes.py``). ``store_secret`` is the Secret of the checkpoint store's
+credentials the pods read (``envFrom``) when the block names no Secret of the user's (``env_from_secret``).
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -25,6 +28,11 @@ ANNOTATION_PREFIX = "gpuferry.io/"
 MODEL_NAME_ANNOTATION = ANNOTATION_PREFIX + "model-name"
 MODEL_VERSION_ANNOTATION = ANNOTATION_PREFIX + "model-version"
 MODEL_URI_ANNOTATION = ANNOTATION_PREFIX + "model-uri"
+# The resourceVersion of the store's Secret the pods were started with: a changed Secret restarts them.
+STORE_SECRET_ANNOTATION = ANNOTATION_PREFIX + "store-secret-version"
+STORE_SECRET_SUFFIX = "-model-store"
+# A reader variable that names a file on the orchestrator's disk, which a pod does not have.
+_ORCHESTRATOR_PATHS = ("AWS_CA_BUNDLE",)
 CONTAINER_NAME = "server"
 PORT_NAME = "http"
 
@@ -166,6 +174,33 @@ def labels(spec: ServingSpec, version: str) -> dict[str, str]:
     return out
 
 
+def store_secret_name(spec: ServingSpec) -> str:
+    """The name of the Secret gpuferry makes for the service's pods: the object name + ``-model-store``."""
+    return service_object_name(spec) + STORE_SECRET_SUFFIX
+
+
+def store_secret(spec: ServingSpec, reader_env: Mapping[str, str], opts: ManifestOptions) -> dict[str, Any] | None:
+    """The Secret holding what the pods' server needs to read the store (``CheckpointStore.reader_env``): its
+    variables less those the block's ``env`` sets (the pod's ``env`` wins over ``envFrom``: e.g. the store's
+    endpoint as the pods reach it) and less file paths of the orchestrator's. None when nothing is left."""
+    values = {k: v for k, v in reader_env.items() if k not in opts.env and k not in _ORCHESTRATOR_PATHS}
+    if not values:
+        return None
+    meta_labels = {**selector_labels(spec), "app.kubernetes.io/component": "model-store",
+                   "app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/managed-by": MANAGED_BY}  # fmt: skip
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": store_secret_name(spec), "namespace": opts.namespace,
+                     "labels": meta_labels},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(values.items())},
+    }  # fmt: skip
+
+
+def is_ours(obj: Mapping[str, Any]) -> bool:
+    """Whether an object carries gpuferry's managed-by label (made by a deploy, not by someone else)."""
+    return obj.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/managed-by") == MANAGED_BY
+
+
 def check_image(reference: str | None) -> str:
     if not reference:
         raise ConfigurationError(
@@ -190,11 +225,14 @@ def build_manifests(
     opts: ManifestOptions,
     server: ServerSpec | None = None,
     checkpoint_sha256: str | None = None,
+    store_secret: tuple[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``{"deployment": ..., "service": ..., ["hpa": ...], ["pdb": ...]}`` for server-side apply.
 
     ``server`` is what serves the model (the workload's serve section): gpuferry's MLflow model server
     (``python -m runtime.serve`` on ``container_port``) or the workload's own command, port and probe paths.
+    ``store_secret`` is (name, resourceVersion) of the store's Secret gpuferry made; the pods read it unless
+    ``opts.env_from_secret`` names the user's own.
     """
     server = server or ServerSpec()
     name = service_object_name(spec)
@@ -275,6 +313,8 @@ def build_manifests(
         container["workingDir"] = server.workdir
     if opts.env_from_secret:
         container["envFrom"] = [{"secretRef": {"name": opts.env_from_secret}}]
+    elif store_secret:
+        container["envFrom"] = [{"secretRef": {"name": store_secret[0]}}]
     if resources:
         container["resources"] = resources
     pod_spec: dict[str, Any] = {
@@ -304,7 +344,9 @@ def build_manifests(
             "rollingUpdate": {"maxSurge": opts.max_surge, "maxUnavailable": opts.max_unavailable},
         },
         "template": {
-            "metadata": {"labels": dict(all_labels), "annotations": dict(annotations)},
+            "metadata": {"labels": dict(all_labels), "annotations": {
+                **annotations, **({STORE_SECRET_ANNOTATION: store_secret[1]}
+                                  if store_secret and not opts.env_from_secret else {})}},
             "spec": pod_spec,
         },
     }

@@ -71,7 +71,7 @@ def test_a_pool_without_an_online_worker_says_how_to_start_one(
 
 def _restricted_kubeconfig(tmp: Path, namespace: str) -> str:
     """A kubeconfig of a ServiceAccount that may get and patch Deployments and Services and list Pods in
-    ``namespace``, and nothing else (a deploy needs 10 permissions: this grants 5)."""
+    ``namespace``, and nothing else (a deploy that makes the store's Secret needs 14 permissions: this grants 5)."""
     import base64
 
     from pydantic import SecretStr
@@ -121,11 +121,11 @@ def test_missing_deploy_permissions_are_named_with_the_role_that_grants_them(
     assert [(r.step, r.check) for r in rows if r.failed] == [("serving", "RBAC")], table(rows)
     serving = {r.check: r for r in rows if r.step == "serving"}
     assert serving["RBAC"].detail == (
-        f"5 of 10 permissions missing in {k8s_namespace}: get namespaces, list nodes, delete deployments.apps, "
-        "delete services, list replicasets.apps")  # fmt: skip
+        f"9 of 14 permissions missing in {k8s_namespace}: get namespaces, list nodes, delete deployments.apps, "
+        "delete services, list replicasets.apps, get secrets, create secrets, update secrets, delete secrets")  # fmt: skip
     assert serving["RBAC"].fix.startswith(
-        f"grant them, e.g. kubectl -n {k8s_namespace} create role gpuferry-deploy --verb=delete,get,list "
-        "--resource=deployments.apps,namespaces,nodes,replicasets.apps,services and a rolebinding")  # fmt: skip
+        f"grant them, e.g. kubectl -n {k8s_namespace} create role gpuferry-deploy --verb=create,delete,get,list,update "
+        "--resource=deployments.apps,namespaces,nodes,replicasets.apps,secrets,services and a rolebinding")  # fmt: skip
     # What the account may not read is a warning pointing at the RBAC row, not a second failure.
     assert serving["namespace"].status == "warn" and serving["GPU nodes"].status == "warn", table(rows)
     assert [r for r in rows if r.step != "serving" and r.status not in GREEN] == [], table(rows)

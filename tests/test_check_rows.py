@@ -156,11 +156,13 @@ def test_a_user_without_associations_an_interpreter_and_a_writable_directory(mon
 
 
 def test_the_permissions_a_deploy_needs_follow_the_blocks_settings() -> None:
-    plain = deploy_permissions(KubernetesCluster())
+    plain = deploy_permissions(KubernetesCluster(env_from_secret="model-store"))
     assert ("patch", "apps", "deployments", True) in plain and ("list", "", "nodes", False) in plain
     assert len(plain) == len(set(plain)) == 10
+    own_secret = deploy_permissions(KubernetesCluster())  # the store's Secret is gpuferry's to make
+    assert set(own_secret) - set(plain) == {(v, "", "secrets", True) for v in ("get", "create", "update", "delete")}
     assert not any(group in ("autoscaling", "policy") for _, group, _, _ in plain)
-    full = deploy_permissions(KubernetesCluster(autoscale_max_replicas=4, pdb_min_available=1))
+    full = deploy_permissions(KubernetesCluster(env_from_secret="model-store", autoscale_max_replicas=4, pdb_min_available=1))
     assert set(full) - set(plain) == {
         ("patch", "autoscaling", "horizontalpodautoscalers", True), ("delete", "autoscaling", "horizontalpodautoscalers", True),
         ("patch", "policy", "poddisruptionbudgets", True), ("delete", "policy", "poddisruptionbudgets", True),

@@ -65,6 +65,43 @@ def test_whole_gpus_limits_toleration_and_env() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in env  # only CPU replicas hide the GPUs
 
 
+READER_ENV = {"AWS_ENDPOINT_URL": "https://s3.example.org", "AWS_ACCESS_KEY_ID": "AKIA-planted",
+              "AWS_SECRET_ACCESS_KEY": "planted-secret-key", "AWS_CA_BUNDLE": "/home/alice/ca.pem"}  # fmt: skip
+
+
+def test_the_stores_secret_holds_the_readers_variables_and_the_pods_read_it() -> None:
+    import base64
+
+    spec = ServingSpec(service_name="Digits_MLP")
+    opts = m.options(namespace="serving", env={"AWS_ENDPOINT_URL": "http://10.0.0.5:9000"})
+    secret = m.store_secret(spec, READER_ENV, opts)
+    assert secret is not None and secret["metadata"]["name"] == m.store_secret_name(spec) == "digits-mlp-model-store"
+    assert secret["metadata"]["namespace"] == "serving" and m.is_ours(secret)
+    assert secret["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpuferry"
+    # The block's env wins over the Secret (the endpoint as the pods reach it); a path of this machine's stays out.
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == {
+        "AWS_ACCESS_KEY_ID": "AKIA-planted", "AWS_SECRET_ACCESS_KEY": "planted-secret-key"}  # fmt: skip
+    assert m.store_secret(spec, {"AWS_CA_BUNDLE": "/ca.pem"}, opts) is None
+
+    dep = m.build_manifests(spec, model_name="digits-mlp", version="3", model_uri="s3://models/digits/v3",
+                            image=IMAGE, opts=opts, store_secret=("digits-mlp-model-store", "4711"))["deployment"]  # fmt: skip
+    template = dep["spec"]["template"]
+    assert template["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "digits-mlp-model-store"}}]
+    assert template["metadata"]["annotations"][m.STORE_SECRET_ANNOTATION] == "4711"  # a changed Secret restarts pods
+    assert "planted-secret-key" not in str(dep) and "AKIA-planted" not in str(dep)
+
+
+def test_env_from_secret_wins_over_the_stores_secret() -> None:
+    opts = m.options(env_from_secret="model-store")
+    dep = m.build_manifests(ServingSpec(service_name="digits"), model_name="digits-mlp", version="3",
+                            model_uri="s3://models/digits/v3", image=IMAGE, opts=opts,
+                            store_secret=("digits-model-store", "1"))["deployment"]  # fmt: skip
+    template = dep["spec"]["template"]
+    assert template["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "model-store"}}]
+    assert m.STORE_SECRET_ANNOTATION not in template["metadata"]["annotations"]
+    assert "envFrom" not in build(ServingSpec(service_name="digits"))["deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
 def test_time_sliced_resource_name() -> None:
     dep = build(ServingSpec(service_name="digits", gpus=1), gpu_resource="nvidia.com/gpu.shared")["deployment"]
     limits = dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]

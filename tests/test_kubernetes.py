@@ -10,7 +10,9 @@ namespace (the Service's ClusterIP).
 
 from __future__ import annotations
 
+import base64
 import http.server
+import json
 import re
 import ssl
 import threading
@@ -220,6 +222,40 @@ def test_bad_image_rolls_back_and_old_version_keeps_serving(
 
     # And the next good version deploys normally after a rollback.
     assert block.deploy(spec, rel("3", 32)).previous_version == "1"
+
+
+def test_the_stores_credentials_reach_the_pods_in_a_secret_of_the_deploys_own(
+    k8s: dict[str, str], k8s_namespace: str, cluster: Callable[..., KubernetesCluster], rel: Rel
+) -> None:
+    block = cluster()
+    api, spec = block._api(), ServingSpec(service_name="digits", smoke_request=SMOKE)
+    secret_path = f"/api/v1/namespaces/{k8s_namespace}/secrets/{m.store_secret_name(spec)}"
+    planted = "planted-" + uuid.uuid4().hex
+    store_env = {"AWS_ACCESS_KEY_ID": SecretStr("gpuferry-test"), "AWS_SECRET_ACCESS_KEY": SecretStr(planted)}
+    block.deploy(spec, rel("1").model_copy(update={"store_env": store_env}))
+    secret = api.get(secret_path)
+    assert m.is_ours(secret) and base64.b64decode(secret["data"]["AWS_SECRET_ACCESS_KEY"]).decode() == planted
+    (pod,) = ready_pods(block, "digits")
+    assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "digits-model-store"}}]
+    assert in_pod_env(k8s, k8s_namespace, pod, "AWS_SECRET_ACCESS_KEY").strip() == planted
+    dep = deployment(block, "digits")
+    assert planted not in json.dumps(dep) and planted not in json.dumps(pod)  # only the reference
+
+    # The same keys again: nothing changes; rotated keys: the Secret is updated and the pods restart with them.
+    assert block.deploy(spec, rel("1").model_copy(update={"store_env": store_env})).detail["changed"] is False
+    rotated = {**store_env, "AWS_SECRET_ACCESS_KEY": SecretStr(planted + "-rotated")}
+    assert block.deploy(spec, rel("1").model_copy(update={"store_env": rotated})).detail["changed"] is True
+    (pod,) = ready_pods(block, "digits")
+    assert in_pod_env(k8s, k8s_namespace, pod, "AWS_SECRET_ACCESS_KEY").strip() == planted + "-rotated"
+
+    block.undeploy("digits")
+    assert api.get_or_none(secret_path) is None
+    # A Secret of that name that is not gpuferry's is left alone: a clear error before anything is applied.
+    api.request("POST", secret_path.rsplit("/", 1)[0], body={
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "digits-model-store"}, "stringData": {"K": "v"}})  # fmt: skip
+    with pytest.raises(ConfigurationError, match="digits-model-store exists and is not gpuferry's"):
+        block.deploy(spec, rel("1").model_copy(update={"store_env": store_env}))
+    assert block.current("digits") is None and api.get(secret_path)["data"] == {"K": "dg=="}
 
 
 def test_first_deploy_that_fails_has_nothing_to_roll_back(

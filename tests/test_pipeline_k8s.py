@@ -7,8 +7,10 @@ orchestrator does not read the cluster's filesystem); the MLflow server stack; s
 Kubernetes cluster, whose node pulls the image with an image pull secret and runs it. The pod loads the
 model from S3 by its MODEL_URI: the s3 stack listens on the host's loopback, which pods do not share, so
 the test relays it from the node's address inside the node's network namespace (``s3_for_pods`` in
-conftest.py), and hands the pod that endpoint and the credentials in a Secret. The test reaches the pod
-through the API server's pod proxy.
+conftest.py). The digits MLP's pods get that endpoint and the credentials from a Secret of the test's own
+(``env_from_secret``); the regressor's from the Secret the deploy makes of the store's credentials, the
+endpoint as the pods reach it in the block's ``env``. The test reaches the pod through the API server's pod
+proxy.
 
 Both examples go this way. For the digits MLP, a first retrain serves v1; a second one whose server cannot
 start rolls back to v1, fails the flow, and MLflow says so on the run and on the model version. The
@@ -17,6 +19,8 @@ regressor is served and answers its own input example's columns.
 
 from __future__ import annotations
 
+import base64
+import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -103,6 +107,10 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
     assert dep["spec"]["template"]["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
     assert dep["status"]["availableReplicas"] == 1
+    # env_from_secret names the user's Secret: the pods read it, and the deploy makes none of its own.
+    assert dep["spec"]["template"]["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": SECRET}}]
+    secrets = f"/api/v1/namespaces/{k8s_namespace}/secrets"
+    assert block._api().get_or_none(f"{secrets}/{m.store_secret_name(serving)}") is None
 
     # The pod's server loaded the checkpoint from S3 by its MODEL_URI, and classifies held-out digits.
     pod = ready_pod(block, "digits")
@@ -160,8 +168,8 @@ def test_the_regressor_trains_on_slurm_and_serves_on_kubernetes(
     k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder, s3_store: S3CheckpointStore,
     s3_for_pods: dict[str, str], slurm_in_images: SlurmCluster,
 ) -> None:  # fmt: skip
-    block = serving_block(k8s, k8s_namespace)
-    with_store_secret(block, k8s_namespace, s3_for_pods)
+    # No env_from_secret: the deploy puts the store's credentials into a Secret of the service's own.
+    block = serving_block(k8s, k8s_namespace, env_from_secret=None, env={"AWS_ENDPOINT_URL": s3_for_pods["AWS_ENDPOINT_URL"]})
     tracking = MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
     tag = uuid.uuid4().hex[:8]
     model = f"diabetes-k8s-{tag}"
@@ -179,6 +187,19 @@ def test_the_regressor_trains_on_slurm_and_serves_on_kubernetes(
     assert run.data.metrics["val_rmse"] == pytest.approx(outcome.model_version.value) and 0 < outcome.model_version.value < 80
     assert run.data.params["alpha"] == "0.05"
 
+    # The Secret holds the store's keys; the Deployment and the pod name it and hold none of them.
+    key = s3_store.bucket.credentials.aws_secret_access_key.get_secret_value()
+    secret_path = f"/api/v1/namespaces/{k8s_namespace}/secrets/diabetes{m.STORE_SECRET_SUFFIX}"
+    secret = block._api().get(secret_path)
+    assert m.is_ours(secret) and base64.b64decode(secret["data"]["AWS_SECRET_ACCESS_KEY"]).decode() == key
+    assert base64.b64decode(secret["data"]["AWS_ACCESS_KEY_ID"]).decode() == s3_for_pods["AWS_ACCESS_KEY_ID"]
+    assert "AWS_ENDPOINT_URL" not in secret["data"]  # the block's env gives the pods' address instead
+    dep = block._api().get(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/diabetes")
+    (pod_obj,) = ready_pods(block, "diabetes")
+    for obj in (dep["spec"]["template"]["spec"], pod_obj["spec"]):
+        assert obj["containers"][0]["envFrom"] == [{"secretRef": {"name": f"diabetes{m.STORE_SECRET_SUFFIX}"}}]
+    assert key not in json.dumps(dep) and key not in json.dumps(pod_obj)
+
     pod = ready_pod(block, "diabetes")
     status, ready = block.pod_request(pod, "/readyz")
     assert status == 200 and ready["model"]["checkpoint_sha256"] == outcome.checkpoint.sha256
@@ -190,6 +211,7 @@ def test_the_regressor_trains_on_slurm_and_serves_on_kubernetes(
     status, _ = block.pod_request(pod, "/invocations", {"dataframe_split": {**split, "columns": split["columns"][:-1]}})
     assert status == 422  # a column short of the model's signature
     block.undeploy("diabetes")
+    assert block._api().get_or_none(secret_path) is None  # the Secret goes with the service
 
 
 def test_no_gpu_node_stops_the_retrain_before_it_trains(

@@ -6,7 +6,8 @@ README (so a changed README fails here instead of silently skipping a replacemen
 user, partition and account, the bucket, namespace, stack and workload names of this test (unique per run on
 the shared servers), and what this machine's Slurm nodes need on top of a site's (SLURM_CONF, podman's own
 config files for the plain-HTTP registry, stand-in GPUs as CUDA_VISIBLE_DEVICES). The pods reach the
-loopback-only S3 stack through a relay inside the k8s node (``s3_for_pods`` in conftest.py), and the node
+loopback-only S3 stack through a relay inside the k8s node (``s3_for_pods`` in conftest.py; the serving block's
+``env`` gives them its address over the one in the store's Secret the deploy makes), and the node
 pulls with the namespace's image pull secret (``k8s_namespace``). The first line (git clone, make
 venv, activate) is not run: there is no network; the commands run in this checkout with its .venv/bin on
 PATH, which is what activating does. The run without --local goes through a worker of this checkout on a
@@ -15,6 +16,8 @@ work pool of the test's own (GPUFERRY_WORK_POOL), as the shared pool's worker ru
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
@@ -86,17 +89,16 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
         ("https://s3.example.org", s3["S3_ENDPOINT_URL"]),
         ("https://mlflow.example.org", mlflow["MLFLOW_TRACKING_URI"]),
         ("~/.kube/config", k8s["KUBECONFIG"]),
-        ("namespace: models", f"namespace: {k8s_namespace}"),
+        ("namespace: models", f"namespace: {k8s_namespace}\n      env: {{AWS_ENDPOINT_URL: "
+                              f"'{s3_for_pods['AWS_ENDPOINT_URL']}'}}"),
         ("cluster_name: hpc", f"cluster_name: {stack}"), ("  hpc:", f"  {stack}:"),
     ]  # fmt: skip
     command_values = [
-        ("house-prices", workload), ("-n models", f"-n {k8s_namespace}"),
-        ("https://s3.example.org us-east-1", f"{s3_for_pods['AWS_ENDPOINT_URL']} {s3['AWS_DEFAULT_REGION']}"),
+        ("house-prices", workload),
         ("check hpc ", f"check {stack} "), ("--stack hpc", f"--stack {stack}"),
     ]  # fmt: skip
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "kubectl").symlink_to(k8s["K8S_KUBECTL"])
     pool = f"gpuferry-readme-{uid}"
     env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), str(REPO / ".venv/bin"), os.environ["PATH"]]),
            "KUBECONFIG": k8s["KUBECONFIG"], "PREFECT_API_URL": prefect["PREFECT_API_URL"],
@@ -155,12 +157,12 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
         print(f"$ {line}\n{out[-4000:]}")
         assert done.returncode == 0, f"{line}\n{out[-6000:]}"
         outputs.append(out)
-    init, apply, secret, check, local, deployed = outputs
+    assert not any("kubectl" in c for c in commands)  # the deploy gives the pods the store's keys itself
+    init, apply, check, local, deployed = outputs
     stack, model, ns = world["stack"], world["workload"], world["namespace"]
     assert "wrote " in init and (world["tmp"] / model / "gpuferry.yaml").is_file()
     assert f"{stack}: created" in apply
     assert "all checks passed" in check
-    assert "secret/model-store created" in secret
     assert f"model version: {model} v1 (val_rmse=" in local and "promoted" in local
     assert f"endpoint: http://{model}.{ns}.svc.cluster.local:80" in local
     assert f"registered retrain/{model}, sweep/{model}" in deployed  # the first run through a deployment
@@ -173,6 +175,7 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
 
     from blocks import k8s_manifests as m
     from blocks.kubernetes import KubernetesCluster
+    from blocks.specs import ServingSpec
 
     client = MlflowClient(world["mlflow"])
     assert client.get_model_version_by_alias(model, "champion").version == "2"
@@ -187,4 +190,12 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
     status, answer = block.pod_request(pod["metadata"]["name"], "/invocations",
                                        {"dataframe_split": {"columns": columns, "data": [[0.0] * 10]}})  # fmt: skip
     assert status == 200 and len(answer["predictions"]) == 1
+    # The store's keys reached the pod through the Secret the deploy made, and only through it.
+    secret_path = f"/api/v1/namespaces/{ns}/secrets/{m.store_secret_name(ServingSpec(service_name=model))}"
+    secret = block._api().get(secret_path)
+    key = world["env"]["AWS_SECRET_ACCESS_KEY"]
+    assert base64.b64decode(secret["data"]["AWS_SECRET_ACCESS_KEY"]).decode() == key
+    assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": secret["metadata"]["name"]}}]
+    assert key not in json.dumps(dep) and key not in json.dumps(pod)
     block.undeploy(model)
+    assert block._api().get_or_none(secret_path) is None
