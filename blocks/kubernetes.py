@@ -7,9 +7,10 @@
    offers the GPU resource a replica asks for (``nvidia.com/gpu``, a MIG slice such as
    ``nvidia.com/mig-1g.10gb``, or a time-sliced resource name);
 3. puts the store's credentials (``Release.store_env``) into a Secret of the service's own
-   (``<service>-model-store``, created or updated through the API, read by the pods through ``envFrom``)
-   unless ``env_from_secret`` names the user's; then server-side applies the Deployment, the Service and, when configured, an HPA and a
-   PodDisruptionBudget in the API versions the server serves (discovery), as our own field manager —
+   (``<service>-model-store``, ``blocks/k8s_secrets.py``; the pods read it through ``envFrom``) unless
+   ``env_from_secret`` names the user's; then server-side applies the Deployment, the Service and, when
+   configured, an HPA and a PodDisruptionBudget in the API versions the server serves (discovery), as our
+   own field manager —
    a field owned by another manager is a clear error, not a silent overwrite;
 4. watches the rollout (``blocks/k8s_rollout.py``) until it is available, failed (ImagePullBackOff,
    CrashLoopBackOff, OOMKilled, ProgressDeadlineExceeded, ...) or out of time;
@@ -38,6 +39,7 @@ from pydantic import Field, PrivateAttr, SecretStr
 
 from blocks import k8s_manifests as manifests
 from blocks import k8s_rollout as rollout
+from blocks import k8s_secrets
 from blocks.backoff import Poll
 from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, DeployFailed, RolledBack
@@ -256,10 +258,13 @@ class KubernetesCluster(ServingBackend):
         self.preflight(spec)
         api = self._api()
         opts = self._options(**self._discover_versions())
+        store_env = {k: v.get_secret_value() for k, v in release.store_env.items()}
+        store_secret = None if self.env_from_secret else k8s_secrets.put_store_secret(
+            api, manifests.store_secret(spec, store_env, opts))
         objects = manifests.build_manifests(
             spec, model_name=release.model_name, version=release.version, model_uri=release.model_uri,
             image=image, opts=opts, server=release.server, checkpoint_sha256=release.checkpoint_sha256,
-            store_secret=self._store_secret(spec, release, opts),
+            store_secret=store_secret,
         )  # fmt: skip
         log = _logger()
         name = manifests.service_object_name(spec)
@@ -375,9 +380,7 @@ class KubernetesCluster(ServingBackend):
                               ("PodDisruptionBudget", versions["pdb_api_version"]), ("Service", "v1")):  # fmt: skip
             api.delete(self._path(kind, version, name))
         if self.env_from_secret is None:
-            secret = f"/api/v1/namespaces/{self.namespace}/secrets/{name}{manifests.STORE_SECRET_SUFFIX}"
-            if manifests.is_ours(api.get_or_none(secret) or {}):
-                api.delete(secret)
+            k8s_secrets.delete_store_secret(api, self.namespace, name + manifests.STORE_SECRET_SUFFIX)
         path = self._path("Deployment", "apps/v1", name)
         existed = api.delete(path, propagationPolicy="Foreground")
         # Foreground: the Deployment goes once its pods are gone, so "stopped" means stopped.
@@ -392,31 +395,6 @@ class KubernetesCluster(ServingBackend):
         return existed
 
     # ---- helpers -----------------------------------------------------------------------------
-
-    def _store_secret(self, spec: ServingSpec, release: Release, opts: manifests.ManifestOptions) -> tuple[str, str] | None:
-        """Create or update the Secret of the store's credentials (values only through the API); returns its
-        name and resourceVersion, or None when ``env_from_secret`` is set or the store needs nothing."""
-        if self.env_from_secret:
-            return None
-        wanted = manifests.store_secret(spec, {k: v.get_secret_value() for k, v in release.store_env.items()}, opts)
-        if wanted is None:
-            return None
-        api, name = self._api(), wanted["metadata"]["name"]
-        path = f"/api/v1/namespaces/{self.namespace}/secrets/{name}"
-        found = api.get_or_none(path)
-        if found is None:
-            made = api.request("POST", path.rsplit("/", 1)[0], body=wanted)
-        elif not manifests.is_ours(found):
-            raise ConfigurationError(
-                f"Secret {self.namespace}/{name} exists and is not gpuferry's (no app.kubernetes.io/managed-by="
-                f"{manifests.MANAGED_BY} label): name it in env_from_secret to use it, or delete it"
-            )
-        elif found.get("data") == wanted["data"] and found["metadata"].get("labels") == wanted["metadata"]["labels"]:
-            made = found
-        else:
-            wanted["metadata"]["resourceVersion"] = found["metadata"]["resourceVersion"]
-            made = api.request("PUT", path, body=wanted)
-        return name, made["metadata"]["resourceVersion"]
 
     def _discover_versions(self) -> dict[str, str]:
         """The HPA and PDB API versions this server serves (newest we know first)."""
