@@ -97,10 +97,8 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
         ("house-prices", workload),
         ("check hpc ", f"check {stack} "), ("--stack hpc", f"--stack {stack}"),
     ]  # fmt: skip
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     pool = f"gpuferry-readme-{uid}"
-    env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), str(REPO / ".venv/bin"), os.environ["PATH"]]),
+    env = {**os.environ, "PATH": os.pathsep.join([str(REPO / ".venv/bin"), os.environ["PATH"]]),
            "KUBECONFIG": k8s["KUBECONFIG"], "PREFECT_API_URL": prefect["PREFECT_API_URL"],
            "PREFECT_UI_URL": prefect["PREFECT_UI_URL"], "GPUFERRY_WORK_POOL": pool,
            "GPUFERRY_HOME": str(tmp_path / "home"),
