@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -34,14 +35,34 @@ class CommandLines:
         return self.seen
 
 
-def flow_run_logs(flow_run_id: uuid.UUID) -> list[str]:
-    """Every log message of the flow run (its tasks' too) on the Prefect server."""
+def flow_run_logs(flow_run_id: uuid.UUID, *, until: str | None = None, timeout: float = 120) -> list[str]:
+    """Every log message of the flow run (its tasks' too) on the Prefect server, read page by page (the server
+    answers at most its default limit of entries a request). ``until``: read again until a message contains it
+    (a process sends its logs in batches, in the background: the last may land after the flow has returned)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
 
     async def read() -> list[str]:
+        messages: list[str] = []
         async with get_client() as prefect:
-            found = await prefect.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-            return [entry.message for entry in found]
+            while True:
+                page = await prefect.read_logs(
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=PAGE,
+                    offset=len(messages), sort=LogSort.TIMESTAMP_ASC,
+                )  # fmt: skip
+                messages += [entry.message for entry in page]
+                if len(page) < PAGE:
+                    return messages
 
-    return asyncio.run(read())
+    deadline = time.monotonic() + timeout
+    while True:
+        messages = asyncio.run(read())
+        if until is None or any(until in m for m in messages):
+            return messages
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no log message of flow run {flow_run_id} says {until!r} within {timeout} s")
+        time.sleep(1)
+
+
+PAGE = 200

@@ -240,7 +240,7 @@ def test_a_local_job_logs_in_with_its_secret_file_and_the_password_is_nowhere_el
     assert "login from .secret.env, mode 600" in (workdir / "job.log").read_text()
     assert not (workdir / ".secret.env").exists()  # removed when the job ended
 
-    messages = flow_run_logs(state.state_details.flow_run_id)
+    messages = flow_run_logs(state.state_details.flow_run_id, until="login from .secret.env, mode 600")
     with get_client(sync_client=True) as prefect:
         parameters = json.dumps(prefect.read_flow_run(state.state_details.flow_run_id).parameters, default=str)
     assert any("login from .secret.env, mode 600" in m for m in messages)  # the job's output reached the logs
