@@ -39,7 +39,7 @@ from tasks.retry import is_transient
 from tasks.track import finish_run, start_run
 from tasks.train import train
 from tests.examples import REPO
-from tests.planted import CommandLines, flow_run_logs
+from tests.planted import CommandLines, flow_run_logs, send_logs_now
 from tests.private_worker import wait_until
 
 ADMIN = "admin"
@@ -226,6 +226,7 @@ def test_a_local_job_logs_in_with_its_secret_file_and_the_password_is_nowhere_el
     compute = LocalProcesses(workdir_root=str(tmp_path / "jobs"), poll_interval_max=0.5)
     tracking = MlflowTracking(tracking_uri=server.uri, username=ADMIN, password=SecretStr(server.password))
     key = f"auth-{uuid.uuid4().hex[:8]}"
+    send_logs_now()
     lines = CommandLines()
     try:
         state = _logged_training(tracking, compute, str(code), key, return_state=True)

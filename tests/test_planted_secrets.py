@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 from blocks.specs import Resources, TrainingSpec
 from flows.retrain import retrain
 from tests.examples import DIABETES
-from tests.planted import CommandLines, flow_run_logs
+from tests.planted import CommandLines, flow_run_logs, send_logs_now
 from tests.stacks import remove_on_cluster, stack_env
 from tests.test_pipeline_slurm import slurm_stack
 from tests.test_slurm_cluster import slurm
@@ -60,6 +60,7 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
     stack = slurm_stack("planted")
     root = stack.compute.workdir_root
     stack.save("slurm-planted-test", overwrite=True)
+    send_logs_now()
     lines = CommandLines()
     try:
         outcome = retrain(workload=str(_workload(tmp_path, block, token)), stack="slurm-planted-test",
