@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from blocks._proc import free_port
+from tests.processes import stop_process_group
 
 
 @dataclass(frozen=True)
@@ -84,21 +84,6 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path, banner: bytes 
         time.sleep(0.1)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop ``proc`` and what it forked (its own process group: it was started in a session of its own)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-    try:  # forked children of a stopped socat
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def _ca(root: Path, name: str) -> tuple[Path, Path]:
     key, cert = root / f"{name}.key", root / f"{name}.pem"
     _run("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
@@ -137,7 +122,7 @@ def tls_engine(socket_path: str, root: Path) -> Iterator[TlsEngine]:
         yield TlsEngine(url=f"tcp://127.0.0.1:{port}", ca_cert=ca[1].read_text(), client_cert=client_cert.read_text(),
                         client_key=client_key.read_text(), other_ca_cert=other_ca.read_text(), log=log)  # fmt: skip
     finally:
-        _stop(proc)
+        stop_process_group(proc)
 
 
 @contextmanager
@@ -170,4 +155,4 @@ def ssh_engine(socket_path: str, root: Path) -> Iterator[SshEngine]:
                         known_hosts=line(root / "host_key.pub"), other_known_hosts=line(root / "other_host_key.pub"),
                         log=log)  # fmt: skip
     finally:
-        _stop(proc)
+        stop_process_group(proc)

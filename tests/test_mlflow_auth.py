@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -41,6 +40,7 @@ from tasks.train import train
 from tests.examples import REPO
 from tests.planted import CommandLines, flow_run_logs, send_logs_now
 from tests.private_worker import wait_until
+from tests.processes import stop_process_group
 
 ADMIN = "admin"
 
@@ -99,13 +99,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
         assert made.status_code == 200, made.text
         yield AuthServer(uri, password, token, reader, reader_password)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server and the workers it started
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+        stop_process_group(proc)  # the server and the workers it started
         log.close()
 
 
