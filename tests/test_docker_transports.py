@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,3 +161,17 @@ def test_ssh_refuses_a_host_key_not_in_known_hosts_and_a_key_it_was_not_given(
     with pytest.raises(ValueError, match=r"it must be ssh://USER@HOST\[:PORT\]"):
         DockerCompute(docker_host=DockerHost(base_url="ssh://127.0.0.1:22"), ssh=SshCredentials(
             private_key=ssh.private_key, known_hosts=ssh.known_hosts))  # fmt: skip
+
+
+def test_ssh_logs_in_as_the_credentials_user_when_base_url_names_none(
+    ssh: SshEngine, stack: dict[str, str], gpus: FakeGpus, tmp_path: Path,
+) -> None:  # fmt: skip
+    logins = ssh.logins()
+    fields = ssh_fields(ssh, user="root")
+    fields["docker_host"] = DockerHost(base_url=ssh.url.replace("ssh://root@", "ssh://"))
+    c = compute(stack, gpus, tmp_path, **fields)
+    assert c.engine().client.ping()
+    deadline = time.monotonic() + 60
+    while ssh.logins() == logins:  # sshd writes its log line after the login
+        assert time.monotonic() < deadline, ssh.log.read_text()[-2000:]
+        time.sleep(0.2)
