@@ -46,13 +46,12 @@ from blocks.docker_spec import (
     check_env_names,
     container_exit_reason,
     container_name,
-    secret_env_text,
     training_container,
 )
 from blocks.errors import ConfigurationError, explain_exit_code
 from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label, parse_claim_label
 from blocks.launch import launch_command
-from blocks.secrets import job_secret_values
+from blocks.secrets import job_secret_values, write_secret_env
 from blocks.slurm_script import check_name, check_pinned_image
 from blocks.specs import JobHandle, JobStatus, Resources, TrainingJob
 from runtime import contract
@@ -218,7 +217,7 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
         if not values:
             return
         path = workdir / SECRET_ENV_NAME
-        save(path, secret_env_text(values).encode(), 0o600)
+        write_secret_env(path, values)
         uid = (self.user or "").split(":")[0]
         if uid.isdigit() and os.geteuid() == 0:
             os.chown(path, int(uid), -1)

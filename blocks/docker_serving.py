@@ -38,7 +38,6 @@ from urllib.parse import unquote, urlparse
 from pydantic import Field
 
 from blocks.backoff import wait_until
-from blocks.docker_engine import save
 from blocks.docker_gpu_host import DockerGpuHost
 from blocks.docker_spec import (
     DEFAULT_NETWORKS,
@@ -59,13 +58,13 @@ from blocks.docker_spec import (
     container_name,
     front_container,
     http_probe,
-    secret_env_text,
     server_container,
 )
 from blocks.errors import ConfigurationError, DeployFailed
 from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label
 from blocks.home import gpuferry_home
 from blocks.k8s_manifests import check_image
+from blocks.secrets import write_secret_env
 from blocks.serving import Release, ServingBackend, _ready, require_smoke_request, smoke_test
 from blocks.specs import Endpoint, ServingSpec
 from runtime import contract
@@ -406,7 +405,7 @@ class DockerServing(ServingBackend, DockerGpuHost):
         if not values:
             return None
         path = self._secrets_dir() / f"{name}.env"
-        save(path, secret_env_text(values).encode(), 0o600)
+        write_secret_env(path, values)
         return str(path)
 
     def _forget_secrets(self, name: str) -> None:
