@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from blocks.backoff import Poll
 from blocks.errors import ConfigurationError
 from blocks.slurm_state import (
-    SACCT_TASK_FORMAT, array_task_rows, index_ranges, status_from_squeue, task_status, usage, usage_row_from_squeue,
+    SACCT_TASK_FORMAT, array_task_rows, index_ranges, release_problems, status_from_squeue, task_status, usage,
+    usage_row_from_squeue,
 )  # fmt: skip
 from blocks.specs import JobHandle, JobStatus, TrainingJob
 from runtime import contract
@@ -27,8 +28,9 @@ MAX_ARRAY_TASKS = 1_000_000  # Slurm's own bound; a cluster's MaxArraySize is lo
 class SlurmArrays:
     """Job arrays of a ``SlurmCluster`` (see the module's docstring)."""
 
-    # Mixed into SlurmCluster, whose commands (run, _put_files, _squeue), submit path (validate_job, ship_code,
-    # _script_for_job, _submit) and secret files (remove_job_secrets) it uses.
+    # Mixed into SlurmCluster, whose commands (run, _put_files: slurm_ssh.py), submit path (validate_job,
+    # _script_for_job; ship_code, _submit: slurm_submit.py) and job state (_squeue, _last_jobs,
+    # remove_job_secrets: slurm_jobs.py) it uses.
 
     @staticmethod
     def task_dir(workdir: str, index: int) -> str:
@@ -93,8 +95,7 @@ class SlurmArrays:
             rc, out, err = self._put_files(handle.workdir, files, keep_existing=True, then=argv, check=False)
         else:
             rc, out, err = self.run(argv, check=False)
-        problems = [line for line in (err + out).splitlines()
-                    if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
+        problems = release_problems(err + out)
         if rc != 0 and problems:
             self._raise_for(argv, rc, "\n".join(problems))
 

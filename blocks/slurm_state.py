@@ -1,8 +1,8 @@
 """What Slurm's commands answer, read: pure functions from squeue / sacct text to our job states and usage.
 
-Nothing here talks to a cluster: ``blocks/slurm.py`` runs the commands (the argv lists are built here, so
-the fields asked for and the fields read are written once) and hands their output over. The readers are
-tested against recorded outputs (``tests/golden/slurm/``).
+Nothing here talks to a cluster: the block (``blocks/slurm.py`` and its mixins) runs the commands (the argv
+lists are built here, so the fields asked for and the fields read are written once) and hands their output
+over. The readers are tested against recorded outputs (``tests/golden/slurm/``).
 
 * ``squeue``: ``SQUEUE_FIELDS`` as ``-O`` fields separated by ``|``, times as epoch seconds
   (``SLURM_TIME_FORMAT=%s``); ``parse_squeue`` turns its lines into records named as ``squeue --json``
@@ -10,7 +10,11 @@ tested against recorded outputs (``tests/golden/slurm/``).
 * ``sacct``: ``statuses_from_sacct`` (``SACCT_STATUS_FORMAT``, a job that left the controller's memory),
   ``usage`` (``SACCT_USAGE_FORMAT``: GPU-hours, CPU-hours, wall seconds and requeues over every attempt),
   ``array_task_rows`` / ``task_status`` (``SACCT_TASK_FORMAT``: the final state of each array task).
-* ``aggregate``: one status for an array from the statuses of its tasks.
+* ``aggregate``: one status for an array from the statuses of its tasks; ``statuses_from_squeue`` one status
+  per watched job (or array) from ONE squeue's records.
+* Adopting a job by its key: ``JOBS_NAMED_SH`` asks squeue and then sacct for the jobs of one name in one
+  command; ``split_jobs_named`` and ``job_for_key`` read its answer. ``sbatch_job_id`` reads
+  ``sbatch --parsable``, ``partitions_from_sinfo`` ``sinfo -h -o %R``, ``release_problems`` ``scontrol release``.
 * ``command_error``: a failed Slurm command's message as a transient or a configuration error.
 """
 
@@ -188,6 +192,78 @@ def usage_row_from_squeue(record: dict[str, Any], status: JobStatus) -> list[str
     elapsed = max(0, int(record.get("end_time") or 0) - int(record.get("start_time") or 0))
     return [status.job_id, status.job_id, str(record.get("job_state")), str(elapsed),
             str(record.get("tres_alloc_str") or ""), str(record.get("cpus") or 0)]  # fmt: skip
+
+
+def statuses_from_squeue(records: Iterable[dict[str, Any]], job_ids: Iterable[str],
+                         now: float | None = None) -> dict[str, JobStatus]:  # fmt: skip
+    """The status of each of ``job_ids`` that ONE squeue's ``records`` hold: a job's from its record, an
+    array's from those of its tasks (an array task's record counts for its array when the array is watched).
+    A watched job without a record is left out (sacct has it, or nobody)."""
+    wanted = {str(j) for j in job_ids}
+    per_job: dict[str, list[JobStatus]] = {}
+    for record in records:
+        parent = str(record.get("array_job_id") or 0)
+        own = str(record.get("job_id"))
+        if parent in wanted and parent != "0":
+            per_job.setdefault(parent, []).append(status_from_squeue(record, now))
+        elif own in wanted:
+            per_job.setdefault(own, []).append(status_from_squeue(record, now))
+    return {job_id: aggregate(job_id, items) for job_id, items in per_job.items()}
+
+
+def partitions_from_sinfo(out: str) -> list[str]:
+    """``sinfo -h -o %R``'s partitions, each once, sorted."""
+    return sorted({line.strip() for line in out.splitlines() if line.strip()})
+
+
+# ---- submit and adopt: a job's key is its name, and in its comment -----------------------------------
+
+KEY_COMMENT_PREFIX = "gpuferry-key:"
+_SACCT_SEPARATOR = "-- sacct --"
+
+# squeue's and then sacct's jobs of one name ("$1"), since "$2"; a fixed script, the name an argument.
+JOBS_NAMED_SH = (
+    f'squeue -h -t all --name="$1" -o "%F|%j|%k" || exit; echo "{_SACCT_SEPARATOR}"; '
+    'exec sacct -X -n -P --name="$1" --starttime="$2" --format=JobIDRaw,JobID,Comment'
+)
+
+
+def split_jobs_named(out: str) -> tuple[list[str], list[str] | None]:
+    """``JOBS_NAMED_SH``'s answer as squeue's ``array job id|name|comment`` lines and sacct's
+    ``JobIDRaw|JobID|Comment`` lines (None: the command stopped before sacct). squeue's lines start with a
+    job id: the separator line cannot be one of them."""
+    live, separated, accounted = ("\n" + out).partition(f"\n{_SACCT_SEPARATOR}\n")
+    return [line for line in live.splitlines() if line], accounted.splitlines() if separated else None
+
+
+def job_for_key(key: str, live: Iterable[str], accounted: Iterable[str]) -> str | None:
+    """The id of the job carrying ``key`` among ``split_jobs_named``'s lines: the oldest live one, else the
+    oldest accounted one. A live job carries the key as its name and its comment; sacct has the comment only
+    where AccountingStoreFlags=job_comment, so there an empty comment with the name is the key too."""
+    comment = KEY_COMMENT_PREFIX + key
+    found = []
+    for line in live:
+        job_id, name, job_comment = (line.split("|", 2) + ["", ""])[:3]
+        if name == key and job_comment == comment and job_id.isdigit():
+            found.append(job_id)
+    if not found:
+        found = [line.split("|")[1].split("_")[0] for line in accounted
+                 if line.count("|") >= 2 and line.split("|", 2)[2] in (comment, "")]  # fmt: skip
+    return min(found, key=int) if found else None
+
+
+def sbatch_job_id(out: str) -> str:
+    """The job id ``sbatch --parsable`` printed ("<id>" or "<id>;<cluster>")."""
+    job_id = out.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise TransientError(f"sbatch answered {out!r} instead of a job id")
+    return job_id
+
+
+def release_problems(out: str) -> list[str]:
+    """What ``scontrol release`` said that is an error: releasing a task that already ran is none."""
+    return [line for line in out.splitlines()
+            if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
 
 
 # ---- sacct -------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The inputs in tests/golden/slurm/ are squeue and sacct output exactly as the argv lists of slurm_state.py
 ask for it: held and released array tasks, a running job, a cancelled one, one that exited 3 and one killed
 by SIGKILL, a preempted job's two attempts (sacct_tasks.txt puts attempts like those under one array's
-tasks). What they read to is kept next to them as JSON (``GPUFERRY_UPDATE_GOLDEN=1`` rewrites it); the
+tasks); the jobs of one name as the adopt lookup asks for them (jobs_named.txt: ours finished, held and in an
+array, and someone else's of the same name), and sinfo's partitions. What they read to is kept next to them as JSON (``GPUFERRY_UPDATE_GOLDEN=1`` rewrites it); the
 assertions below say what matters in it.
 """
 
@@ -15,9 +16,10 @@ import pytest
 
 from blocks.errors import ConfigurationError, TransientError
 from blocks.slurm_state import (
-    NOT_VISIBLE, SACCT_STATUS_FORMAT, SACCT_TASK_FORMAT, SACCT_USAGE_FORMAT, SQUEUE_FIELDS, accounting_settled,
-    aggregate, array_task_rows, command_error, index_ranges, parse_squeue, squeue_argv, status_from_squeue,
-    statuses_from_sacct, task_status, usage, usage_rows,
+    JOBS_NAMED_SH, KEY_COMMENT_PREFIX, NOT_VISIBLE, SACCT_STATUS_FORMAT, SACCT_TASK_FORMAT, SACCT_USAGE_FORMAT,
+    SQUEUE_FIELDS, accounting_settled, aggregate, array_task_rows, command_error, index_ranges, job_for_key,
+    parse_squeue, partitions_from_sinfo, release_problems, sbatch_job_id, split_jobs_named, squeue_argv,
+    status_from_squeue, statuses_from_sacct, statuses_from_squeue, task_status, usage, usage_rows,
 )  # fmt: skip
 from tests.golden_files import GOLDEN as GOLDEN_DIR
 from tests.golden_files import check_json
@@ -100,3 +102,44 @@ def test_index_ranges_and_command_errors() -> None:
     assert isinstance(busy, TransientError) and str(busy).startswith("sbatch failed (exit 1)")
     wrong = command_error(["squeue"], 1, "squeue: error: Invalid user: nobody\n")
     assert isinstance(wrong, ConfigurationError) and not isinstance(wrong, TransientError)
+
+
+def test_one_squeue_gives_each_watched_job_or_array_its_status() -> None:
+    records = parse_squeue((GOLDEN / "squeue.txt").read_text())
+    statuses = statuses_from_squeue(records, ["118", "121", "999"], now=NOW)
+    assert sorted(statuses) == ["118", "121"]  # 999 has no record: sacct is asked for it
+    # The array: its finished task (record 120) and its held tasks' record, as one status.
+    assert statuses["118"] == aggregate("118", [status_from_squeue(r, now=NOW) for r in records
+                                                if r["array_job_id"] == 118])  # fmt: skip
+    assert statuses["118"].state == "PENDING" and statuses["121"].exit_code == 3
+    # A task watched by its own id while its array is not: its record alone.
+    assert statuses_from_squeue(records, ["120"], now=NOW)["120"].state == "COMPLETED"
+
+
+def test_the_jobs_of_one_name_and_the_one_to_adopt() -> None:
+    assert JOBS_NAMED_SH.count('"$1"') == 2 and '"$2"' in JOBS_NAMED_SH  # the name is an argument, never formatted
+    key = "gf-adopt"
+    live, accounted = split_jobs_named((GOLDEN / "jobs_named.txt").read_text())
+    assert accounted is not None
+    found = {"live": live, "accounted": accounted, "adopt": job_for_key(key, live, accounted),
+             "adopt_from_sacct": job_for_key(key, [], accounted)}  # fmt: skip
+    check_golden("jobs_named", found)
+    assert found["adopt"] == "1"  # the oldest of ours (1, 3, 4); 2 has our name and someone else's comment
+    assert job_for_key(key, ["2|gf-adopt|someone else's"], []) is None
+    assert found["adopt_from_sacct"] == "1"  # the controller forgot it: the accounting database has it
+    # Where sacct stores no comment (no AccountingStoreFlags=job_comment) the name alone is the key.
+    assert job_for_key(key, [], ["7|7|", "5_2|5_2|", "9|9|not ours"]) == "5"
+    assert job_for_key(key, [f"8|{key}x|{KEY_COMMENT_PREFIX}{key}"], []) is None  # another name
+    # squeue failed before sacct ran: no sacct part at all; nothing found: empty parts.
+    assert split_jobs_named("") == ([], None)
+    assert split_jobs_named("-- sacct --\n") == ([], [])
+
+
+def test_sbatch_sinfo_and_scontrol_answers() -> None:
+    assert sbatch_job_id("4\n") == "4" and sbatch_job_id("17;cluster\n") == "17"
+    with pytest.raises(TransientError, match="instead of a job id"):
+        sbatch_job_id("sbatch: error: Batch job submission failed\n")
+    assert partitions_from_sinfo((GOLDEN / "sinfo_partitions.txt").read_text() + "debug\n\n") == ["debug", "joined"]
+    # Recorded from scontrol release: an array that already finished is no problem, an unknown task is.
+    assert release_problems("3_0-2: Job has already finished\n") == []
+    assert release_problems("1_0: Invalid job id specified\n") == ["1_0: Invalid job id specified"]
