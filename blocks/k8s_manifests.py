@@ -5,7 +5,8 @@ for, a HorizontalPodAutoscaler and a PodDisruptionBudget, as plain dicts ready f
 apply. Every knob is a field of ``ManifestOptions``; unknown keys are rejected with the list of
 valid ones. The API versions of the optional objects are arguments because the server decides
 them (discovery, in ``blocks/kubernetes.py``). ``store_secret`` is the Secret of the checkpoint store's
-credentials the pods read (``envFrom``) when the block names no Secret of the user's (``env_from_secret``).
+credentials the pods read (``envFrom``) when the block names no Secret of the user's (``env_from_secret``);
+it also carries the store's CA certificate, which the pods get as a read-only file that ``AWS_CA_BUNDLE`` names.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import base64
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -33,6 +34,10 @@ STORE_SECRET_ANNOTATION = ANNOTATION_PREFIX + "store-secret-version"
 STORE_SECRET_SUFFIX = "-model-store"
 # A reader variable that names a file on the orchestrator's disk, which a pod does not have.
 _ORCHESTRATOR_PATHS = ("AWS_CA_BUNDLE",)
+# The store's CA certificate (PEM): a key of the store's Secret, mounted read-only at STORE_CA_PATH in the pods.
+STORE_CA_KEY = "store-ca.pem"
+STORE_CA_DIR = "/etc/gpuferry/store-ca"
+STORE_CA_PATH = f"{STORE_CA_DIR}/{STORE_CA_KEY}"
 CONTAINER_NAME = "server"
 PORT_NAME = "http"
 
@@ -179,11 +184,16 @@ def store_secret_name(spec: ServingSpec) -> str:
     return service_object_name(spec) + STORE_SECRET_SUFFIX
 
 
-def store_secret(spec: ServingSpec, reader_env: Mapping[str, str], opts: ManifestOptions) -> dict[str, Any] | None:
+def store_secret(spec: ServingSpec, reader_env: Mapping[str, str], opts: ManifestOptions,
+                 ca_bundle: bytes | None = None) -> dict[str, Any] | None:  # fmt: skip
     """The Secret holding what the pods' server needs to read the store (``CheckpointStore.reader_env``): its
     variables less those the block's ``env`` sets (the pod's ``env`` wins over ``envFrom``: e.g. the store's
-    endpoint as the pods reach it) and less file paths of the orchestrator's. None when nothing is left."""
-    values = {k: v for k, v in reader_env.items() if k not in opts.env and k not in _ORCHESTRATOR_PATHS}
+    endpoint as the pods reach it) and less file paths of the orchestrator's; and ``ca_bundle``, the store's
+    CA certificate (the contents of the file AWS_CA_BUNDLE names here), as ``STORE_CA_KEY`` unless the
+    block's ``env`` gives the pods an AWS_CA_BUNDLE of their own. None when nothing is left."""
+    values = {k: v.encode() for k, v in reader_env.items() if k not in opts.env and k not in _ORCHESTRATOR_PATHS}
+    if ca_bundle is not None and "AWS_CA_BUNDLE" not in opts.env:
+        values[STORE_CA_KEY] = ca_bundle
     if not values:
         return None
     meta_labels = {**selector_labels(spec), "app.kubernetes.io/component": "model-store",
@@ -192,7 +202,7 @@ def store_secret(spec: ServingSpec, reader_env: Mapping[str, str], opts: Manifes
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": {"name": store_secret_name(spec), "namespace": opts.namespace,
                      "labels": meta_labels},
-        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(values.items())},
+        "data": {k: base64.b64encode(v).decode() for k, v in sorted(values.items())},
     }  # fmt: skip
 
 
@@ -226,13 +236,14 @@ def build_manifests(
     server: ServerSpec | None = None,
     checkpoint_sha256: str | None = None,
     store_secret: tuple[str, str] | None = None,
+    store_keys: Collection[str] = (),
 ) -> dict[str, dict[str, Any]]:
     """``{"deployment": ..., "service": ..., ["hpa": ...], ["pdb": ...]}`` for server-side apply.
 
     ``server`` is what serves the model (the workload's serve section): gpuferry's MLflow model server
     (``python -m runtime.serve`` on ``container_port``) or the workload's own command, port and probe paths.
-    ``store_secret`` is (name, resourceVersion) of the store's Secret gpuferry made; the pods read it unless
-    ``opts.env_from_secret`` names the user's own.
+    ``store_secret`` is (name, resourceVersion) of the store's Secret gpuferry made, ``store_keys`` its keys;
+    the pods read it unless ``opts.env_from_secret`` names the user's own.
     """
     server = server or ServerSpec()
     name = service_object_name(spec)
@@ -260,6 +271,11 @@ def build_manifests(
         **({contract.MODEL_SHA256: checkpoint_sha256} if checkpoint_sha256 else {}),
         **opts.env,
     }
+    # A Secret with the store's CA: envFrom would make the certificate a variable too (Kubernetes takes any key
+    # for a name), so the pods take its variables key by key and the certificate as a file.
+    store_ca = bool(store_secret) and not opts.env_from_secret and STORE_CA_KEY in store_keys
+    if store_ca:
+        env["AWS_CA_BUNDLE"] = STORE_CA_PATH
     resources: dict[str, dict[str, Any]] = {"requests": {}, "limits": {}}
     for key, value in (("cpu", opts.cpu_request), ("memory", opts.memory_request)):
         if value:
@@ -311,8 +327,18 @@ def build_manifests(
         container["command"] = list(MLFLOW_SERVER_COMMAND)
     if server.workdir:
         container["workingDir"] = server.workdir
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
     if opts.env_from_secret:
         container["envFrom"] = [{"secretRef": {"name": opts.env_from_secret}}]
+    elif store_secret and store_ca:
+        # optional: a key a rolled-back template names that the Secret no longer has is left out, as envFrom does.
+        refs = [{"name": k, "valueFrom": {"secretKeyRef": {"name": store_secret[0], "key": k, "optional": True}}}
+                for k in sorted(store_keys) if k != STORE_CA_KEY and k not in env]  # fmt: skip
+        container["env"] = refs + container["env"]
+        volumes.append({"name": "store-ca", "secret": {"secretName": store_secret[0], "optional": True,
+                                                       "items": [{"key": STORE_CA_KEY, "path": STORE_CA_KEY}]}})  # fmt: skip
+        mounts.append({"name": "store-ca", "mountPath": STORE_CA_DIR, "readOnly": True})
     elif store_secret:
         container["envFrom"] = [{"secretRef": {"name": store_secret[0]}}]
     if resources:
@@ -321,11 +347,10 @@ def build_manifests(
         "containers": [container],
         "terminationGracePeriodSeconds": opts.termination_grace_seconds,
     }
-    if opts.host_path_mounts:
-        volumes, mounts = [], []
-        for i, (host, target) in enumerate(sorted(opts.host_path_mounts.items())):
-            volumes.append({"name": f"host-{i}", "hostPath": {"path": host, "type": "Directory"}})
-            mounts.append({"name": f"host-{i}", "mountPath": target, "readOnly": True})
+    for i, (host, target) in enumerate(sorted(opts.host_path_mounts.items())):
+        volumes.append({"name": f"host-{i}", "hostPath": {"path": host, "type": "Directory"}})
+        mounts.append({"name": f"host-{i}", "mountPath": target, "readOnly": True})
+    if volumes:
         pod_spec["volumes"] = volumes
         container["volumeMounts"] = mounts
     if opts.node_selector:

@@ -1,22 +1,49 @@
 """The Secret a deploy makes for its pods: the checkpoint store's credentials, through the API only.
 
-``k8s_manifests.store_secret`` builds it (``<service>-model-store``, labelled as gpuferry's); here it is
-created, updated when its values changed, or left as it is, and deleted with the service. A Secret of that
+``k8s_manifests.store_secret`` builds it (``<service>-model-store``, labelled as gpuferry's) of the release's
+``store_env`` and of the store's CA certificate, read here from the file its ``AWS_CA_BUNDLE`` names on this
+machine (the pods get it as a file of their own); here it is created, updated when its values changed, or left
+as it is, and deleted with the service. A Secret of that
 name that gpuferry did not make is never touched: the deploy stops with an error saying how to use it or
 clear the name. The values go only into the API's request bodies (never a command line, a log or a file).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 from blocks import k8s_manifests as manifests
 from blocks.errors import ConfigurationError
 from blocks.k8s_api import KubeApi
+from blocks.specs import ServingSpec
+from runtime.s3_errors import CA_FIELD
 
 
 def _path(namespace: str, name: str) -> str:
     return f"/api/v1/namespaces/{namespace}/secrets/{name}"
+
+
+def store_secret_for(spec: ServingSpec, store_env: Mapping[str, SecretStr],
+                     opts: manifests.ManifestOptions) -> dict[str, Any] | None:  # fmt: skip
+    """The store's Secret for ``spec``'s pods: ``store_env``'s variables and the CA certificate (PEM) of the file
+    its AWS_CA_BUNDLE names here, unless the block's ``env`` gives the pods an AWS_CA_BUNDLE of their own."""
+    values = {k: v.get_secret_value() for k, v in store_env.items()}
+    path = values.get("AWS_CA_BUNDLE")
+    ca = None
+    if path and "AWS_CA_BUNDLE" not in opts.env:
+        try:
+            ca = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigurationError(f"{CA_FIELD} ({path}): the pods are given the store's CA certificate, which "
+                                     f"cannot be read here: {exc}") from None  # fmt: skip
+        if b"-----BEGIN CERTIFICATE-----" not in ca:
+            raise ConfigurationError(f"{CA_FIELD} ({path}) holds no PEM certificate (-----BEGIN CERTIFICATE-----): "
+                                     "name the CA certificate that signed the store's TLS certificate")  # fmt: skip
+    return manifests.store_secret(spec, values, opts, ca_bundle=ca)
 
 
 def put_store_secret(api: KubeApi, wanted: dict[str, Any] | None) -> tuple[str, str] | None:

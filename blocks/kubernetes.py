@@ -6,8 +6,9 @@
 2. preflight against the cluster, before anything is applied: the namespace exists and some node
    offers the GPU resource a replica asks for (``nvidia.com/gpu``, a MIG slice such as
    ``nvidia.com/mig-1g.10gb``, or a time-sliced resource name);
-3. puts the store's credentials (``Release.store_env``) into a Secret of the service's own
-   (``<service>-model-store``, ``blocks/k8s_secrets.py``; the pods read it through ``envFrom``) unless
+3. puts the store's credentials (``Release.store_env``) and its CA certificate into a Secret of the service's
+   own (``<service>-model-store``, ``blocks/k8s_secrets.py``; the pods read it through ``envFrom``, or key by
+   key with the certificate as a read-only file when there is one) unless
    ``env_from_secret`` names the user's; then server-side applies the Deployment, the Service and, when
    configured, an HPA and a PodDisruptionBudget in the API versions the server serves (discovery), as our
    own field manager —
@@ -258,13 +259,11 @@ class KubernetesCluster(ServingBackend):
         self.preflight(spec)
         api = self._api()
         opts = self._options(**self._discover_versions())
-        store_env = {k: v.get_secret_value() for k, v in release.store_env.items()}
-        store_secret = None if self.env_from_secret else k8s_secrets.put_store_secret(
-            api, manifests.store_secret(spec, store_env, opts))
+        wanted = None if self.env_from_secret else k8s_secrets.store_secret_for(spec, release.store_env, opts)
         objects = manifests.build_manifests(
             spec, model_name=release.model_name, version=release.version, model_uri=release.model_uri,
             image=image, opts=opts, server=release.server, checkpoint_sha256=release.checkpoint_sha256,
-            store_secret=store_secret,
+            store_secret=k8s_secrets.put_store_secret(api, wanted), store_keys=sorted(wanted["data"]) if wanted else (),
         )  # fmt: skip
         log = _logger()
         name = manifests.service_object_name(spec)

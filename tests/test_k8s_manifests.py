@@ -91,6 +91,68 @@ def test_the_stores_secret_holds_the_readers_variables_and_the_pods_read_it() ->
     assert "planted-secret-key" not in str(dep) and "AKIA-planted" not in str(dep)
 
 
+PEM = b"-----BEGIN CERTIFICATE-----\nMIIBplanted\n-----END CERTIFICATE-----\n"
+
+
+def test_the_stores_ca_goes_into_its_secret_and_the_pods_read_it_as_a_file() -> None:
+    import base64
+
+    spec = ServingSpec(service_name="digits")
+    opts = m.options(host_path_mounts={"/srv/models": "/models"})
+    secret = m.store_secret(spec, READER_ENV, opts, ca_bundle=PEM)
+    assert secret is not None and base64.b64decode(secret["data"][m.STORE_CA_KEY]) == PEM
+    assert "AWS_CA_BUNDLE" not in secret["data"]  # the path of this machine's stays out
+    assert m.store_secret(spec, {}, opts, ca_bundle=PEM)["data"].keys() == {m.STORE_CA_KEY}  # type: ignore[index]
+    # A block env that gives the pods their own AWS_CA_BUNDLE keeps the certificate out.
+    own = m.options(env={"AWS_CA_BUNDLE": "/etc/ssl/corp.pem"})
+    assert m.STORE_CA_KEY not in m.store_secret(spec, READER_ENV, own, ca_bundle=PEM)["data"]  # type: ignore[index]
+
+    objs = m.build_manifests(spec, model_name="digits-mlp", version="3", model_uri="s3://models/digits/v3",
+                             image=IMAGE, opts=opts, store_secret=("digits-model-store", "4711"),
+                             store_keys=sorted(secret["data"]))  # fmt: skip
+    check_golden("k8s_store_ca", objs)
+    template = objs["deployment"]["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    # envFrom would make the certificate a variable too: the variables are taken key by key instead.
+    assert "envFrom" not in container
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    assert refs == {k: {"name": "digits-model-store", "key": k, "optional": True}
+                    for k in ("AWS_ACCESS_KEY_ID", "AWS_ENDPOINT_URL", "AWS_SECRET_ACCESS_KEY")}  # fmt: skip
+    values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert values["AWS_CA_BUNDLE"] == m.STORE_CA_PATH == f"{m.STORE_CA_DIR}/{m.STORE_CA_KEY}"
+    # The certificate, and only it, is a read-only file at that path; the host mount stays.
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["store-ca"]["secret"] == {"secretName": "digits-model-store", "optional": True,
+                                             "items": [{"key": m.STORE_CA_KEY, "path": m.STORE_CA_KEY}]}  # fmt: skip
+    assert {"name": "store-ca", "mountPath": m.STORE_CA_DIR, "readOnly": True} in container["volumeMounts"]
+    assert {"name": "host-0", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    # A rotated certificate is a changed Secret, whose new resourceVersion rolls the pods.
+    assert template["metadata"]["annotations"][m.STORE_SECRET_ANNOTATION] == "4711"
+    assert "MIIBplanted" not in str(objs) and "planted-secret-key" not in str(objs)
+
+
+def test_the_ca_is_read_from_the_path_the_store_names_here(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pydantic import SecretStr
+
+    from blocks.k8s_secrets import store_secret_for
+
+    spec, opts = ServingSpec(service_name="digits"), m.options()
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(PEM)
+    env = {k: SecretStr(v) for k, v in {**READER_ENV, "AWS_CA_BUNDLE": str(ca)}.items()}
+    secret = store_secret_for(spec, env, opts)
+    assert secret is not None and secret == m.store_secret(spec, READER_ENV, opts, ca_bundle=PEM)
+    with pytest.raises(ConfigurationError, match=r"verify_cert_path \(/nonexistent/ca.pem\).*cannot be read here"):
+        store_secret_for(spec, {**env, "AWS_CA_BUNDLE": SecretStr("/nonexistent/ca.pem")}, opts)
+    (tmp_path / "key.pem").write_text("-----BEGIN PRIVATE KEY-----\n")
+    with pytest.raises(ConfigurationError, match="verify_cert_path .* holds no PEM certificate"):
+        store_secret_for(spec, {**env, "AWS_CA_BUNDLE": SecretStr(str(tmp_path / "key.pem"))}, opts)
+    # The block's env names the pods' own CA: this machine's file is not read at all.
+    own = m.options(env={"AWS_CA_BUNDLE": "/etc/ssl/corp.pem"})
+    assert store_secret_for(spec, {**env, "AWS_CA_BUNDLE": SecretStr("/nonexistent/ca.pem")}, own) is not None
+    assert store_secret_for(spec, {}, opts) is None
+
+
 def test_env_from_secret_wins_over_the_stores_secret() -> None:
     opts = m.options(env_from_secret="model-store")
     dep = m.build_manifests(ServingSpec(service_name="digits"), model_name="digits-mlp", version="3",

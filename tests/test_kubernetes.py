@@ -33,7 +33,7 @@ from blocks.kubernetes import KubernetesCluster, RolledBack
 from blocks.serving import Release
 from blocks.specs import ImageRef, ServingSpec
 from tests.k8s_node import (
-    PULL_SECRET, ServiceLoad, in_pod_env, in_pod_gpu_nodes, pods, ready_pods, write_test_models,
+    PULL_SECRET, ServiceLoad, in_pod, in_pod_env, in_pod_gpu_nodes, pods, ready_pods, write_test_models,
 )  # fmt: skip
 from tests.private_worker import wait_until
 
@@ -256,6 +256,51 @@ def test_the_stores_credentials_reach_the_pods_in_a_secret_of_the_deploys_own(
     with pytest.raises(ConfigurationError, match="digits-model-store exists and is not gpuferry's"):
         block.deploy(spec, rel("1").model_copy(update={"store_env": store_env}))
     assert block.current("digits") is None and api.get(secret_path)["data"] == {"K": "dg=="}
+
+
+def make_ca(path: Path, name: str) -> bytes:
+    """A CA certificate (PEM) at ``path``, as a store with a private CA has one (its key thrown away)."""
+    import subprocess
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-keyout", str(path.with_suffix(".key")), "-out", str(path), "-subj", f"/CN={name}", "-days", "2"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    return path.read_bytes()
+
+
+# Inside the pod: the certificate AWS_CA_BUNDLE names loads as a CA (what boto3's verify= does with it).
+_LOAD_CA = "import os, ssl; print(len(ssl.create_default_context(cafile=os.environ['AWS_CA_BUNDLE']).get_ca_certs()))"
+
+
+def test_the_stores_ca_reaches_the_pods_as_a_file_and_a_new_one_restarts_them(
+    k8s: dict[str, str], k8s_namespace: str, cluster: Callable[..., KubernetesCluster], rel: Rel, tmp_path: Path
+) -> None:
+    block = cluster()
+    api, spec = block._api(), ServingSpec(service_name="digits", smoke_request=SMOKE)
+    secret_path = f"/api/v1/namespaces/{k8s_namespace}/secrets/{m.store_secret_name(spec)}"
+    ca = tmp_path / "store-ca.pem"
+    first = make_ca(ca, "first store CA")
+    planted = "planted-" + uuid.uuid4().hex
+    store_env = {"AWS_ACCESS_KEY_ID": SecretStr("gpuferry-test"), "AWS_SECRET_ACCESS_KEY": SecretStr(planted),
+                 "AWS_CA_BUNDLE": SecretStr(str(ca))}  # fmt: skip
+    block.deploy(spec, rel("1").model_copy(update={"store_env": store_env}))
+    secret = api.get(secret_path)
+    assert base64.b64decode(secret["data"][m.STORE_CA_KEY]) == first and "AWS_CA_BUNDLE" not in secret["data"]
+    (pod,) = ready_pods(block, "digits")
+    assert in_pod_env(k8s, k8s_namespace, pod, "AWS_CA_BUNDLE") == m.STORE_CA_PATH
+    assert in_pod(k8s, k8s_namespace, pod, "cat", m.STORE_CA_PATH) == first.decode().strip()
+    assert in_pod(k8s, k8s_namespace, pod, "python", "-c", _LOAD_CA) == "1"
+    assert in_pod_env(k8s, k8s_namespace, pod, "AWS_SECRET_ACCESS_KEY") == planted
+    assert "BEGIN CERTIFICATE" not in in_pod(k8s, k8s_namespace, pod, "env")  # a file, not also a variable
+    assert planted not in json.dumps(deployment(block, "digits")) and planted not in json.dumps(pod)
+
+    # A new CA at the same path: the Secret changes and the pods restart with it.
+    second = make_ca(ca, "second store CA")
+    assert block.deploy(spec, rel("1").model_copy(update={"store_env": store_env})).detail["changed"] is True
+    (pod,) = ready_pods(block, "digits")
+    assert in_pod(k8s, k8s_namespace, pod, "cat", m.STORE_CA_PATH) == second.decode().strip()
+    block.undeploy("digits")
+    assert api.get_or_none(secret_path) is None
 
 
 def test_first_deploy_that_fails_has_nothing_to_roll_back(
