@@ -5,15 +5,15 @@ generated podman launch run by bash against a recording stand-in for podman.
 
 Integration part (`make slurm-up` + `make registry-up`): the workload image is built with
 DockerImageBuilder on the stack's Debian base, pushed, and removed locally; SlurmCluster runs jobs
-in it with podman on the real local Slurm, the pull authenticated by the 0600 auth file.
+in it with podman on the real local Slurm, the pull authenticated by the 0600 auth file. The cluster is a
+remote one (tests/stacks.py): over SSH, the jobs' directories on its own filesystem, which this machine
+does not see; what a job wrote is read back through the block's session.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import stat
 import subprocess
 import sys
 import uuid
@@ -29,9 +29,8 @@ from blocks.s3 import S3CheckpointStore
 from blocks.slurm import SlurmCluster
 from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
 from blocks.slurm_script import Container, sbatch_script
-from blocks.mlflow_model import check_mlflow_model
 from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob
-from tests.stacks import registry_login, slurm_for_images, stack_env
+from tests.stacks import cluster_dir, registry_login, remove_on_cluster, slurm_for_images, stack_env
 from tests.test_slurm_script import check_golden
 
 REPO = Path(__file__).resolve().parent.parent
@@ -303,12 +302,25 @@ def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="module")
 def slurm(stacks: dict[str, str]) -> Iterator[SlurmCluster]:
+    root = cluster_dir("image-tests")  # on the cluster's own filesystem: not a path of this machine's
     c = slurm_for_images(
-        Path(stacks["SLURM_SHARED_DIR"]) / f"image-tests-{uuid.uuid4().hex[:8]}", poll_interval_start=0.5,
-        poll_interval_max=3.0, container_runtime="auto",  # asks the login node: podman here
+        root, poll_interval_start=0.5, poll_interval_max=3.0, python=stacks["SLURM_CLUSTER_PYTHON"],
+        container_runtime="auto",  # asks the login node: podman here
     )  # fmt: skip
     yield c
+    remove_on_cluster(c, root)
     c.close()
+
+
+def on_cluster(c: SlurmCluster, path: str) -> str:
+    """The text of the file ``path`` on the cluster (read over the block's session)."""
+    rc, out, err = c.run(["cat", "--", path], check=False)
+    assert rc == 0, f"{path} on the cluster: {err}"
+    return out
+
+
+def exists_on_cluster(c: SlurmCluster, path: str) -> bool:
+    return c.run(["test", "-e", path], check=False)[0] == 0
 
 
 def _job(c: SlurmCluster, ref: ImageRef, name: str, command: tuple[str, ...] = ("python", "train.py"),
@@ -333,7 +345,7 @@ def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmC
         c.result(handle, status)
     assert "unauthorized" in caught.value.log_tail.lower() or "authentication required" in caught.value.log_tail
     assert wrong not in caught.value.log_tail
-    assert wrong not in Path(job_.workdir, "job.sbatch").read_text()
+    assert wrong not in on_cluster(c, f"{job_.workdir}/job.sbatch")
 
 
 @pytest.mark.integration
@@ -347,7 +359,7 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
     status = probe.watch(handle, timeout_seconds=600)
     log, _ = probe.read_log(handle)
     assert status.state == "COMPLETED", log[-3000:]
-    seen = json.loads(Path(job_.workdir, "probe.json").read_text())
+    seen = json.loads(on_cluster(probe, f"{job_.workdir}/probe.json"))
     assert seen["marker"] == marker  # a file only this image has
     assert seen["containerenv"] and seen["python"] == "/opt/venv/bin/python"  # podman's marker; the image's venv
     assert seen["cwd"] == "/workload"  # the image's code, where the workload's command runs
@@ -360,8 +372,8 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
     assert ref.reference.split("@")[1] in log or "Copying blob" in log or "Trying to pull" in log, log[-3000:]
     # The login was a file next to the script (0600: see the cancel test), not in it; the job completed and
     # removed it itself.
-    assert stacks["REGISTRY_PASSWORD"] not in Path(job_.workdir, "job.sbatch").read_text()
-    assert not Path(job_.workdir, REGISTRY_AUTH_NAME).exists()
+    assert stacks["REGISTRY_PASSWORD"] not in on_cluster(probe, f"{job_.workdir}/job.sbatch")
+    assert not exists_on_cluster(probe, f"{job_.workdir}/{REGISTRY_AUTH_NAME}")
     probe.result(handle, status)
 
 
@@ -376,7 +388,7 @@ def test_sweep_array_tasks_get_their_own_settings_in_the_container(slurm: SlurmC
     assert status.state == "COMPLETED", probe.log_tail(handle)
     for index, lr in enumerate(rates):
         task_dir = probe.task_dir(job_.workdir, index)
-        seen = json.loads(Path(task_dir, "probe.json").read_text())
+        seen = json.loads(on_cluster(probe, f"{task_dir}/probe.json"))
         assert json.loads(seen["env"]["HPARAMS"]) == {"lr": lr}  # the task's own value, not the job's
         assert seen["env"]["CHECKPOINT_DIR"] == f"{task_dir}/checkpoints"
         assert seen["env"]["SLURM_ARRAY_TASK_ID"] == str(index)
@@ -394,19 +406,18 @@ def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: S
     log, _ = slurm.read_log(handle)
     assert status.state == "COMPLETED", log[-3000:]
     result = slurm.result(handle, status)
-    assert check_mlflow_model(Path(result.checkpoint_dir) / "final").pyfunc
+    assert slurm.inspect_model(f"{result.checkpoint_dir}/final").pyfunc  # read by the cluster's own Python
     assert 0 <= progress[-1]["metrics"]["val_accuracy"] <= 1
-    assert sorted(p.name for p in Path(result.checkpoint_dir).glob("step-*"))  # periodic checkpoints too
+    _, listing, _ = slurm.run(["ls", "--", result.checkpoint_dir])
+    assert [name for name in listing.split() if name.startswith("step-")]  # periodic checkpoints too
     assert progress and progress[-1]["step"] == progress[-1]["total_steps"]
     assert result.cpu_hours > 0
-    if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":
-        shutil.rmtree(job_.workdir, ignore_errors=True)
 
 
 @pytest.mark.integration
-def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm: SlurmCluster,
-                                                                          image: tuple[ImageRef, str, object, Path],
-                                                                          stacks: dict[str, str]) -> None:  # fmt: skip
+def test_warning_signal_reaches_the_program_in_the_container_which_resumes(
+    slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path]
+) -> None:
     import re
     import time
 
@@ -419,8 +430,7 @@ def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm
         assert time.monotonic() < deadline, slurm.read_log(handle)[0][-3000:]
         time.sleep(1)
     # What Slurm does ahead of the time limit (--signal=B:USR1@90): USR1 to the batch shell only.
-    subprocess.run(["scancel", "--batch", "--signal=USR1", handle.job_id], check=True, timeout=60,
-                   env={"PATH": "/usr/bin:/bin", "SLURM_CONF": stacks["SLURM_CONF"]})  # fmt: skip
+    slurm.run(["scancel", "--batch", "--signal=USR1", handle.job_id])
     status = slurm.watch(handle, timeout_seconds=900)
     log, _ = slurm.read_log(handle)
     assert status.state == "COMPLETED", log[-3000:]
@@ -428,12 +438,11 @@ def test_warning_signal_reaches_the_program_in_the_container_which_resumes(slurm
     resumed = [int(m) for m in re.findall(r"resumed from step-\d+: step (\d+),", log)]
     assert len(saved) == 1 and resumed == saved, log[-3000:]  # podman proxied USR1; the requeued job resumed
     assert "requeueing job" in log
-    assert (Path(job_.workdir) / "checkpoints" / "final" / "MLmodel").exists()
+    assert exists_on_cluster(slurm, f"{job_.workdir}/checkpoints/final/MLmodel")
 
 
 @pytest.mark.integration
-def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
-                                           stacks: dict[str, str]) -> None:  # fmt: skip
+def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path]) -> None:
     import time
 
     job_ = _job(slurm, image[0], "cancel")
@@ -444,18 +453,18 @@ def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[Ima
     while (slurm.read_progress(handle) or {}).get("step", 0) < 10:
         assert time.monotonic() < deadline, slurm.read_log(handle)[0][-3000:]
         time.sleep(1)
-    podman_env = {"PATH": "/usr/bin:/bin", **{k: stacks[k] for k in slurm.container_runtime_env}}
+    # The nodes' podman, as the jobs run it (its settings are the block's container_runtime_env).
+    podman = ["env", *(f"{k}={v}" for k, v in slurm.container_runtime_env.items()), "podman"]
 
     def containers_in(workdir: str) -> list[str]:
-        out = subprocess.run(["podman", "ps", "--format", "{{.ID}} {{.Mounts}}"], env=podman_env,
-                             capture_output=True, text=True, check=True, timeout=120).stdout  # fmt: skip
+        _, out, _ = slurm.run([*podman, "ps", "--format", "{{.ID}} {{.Mounts}}"])
         return [line for line in out.splitlines() if workdir in line]
 
     assert len(containers_in(job_.workdir)) == 1
-    auth = Path(job_.workdir, REGISTRY_AUTH_NAME)  # the registry login: a 0600 file while the job may run
-    assert stat.S_IMODE(auth.stat().st_mode) == 0o600
+    auth = f"{job_.workdir}/{REGISTRY_AUTH_NAME}"  # the registry login: a 0600 file while the job may run
+    assert slurm.run(["stat", "-c", "%a", "--", auth])[1].strip() == "600"
     slurm.cancel(handle)
-    assert not auth.exists()  # cancelled: it never starts again
+    assert not exists_on_cluster(slurm, auth)  # cancelled: it never starts again
     status = slurm.watch(handle, timeout_seconds=300)
     assert status.state == "CANCELLED", status
     # Slurm's TERM reached the program through podman: it saved a checkpoint, and its container is gone.
@@ -479,7 +488,7 @@ def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[Image
     log, _ = c.read_log(handle)
     assert status.state == "COMPLETED", log[-3000:]
     assert "world size 2" in log, log[-3000:]
-    assert (Path(job_.workdir) / "checkpoints" / "final" / "MLmodel").exists()
+    assert exists_on_cluster(c, f"{job_.workdir}/checkpoints/final/MLmodel")
 
 
 @pytest.mark.integration
@@ -526,7 +535,7 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
         assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)  # logged from the container
         assert run.data.metrics["cpu_hours"] > 0
         key = f"{run.data.tags['prefect.flow_run_id']}-train"
-        script = Path(slurm.job_workdir(key), "job.sbatch").read_text()
+        script = on_cluster(slurm, f"{slurm.job_workdir(key)}/job.sbatch")
         assert "exec podman run" in script and ref.reference in script
         assert outcome.checkpoint.uri.startswith(f"s3://{bucket}/")
         assert outcome.deployed and outcome.endpoint is not None
