@@ -396,8 +396,9 @@ def test_sweep_array_tasks_get_their_own_settings_in_the_container(slurm: SlurmC
 
 
 @pytest.mark.integration
-def test_training_in_the_image_writes_its_checkpoint_to_the_shared_path(slurm: SlurmCluster,
-                                                                       image: tuple[ImageRef, str, object, Path]) -> None:  # fmt: skip
+def test_training_in_the_image_writes_its_checkpoint_to_the_jobs_directory(
+    slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path]
+) -> None:
     job_ = _job(slurm, image[0], "train")
     handle = slurm.submit(job_)
     assert slurm.submit(job_).job_id == handle.job_id  # idempotent as without an image
