@@ -336,8 +336,8 @@ def build_manifests(
         refs = [{"name": k, "valueFrom": {"secretKeyRef": {"name": store_secret[0], "key": k, "optional": True}}}
                 for k in sorted(store_keys) if k != STORE_CA_KEY and k not in env]  # fmt: skip
         container["env"] = refs + container["env"]
-        volumes.append({"name": "store-ca", "secret": {"secretName": store_secret[0], "optional": True,
-                                                       "items": [{"key": STORE_CA_KEY, "path": STORE_CA_KEY}]}})  # fmt: skip
+        ca_file = {"secretName": store_secret[0], "optional": True, "items": [{"key": STORE_CA_KEY, "path": STORE_CA_KEY}]}
+        volumes.append({"name": "store-ca", "secret": ca_file})
         mounts.append({"name": "store-ca", "mountPath": STORE_CA_DIR, "readOnly": True})
     elif store_secret:
         container["envFrom"] = [{"secretRef": {"name": store_secret[0]}}]

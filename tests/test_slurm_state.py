@@ -4,8 +4,8 @@ The inputs in tests/golden/slurm/ are squeue and sacct output exactly as the arg
 ask for it: held and released array tasks, a running job, a cancelled one, one that exited 3 and one killed
 by SIGKILL, a preempted job's two attempts (sacct_tasks.txt puts attempts like those under one array's
 tasks); the jobs of one name as the adopt lookup asks for them (jobs_named.txt: ours finished, held and in an
-array, and someone else's of the same name), and sinfo's partitions. What they read to is kept next to them as JSON (``GPUFERRY_UPDATE_GOLDEN=1`` rewrites it); the
-assertions below say what matters in it.
+array, and someone else's of the same name), and sinfo's partitions. What they read to is kept next to them
+as JSON (``GPUFERRY_UPDATE_GOLDEN=1`` rewrites it); the assertions below say what matters in it.
 """
 
 from __future__ import annotations
