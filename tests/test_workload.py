@@ -15,7 +15,7 @@ from blocks.errors import ConfigurationError
 from blocks.hparams import HyperparameterSchema
 from blocks.plan import plan_run
 from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
-from blocks.workload import load_workload, parse_git_source
+from blocks.workload import code_archive, load_workload, parse_git_source
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -228,6 +228,27 @@ def test_a_workload_from_git_at_a_ref_records_its_commit(tmp_path: Path, monkeyp
         load_workload(f"git+file://{repo}@nope")
     with pytest.raises(ConfigurationError, match="cannot fetch"):
         load_workload(f"git+file://{tmp_path}/no-such-repo.git")
+
+
+def test_the_code_of_a_git_source_is_the_commits_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hidden files the commit holds are in it; what a job run from the unpacked tree wrote there is not; and it is
+    the same archive as that of a clean clone of the commit."""
+    monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    write(repo / "house", files={".config/settings.json": "{}\n", "lib/util.py": "X = 1\n"})
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "first")
+    source = f"git+file://{repo}@main#subdirectory=house"
+    loaded = load_workload(source)
+    with tarfile.open(loaded.code.archive) as tar:
+        assert sorted(tar.getnames()) == [".config/settings.json", "gpuferry.yaml", "lib/util.py", "train.py"]
+    assert loaded.code.sha256 == code_archive(repo / "house").sha256  # the work tree at that commit
+    # A job ran from the unpacked tree (local processes do) and left files behind: the code is still the commit's.
+    (Path(loaded.root) / "lib" / "__pycache__").mkdir()
+    (Path(loaded.root) / "lib" / "__pycache__" / "util.cpython-311.pyc").write_bytes(b"\0")
+    (Path(loaded.root) / "out.txt").write_text("written by a job\n")
+    assert load_workload(source).code.sha256 == loaded.code.sha256
 
 
 def test_the_code_archive_names_its_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
