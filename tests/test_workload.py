@@ -148,6 +148,21 @@ def test_numbers_are_floats_whatever_the_form_wrote() -> None:
     assert type(values["inner"]["w"]) is float and [type(r) for r in values["rates"]] == [float, float]
 
 
+def test_an_object_left_out_gets_its_fields_defaults_unless_it_would_lack_a_required_one() -> None:
+    schema = HyperparameterSchema({"type": "object", "properties": {
+        "schedule": {"type": "object", "properties": {"warmup": {"type": "integer", "default": 2},
+                                                      "kind": {"enum": ["constant", "cosine"], "default": "cosine"}}},
+        "data": {"type": "object", "properties": {"path": {"type": "string"}, "shuffle": {"type": "boolean",
+                                                  "default": True}}, "required": ["path"]},
+        "empty": {"type": "object", "properties": {"note": {"type": "string"}}},
+    }})  # fmt: skip
+    assert schema.defaults == {"schedule": {"warmup": 2, "kind": "cosine"}}
+    assert schema.validate({"schedule": {"warmup": 5}}) == {"schedule": {"warmup": 5, "kind": "cosine"}}
+    assert schema.validate({"data": {"path": "d.csv"}})["data"] == {"path": "d.csv", "shuffle": True}
+    with pytest.raises(ConfigurationError, match=r"hyperparameters.data: 'path' is a required property"):
+        schema.validate({"data": {}})
+
+
 def test_required_without_default() -> None:
     schema = HyperparameterSchema({"type": "object", "properties": {"lr": {"type": "number"}}, "required": ["lr"]})
     with pytest.raises(ConfigurationError, match="hyperparameters: 'lr' is a required property"):
