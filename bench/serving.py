@@ -1,11 +1,14 @@
 """Benchmark P6: our inference server against `mlflow models serve` and LitServe, same MLflow models, same machine.
 
-Two models, saved here as MLflow models (with a manifest, as gpuferry's checkpoint stores write it):
+Two models, the bundled examples' own: each example's training command (its gpuferry.yaml's ``train.command``,
+its hyperparameters' defaults) runs as a gpuferry job on this machine (``LocalProcesses``, the embedded stack's
+compute backend: the contract's ``CHECKPOINT_DIR``, ``HPARAMS``, ...), and what it wrote to ``final/`` is
+served, with a manifest as gpuferry's checkpoint stores write it:
 
-- ``digits``: a torch MLP (64→128→10) trained on scikit-learn's digits, ``mlflow.pytorch.save_model`` with a 2-row
+- ``digits`` (examples/digits): the PyTorch MLP (64→128→10, softmax), ``mlflow.pytorch.save_model`` with a 2-row
   input example (one float32 tensor signature);
-- ``regressor``: an ElasticNet on scikit-learn's diabetes data, ``mlflow.sklearn.save_model`` with DataFrame rows
-  (ten named double columns).
+- ``regressor`` (examples/diabetes): the scikit-learn ElasticNet pipeline, ``mlflow.sklearn.save_model`` with
+  DataFrame rows (ten named double columns).
 
 Each is served, one server at a time (they would compete for the same cores), by
 
@@ -83,44 +86,44 @@ class Run:
 # ------------------------------------------------------------------------------------------------ the models
 
 
-def save_models(workdir: Path) -> dict[str, tuple[Path, Any, bytes]]:
-    """Both MLflow models with manifests; per model: directory, verification input, 1-row wrk body."""
-    import mlflow.pytorch
-    import mlflow.sklearn
-    import torch
-    from sklearn.datasets import load_diabetes, load_digits
-    from sklearn.linear_model import ElasticNet
+EXAMPLES = {"digits": REPO / "examples" / "digits", "regressor": REPO / "examples" / "diabetes"}
+TRAIN_TIMEOUT = 1800.0
 
+
+def train_example(name: str, workdir: Path) -> Path:
+    """Run the example's own training command as a job of the embedded stack's compute backend, with its
+    hyperparameters' defaults; the MLflow model it wrote (``final/``), with a manifest."""
     sys.path.insert(0, str(REPO))
+    from blocks.compute import LocalProcesses
+    from blocks.plan import plan_run
+    from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
     from blocks.storage import write_manifest
+    from blocks.workload import load_workload
 
-    digits = load_digits()
-    x = (digits.data / 16).astype(np.float32)
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-2)
-    for _ in range(150):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(mlp(torch.from_numpy(x[:1400])), torch.from_numpy(digits.target[:1400]))
-        loss.backward()
-        optimizer.step()
-    # A 2-row example: torch.export keeps a batch dimension of 1 static.
-    mlflow.pytorch.save_model(mlp.eval(), workdir / "digits", input_example=x[:2], pip_requirements=["torch"])
+    run = plan_run(load_workload(str(EXAMPLES[name])), TrainingSpec(), ServingSpec(), PromotionPolicy())
+    compute = LocalProcesses(workdir_root=str(workdir / "jobs"), python=sys.executable)
+    job = run.job(f"bench-{name}", compute.job_workdir(f"bench-{name}"), None, env={})
+    handle = compute.submit(job)
+    status = compute.watch(handle, timeout_seconds=TRAIN_TIMEOUT)
+    result = compute.result(handle, status)  # raises JobFailed with the log's tail
+    final = Path(result.checkpoint_dir) / "final"
+    write_manifest(final)
+    print(f"trained {name} ({run.workload.name}, {' '.join(job.command)}) in {status.elapsed_seconds:.0f} s",
+          flush=True)  # fmt: skip
+    return final
 
-    diabetes = load_diabetes(as_frame=True)
-    regressor = ElasticNet(alpha=0.01, l1_ratio=0.5).fit(diabetes.data[:400], diabetes.target[:400])
-    mlflow.sklearn.save_model(
-        regressor, workdir / "regressor", input_example=diabetes.data.iloc[:3], pip_requirements=["scikit-learn"]
-    )
-    for name in MODELS:
-        write_manifest(workdir / name)
-    digits_rows = x[1400:1424]
-    frame = diabetes.data.iloc[400:424]
+
+def save_models(workdir: Path) -> dict[str, tuple[Path, Any, bytes]]:
+    """Both examples' MLflow models; per model: directory, verification input, 1-row wrk body."""
+    from sklearn.datasets import load_diabetes, load_digits
+
+    digits_dir, regressor_dir = train_example("digits", workdir), train_example("regressor", workdir)
+    digits_rows = (load_digits().data[1400:1424] / 16).astype(np.float32)  # the example's scaling: [0, 1]
+    frame = load_diabetes(as_frame=True).data.iloc[400:424]
     return {
-        "digits": (workdir / "digits", digits_rows, json.dumps({"inputs": digits_rows[:1].tolist()}).encode()),
+        "digits": (digits_dir, digits_rows, json.dumps({"inputs": digits_rows[:1].tolist()}).encode()),
         "regressor": (
-            workdir / "regressor",
+            regressor_dir,
             frame,
             json.dumps({"dataframe_split": {"columns": list(frame.columns), "data": frame.iloc[:1].to_numpy().tolist()}}).encode(),
         ),

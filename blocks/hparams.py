@@ -23,20 +23,23 @@ from blocks.errors import ConfigurationError
 FIELD = "hyperparameters"
 
 
-def _closed(schema: Any) -> Any:
+def closed(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object that declares properties and says nothing."""
     if isinstance(schema, dict):
-        out = {k: _closed(v) for k, v in schema.items()}
+        out = {k: closed(v) for k, v in schema.items()}
         if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
-        return [_closed(v) for v in schema]
+        return [closed(v) for v in schema]
     return schema
 
 
 def _with_defaults(schema: Mapping[str, Any], value: Any) -> Any:
-    """``value`` with the defaults of the properties it lacks, at every level where the schema has properties."""
+    """``value`` with the defaults of the properties it lacks, at every level where the schema has properties.
+
+    An object left out whose schema has no ``default`` of its own is made from its properties' defaults (when
+    they give every property it requires): the job gets ``{"schedule": {"warmup": 2}}`` as the form shows it."""
     if not isinstance(value, dict):
         return value
     out = dict(value)
@@ -45,6 +48,10 @@ def _with_defaults(schema: Mapping[str, Any], value: Any) -> Any:
             continue
         if name not in out and "default" in sub:
             out[name] = copy.deepcopy(sub["default"])
+        elif name not in out and sub.get("properties"):
+            made = _with_defaults(sub, {})
+            if made and set(sub.get("required") or []) <= set(made):
+                out[name] = made
         if name in out:
             out[name] = _with_defaults(sub, out[name])
     return out
@@ -86,7 +93,7 @@ class HyperparameterSchema:
             at = ".".join(str(p) for p in exc.path)
             raise ConfigurationError(f"{where}{'.' + at if at else ''}: not a valid JSON Schema: {exc.message}") from None
         self.schema: dict[str, Any] = raw
-        self._validator = Draft202012Validator(_closed(raw))
+        self._validator = Draft202012Validator(closed(raw))
         defaults = _with_defaults(raw, {})
         problems = self._problems(defaults, check_required=False)
         if problems:

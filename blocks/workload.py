@@ -62,7 +62,11 @@ class Workload(BaseModel):
     @cached_property
     def code(self) -> CodeRef:
         """The workload's files as one content-addressed archive (built once per content, cached)."""
-        return code_archive(Path(self.root))
+        files = None
+        if self.source.startswith("git+") and self.commit:
+            url, _, sub = parse_git_source(self.source)
+            files = commit_files(url, self.commit, sub)
+        return code_archive(Path(self.root), files)
 
     def image_workdir(self) -> str | None:
         """Where the commands run inside the workload's image (see ``WorkloadDefinition.image_workdir``)."""
@@ -119,7 +123,7 @@ def parse_git_source(source: str) -> tuple[str, str | None, str | None]:
 
 def _fetch(url: str, ref: str | None) -> str:
     """The commit ``ref`` names in ``url`` (fetched into the cache's mirror of the repository)."""
-    mirror = gpuferry_cache() / "git" / f"{hashlib.sha256(url.encode()).hexdigest()[:24]}.git"
+    mirror = _mirror(url)
     if not (mirror / "HEAD").exists():
         mirror.parent.mkdir(parents=True, exist_ok=True)
         tmp = mirror.with_name(f".{mirror.name}.{os.getpid()}")
@@ -150,12 +154,30 @@ def _git_error(url: str, stderr: str) -> Exception:
     return ConfigurationError(f"workload: cannot fetch {url}: {text} (check the URL and that this machine may read it)")
 
 
+def _mirror(url: str) -> Path:
+    return gpuferry_cache() / "git" / f"{hashlib.sha256(url.encode()).hexdigest()[:24]}.git"
+
+
+def commit_files(url: str, commit: str, sub: str | None) -> list[str] | None:
+    """The files of ``commit`` under ``sub``, relative to it: what the code archive of a git source holds, whatever
+    a job run from the unpacked tree wrote into it since (``__pycache__``, outputs). None: the cache's mirror
+    of the repository is gone."""
+    if not (_mirror(url) / "HEAD").exists():
+        return None
+    listed = _git(["ls-tree", "-r", "-z", "--name-only", "--full-tree", commit, "--", sub or "."], cwd=_mirror(url),
+                  check=False)  # fmt: skip
+    if listed.returncode != 0:
+        return None
+    prefix = f"{sub}/" if sub else ""
+    return sorted(p.removeprefix(prefix) for p in listed.stdout.split("\0") if p.startswith(prefix))
+
+
 def _checkout(url: str, commit: str) -> Path:
     """The tree of ``commit``, unpacked once under the cache."""
     tree = gpuferry_cache() / "workloads" / commit
     if tree.is_dir():
         return tree
-    mirror = gpuferry_cache() / "git" / f"{hashlib.sha256(url.encode()).hexdigest()[:24]}.git"
+    mirror = _mirror(url)
     archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=mirror, capture_output=True,
                              timeout=GIT_TIMEOUT, check=True).stdout  # fmt: skip
     tmp = tree.with_name(f".{commit}.{os.getpid()}")
@@ -230,12 +252,17 @@ def workload_files(root: Path) -> list[str]:
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
             for name in filenames:
                 listed.append(Path(dirpath, name).relative_to(root).as_posix())
+    return _plain_files(root, listed)
+
+
+def _plain_files(root: Path, listed: list[str]) -> list[str]:
     return sorted(p for p in listed if (root / p).is_file() and not (root / p).is_symlink())
 
 
-def code_archive(root: Path) -> CodeRef:
-    """``root``'s files as a deterministic ``.tar.gz`` under ``$GPUFERRY_CACHE/code/<sha256>.tar.gz``."""
-    files = workload_files(root)
+def code_archive(root: Path, files: list[str] | None = None) -> CodeRef:
+    """``root``'s files (``files``, relative to it; None: ``workload_files``) as a deterministic ``.tar.gz``
+    under ``$GPUFERRY_CACHE/code/<sha256>.tar.gz``."""
+    files = workload_files(root) if files is None else _plain_files(root, files)
     if not files:
         raise ConfigurationError(f"workload {root} has no files to run")
     raw = gzip.compress(deterministic_tar((rel, root / rel) for rel in files), compresslevel=6, mtime=0)

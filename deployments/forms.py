@@ -26,6 +26,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from blocks.hparams import closed
 from blocks.workload import Workload, load_workload
 
 log = logging.getLogger("gpuferry.forms")
@@ -48,9 +49,39 @@ def _rewrite_refs(node: Any, defs_key: str) -> Any:
     return node
 
 
+_SUBSCHEMAS = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def _for_the_form(schema: Any) -> None:
+    """At every level of a (closed) schema: each object's fields in the order of the workload's file (the form
+    sorts by ``position``), and its keys limited to the declared ones by ``propertyNames`` ahead of
+    ``additionalProperties``, so that the server's refusal of an unknown key names the valid ones (it reports the
+    first failing keyword: ``'warmpu' is not one of ['warmup_steps', 'decay']``)."""
+    if isinstance(schema, list):
+        for sub in schema:
+            _for_the_form(sub)
+        return
+    if not isinstance(schema, dict):
+        return
+    properties = schema.get("properties") or {}
+    for position, sub in enumerate(properties.values()):
+        if isinstance(sub, dict):
+            sub.setdefault("position", position)
+    for key in _SUBSCHEMAS:
+        _for_the_form(schema.get(key))
+    for sub in properties.values():
+        _for_the_form(sub)
+    if properties and schema.get("additionalProperties") is False and "propertyNames" not in schema:
+        del schema["additionalProperties"]
+        schema["propertyNames"] = {"enum": list(properties)}
+        schema["additionalProperties"] = False
+
+
 def _hyperparameters(workload: Workload) -> tuple[dict[str, Any], dict[str, Any]]:
     """The workload's schema as a property of TrainingSpec, and the definitions it brings along."""
-    schema = copy.deepcopy(workload.definition.schema.schema)
+    # Closed at every level, as the run's own check closes it: the server refuses a key the workload does not
+    # declare, in a nested object too, before any worker picks the run up.
+    schema = closed(copy.deepcopy(workload.definition.schema.schema))
     schema.pop("$schema", None)
     schema.pop("$id", None)
     definitions: dict[str, Any] = {}
@@ -59,11 +90,8 @@ def _hyperparameters(workload: Workload) -> tuple[dict[str, Any], dict[str, Any]
             definitions[f"{PREFIX}{name}"] = _rewrite_refs(sub, key)
         schema = _rewrite_refs(schema, key)
         definitions = {k: _rewrite_refs(v, key) for k, v in definitions.items()}
-    if "properties" in schema:
-        schema.setdefault("additionalProperties", False)
-        for position, sub in enumerate(schema["properties"].values()):  # the form keeps the file's order
-            if isinstance(sub, dict):
-                sub.setdefault("position", position)
+    for node in (schema, *definitions.values()):
+        _for_the_form(node)
     schema["title"] = f"Hyperparameters of {workload.name}"
     schema["description"] = (workload.definition.description + " " if workload.definition.description else "") + \
         "Declared in the workload's gpuferry.yaml; left out: its default."  # fmt: skip
@@ -89,10 +117,12 @@ def workload_schema(flow_schema: dict[str, Any], workload: Workload, source: str
     grid = definitions.get("SweepGrid")
     if grid is not None and names:
         grid["properties"]["values"]["propertyNames"] = {"enum": names}
-        declared = workload.definition.schema.schema.get("properties", {})
-        grid["properties"]["configurations"]["items"] = {
+        declared = closed(workload.definition.schema.schema.get("properties", {}))
+        configuration = {
             "type": "object", "properties": _rewrite_refs(copy.deepcopy(declared), "$defs"), "additionalProperties": False,
         }  # fmt: skip
+        _for_the_form(configuration)
+        grid["properties"]["configurations"]["items"] = configuration
     properties["workload"] = {
         **properties.get("workload", {}), "type": "string", "enum": [source], "default": source,
         "description": f"This deployment trains {workload.name} ({source}); its form follows that workload's "

@@ -261,3 +261,58 @@ def test_serving_preflight_stops_the_run_before_anything_trains() -> None:
     client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
     assert client.get_experiment_by_name(experiment) is None  # no run was started
     assert (set(jobs.iterdir()) if jobs.exists() else set()) == before  # no job was submitted
+
+
+def test_a_workload_from_a_git_url_trains_the_commit_its_ref_names(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A run of ``git+file://REPO@TAG#subdirectory=PATH`` trains the tagged commit's files, not the branch's newer
+    ones, and the MLflow run and the registered version say which commit and which code archive it was."""
+    import shutil
+    import subprocess
+
+    from blocks.workload import code_archive
+
+    monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
+    repo = tmp_path / "models"
+    shutil.copytree(DIABETES, repo / "regressors" / "diabetes", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "regressors" / "diabetes" / ".settings").mkdir()  # a hidden file the commit holds is part of the code
+    (repo / "regressors" / "diabetes" / ".settings" / "notes.txt").write_text("committed\n")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.invalid", "PATH": "/usr/bin:/bin"}  # fmt: skip
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()  # fmt: skip
+
+    git("init", "-q", "-b", "main")
+    git("add", ".")
+    git("commit", "-q", "-m", "the regressor")
+    tagged = git("rev-parse", "HEAD")
+    git("tag", "v1")
+    expected_code = code_archive(repo / "regressors" / "diabetes").sha256  # the tagged files, before the change
+    # The branch moves on past the tag with a job that would fail: the run must not take it.
+    (repo / "regressors" / "diabetes" / "train.py").write_text("raise SystemExit('not the tagged commit')\n")
+    git("commit", "-q", "-am", "broken")
+    assert git("rev-parse", "HEAD") != tagged
+
+    source = f"git+file://{repo}@v1#subdirectory=regressors/diabetes"
+    model = f"diabetes-git-{uuid.uuid4().hex[:8]}"
+    stack = Stack.embedded()
+    try:
+        result = retrain(workload=source, training=TrainingSpec(model_name=model, hyperparameters={"alpha": 0.05}),
+                         serving=ServingSpec(service_name=model))  # fmt: skip
+        client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+        run = client.get_run(result.run_id)
+        assert run.info.status == "FINISHED"
+        tags = run.data.tags
+        assert tags["gpuferry.workload.source"] == source
+        assert tags["gpuferry.workload.commit"] == tagged and tags["gpuferry.workload.dirty"] == "false"
+        assert tags["gpuferry.workload.code_sha256"] == expected_code
+        assert tags["gpuferry.workload"] == "diabetes-elasticnet"
+        assert run.data.params["alpha"] == "0.05" and "val_rmse" in run.data.metrics  # the tagged train.py ran
+        (version,) = client.search_model_versions(f"name = '{model}'")
+        assert str(version.version) == result.model_version.version and version.run_id == result.run_id
+        assert version.tags["gpuferry.workload.commit"] == tagged
+        assert version.tags["gpuferry.workload.code_sha256"] == expected_code
+    finally:
+        stack.serving.undeploy(model)

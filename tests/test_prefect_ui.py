@@ -70,8 +70,11 @@ def _env_without_home() -> dict[str, str]:
 
 @pytest.fixture
 def page(prefect: dict[str, str]) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    # The page's actions and the `expect` assertions (5 s by default) alike wait as long as a busy shared server
+    # may take to answer: creating a run, or refusing one, can take longer than 5 s there.
+    expect.set_options(timeout=UI_TIMEOUT_MS)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
@@ -401,3 +404,115 @@ def test_the_stack_is_picked_from_the_saved_stacks(prefect: dict[str, str], page
         private_worker.remove(api, [f"retrain/{name}", f"sweep/{name}"], pool)
         with SyncPrefectClient(api) as client:
             client.delete_block_document(block_id)
+
+
+# ---- a workload with nested hyperparameters --------------------------------------------------------------
+
+NESTED_WORKLOAD = REPO / "tests" / "workloads" / "nested"  # objects two levels deep, enums in them, an array
+
+
+def gpuferry(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``gpuferry ARGS`` of this checkout (the console script in .venv/bin imports the code it was installed from)."""
+    main = "import sys; from deployments.cli import main; sys.argv[0] = 'gpuferry'; main()"
+    return subprocess.run([str(REPO / ".venv/bin/python"), "-c", main, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def select_option(page: Any, field: Any, option: str) -> None:
+    from playwright.sync_api import expect
+
+    field.locator("button.p-select-button__control").first.focus()
+    page.keyboard.press("Space")
+    page.get_by_role("option", name=option, exact=True).click()
+    expect(field.locator(".p-select-button__value").first).to_have_text(option)
+
+
+def test_nested_hyperparameters_are_fields_of_their_own(prefect: dict[str, str], page: Any, tmp_path: Path) -> None:
+    """A workload whose hyperparameters nest objects (an enum inside, an object inside that) and an array, deployed
+    with `gpuferry deploy --workload`: the form shows every nested field in the file's order with its default, the
+    server refuses a bad nested value naming its field (and an unknown nested key naming the valid ones), and the
+    run made from the form carries the nested values filled in."""
+    import shutil
+    import uuid
+
+    from playwright.sync_api import expect
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterName
+
+    api, uid = prefect["PREFECT_API_URL"], uuid.uuid4().hex[:8]
+    name, pool = f"nested-form-{uid}", f"gpuferry-ui-nested-{uid}"  # a pool no worker serves: the runs stay put
+    workload = tmp_path / name
+    shutil.copytree(NESTED_WORKLOAD, workload)
+    definition = workload / "gpuferry.yaml"
+    definition.write_text(definition.read_text().replace("\nname: nested-form\n", f"\nname: {name}\n"))
+    env = {**_env_without_home(), "PREFECT_API_URL": api, "GPUFERRY_WORK_POOL": pool}
+    try:
+        deploy = gpuferry("deploy", "--workload", str(workload), env=env)
+        assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        with screenshot_on_failure(page, tmp_path):
+            open_custom_run(page, prefect["PREFECT_UI_URL"].rstrip("/"), "retrain", name)
+            assert hyperparameter_labels(page) == [
+                "Epochs", "Optimizer", "Kind", "Lr", "Schedule", "Warmup Steps", "Decay", "Layers"]  # fmt: skip
+            optimizer, schedule = form_property(page, "Optimizer"), form_property(page, "Schedule")
+            expect(form_property(page, "Kind").locator(".p-select-button__value")).to_have_text("sgd")
+            assert form_property(page, "Lr").locator("input").input_value() == "0.01"
+            assert form_property(page, "Warmup Steps").locator("input").input_value() == "100"
+            expect(form_property(page, "Decay").locator(".p-select-button__value")).to_have_text("cosine")
+            layers = form_property(page, "Layers").locator(".schema-form-property-array-item input")
+            assert [layers.nth(i).input_value() for i in range(layers.count())] == ["64", "32"]
+            assert optimizer.locator(".schema-form-property__label", has_text="Warmup Steps").count() == 1  # nested
+            assert schedule.locator(".schema-form-property__label", has_text="Lr").count() == 0
+
+            select_option(page, form_property(page, "Kind"), "adam")
+            form_property(page, "Lr").locator("input").fill("0.2")
+            select_option(page, form_property(page, "Decay"), "linear")
+            layers.nth(1).fill("16")
+            form_property(page, "Layers").get_by_role("button", name="Add item").click()
+            expect(layers).to_have_count(3)
+            layers.nth(2).fill("8")
+            form_property(page, "Warmup Steps").locator("input").fill("-5")  # below its minimum of 0
+            page.get_by_role("button", name="Submit", exact=True).click()
+            refused = page.get_by_text(re.compile(
+                r"Validation failed for field 'training\.hyperparameters\.optimizer\.schedule\.warmup_steps'\. "
+                r"Failure reason: -5 is less than the minimum of 0"))  # fmt: skip
+            expect(refused.first).to_be_visible()
+            form_property(page, "Warmup Steps").locator("input").fill("10")
+            page.keyboard.press("Tab")  # leave the field, as a person does before they click Submit
+            run_name = submit_and_read_toast(page)
+
+        with SyncPrefectClient(api) as client:
+            (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name])))
+            deployment = client.read_deployment_by_name(f"retrain/{name}")
+            # An unknown nested key (no form makes one; an API call can) is refused too, naming the valid keys.
+            from prefect.exceptions import PrefectHTTPStatusError
+
+            typo = {"workload": str(workload), "training": {"hyperparameters": {"optimizer": {"schedule": {"warmpu": 3}}}}}
+            with pytest.raises(PrefectHTTPStatusError) as info:
+                client.create_flow_run_from_deployment(deployment.id, parameters=typo)
+            assert ("Validation failed for field 'training.hyperparameters.optimizer.schedule'. Failure reason: 'warmpu' "
+                    "is not one of ['warmup_steps', 'decay']") in info.value.response.text  # fmt: skip
+            made = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))  # fmt: skip
+        assert run.deployment_id == deployment.id and [r.id for r in made] == [run.id]  # the refused ones: no run
+        assert run.parameters["workload"] == str(workload)
+        assert run.parameters["training"]["hyperparameters"] == {
+            "epochs": 3, "optimizer": {"kind": "adam", "lr": 0.2, "schedule": {"warmup_steps": 10, "decay": "linear"}},
+            "layers": [64, 16, 8],
+        }  # fmt: skip
+        # What the run's own check makes of them: the values as filled in, nothing added or refused.
+        from blocks.workload import load_workload
+
+        hyperparameters = run.parameters["training"]["hyperparameters"]
+        assert load_workload(str(workload)).definition.schema.validate(hyperparameters) == hyperparameters
+    finally:
+        with SyncPrefectClient(api) as client:
+            try:
+                deployment = client.read_deployment_by_name(f"retrain/{name}")
+                for leftover in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                        deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))):  # fmt: skip
+                    client.delete_flow_run(leftover.id)
+            except Exception as exc:  # noqa: BLE001 - cleanup of the shared server, best effort
+                print(f"cleanup: runs of retrain/{name}: {exc}")
+        from tests import private_worker
+
+        private_worker.remove(api, [f"retrain/{name}", f"sweep/{name}"], pool)

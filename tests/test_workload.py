@@ -15,7 +15,7 @@ from blocks.errors import ConfigurationError
 from blocks.hparams import HyperparameterSchema
 from blocks.plan import plan_run
 from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
-from blocks.workload import load_workload, parse_git_source
+from blocks.workload import code_archive, load_workload, parse_git_source
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -148,6 +148,21 @@ def test_numbers_are_floats_whatever_the_form_wrote() -> None:
     assert type(values["inner"]["w"]) is float and [type(r) for r in values["rates"]] == [float, float]
 
 
+def test_an_object_left_out_gets_its_fields_defaults_unless_it_would_lack_a_required_one() -> None:
+    schema = HyperparameterSchema({"type": "object", "properties": {
+        "schedule": {"type": "object", "properties": {"warmup": {"type": "integer", "default": 2},
+                                                      "kind": {"enum": ["constant", "cosine"], "default": "cosine"}}},
+        "data": {"type": "object", "properties": {"path": {"type": "string"}, "shuffle": {"type": "boolean",
+                                                  "default": True}}, "required": ["path"]},
+        "empty": {"type": "object", "properties": {"note": {"type": "string"}}},
+    }})  # fmt: skip
+    assert schema.defaults == {"schedule": {"warmup": 2, "kind": "cosine"}}
+    assert schema.validate({"schedule": {"warmup": 5}}) == {"schedule": {"warmup": 5, "kind": "cosine"}}
+    assert schema.validate({"data": {"path": "d.csv"}})["data"] == {"path": "d.csv", "shuffle": True}
+    with pytest.raises(ConfigurationError, match=r"hyperparameters.data: 'path' is a required property"):
+        schema.validate({"data": {}})
+
+
 def test_required_without_default() -> None:
     schema = HyperparameterSchema({"type": "object", "properties": {"lr": {"type": "number"}}, "required": ["lr"]})
     with pytest.raises(ConfigurationError, match="hyperparameters: 'lr' is a required property"):
@@ -228,6 +243,27 @@ def test_a_workload_from_git_at_a_ref_records_its_commit(tmp_path: Path, monkeyp
         load_workload(f"git+file://{repo}@nope")
     with pytest.raises(ConfigurationError, match="cannot fetch"):
         load_workload(f"git+file://{tmp_path}/no-such-repo.git")
+
+
+def test_the_code_of_a_git_source_is_the_commits_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hidden files the commit holds are in it; what a job run from the unpacked tree wrote there is not; and it is
+    the same archive as that of a clean clone of the commit."""
+    monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    write(repo / "house", files={".config/settings.json": "{}\n", "lib/util.py": "X = 1\n"})
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "first")
+    source = f"git+file://{repo}@main#subdirectory=house"
+    loaded = load_workload(source)
+    with tarfile.open(loaded.code.archive) as tar:
+        assert sorted(tar.getnames()) == [".config/settings.json", "gpuferry.yaml", "lib/util.py", "train.py"]
+    assert loaded.code.sha256 == code_archive(repo / "house").sha256  # the work tree at that commit
+    # A job ran from the unpacked tree (local processes do) and left files behind: the code is still the commit's.
+    (Path(loaded.root) / "lib" / "__pycache__").mkdir()
+    (Path(loaded.root) / "lib" / "__pycache__" / "util.cpython-311.pyc").write_bytes(b"\0")
+    (Path(loaded.root) / "out.txt").write_text("written by a job\n")
+    assert load_workload(source).code.sha256 == loaded.code.sha256
 
 
 def test_the_code_archive_names_its_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
