@@ -118,6 +118,10 @@ def deploy(
     from deployments.forms import apply_forms
 
     sources = [workload_source(w) for w in workload or []]
+    if not sources and not (REPO / "examples").is_dir():
+        raise ConfigurationError("gpuferry deploy without --workload registers prefect.yaml's deployments, whose "
+                                 "workloads are the examples of a clone of gpuferry: run it in a clone, or name "
+                                 "your workload with --workload DIR")  # fmt: skip
     names = register(sources, pool)
     if sources:
         formed = apply_forms([n for n in names if n.split("/")[0] in ("retrain", "sweep")])
