@@ -84,12 +84,9 @@ def context_files(context: Path, dockerfile: str | None = None) -> list[str]:
 
 
 def _runtime_files() -> list[tuple[str, Path]]:
-    out = []
-    for path in sorted(RUNTIME_DIR.rglob("*")):
-        rel = path.relative_to(RUNTIME_DIR).as_posix()
-        if path.is_file() and "__pycache__" not in rel and not rel.endswith(".pyc"):
-            out.append((f"{CONTEXT_DIR}/runtime/{rel}", path))
-    return out
+    from blocks.workload import workload_files
+
+    return [(f"{CONTEXT_DIR}/runtime/{rel}", RUNTIME_DIR / rel) for rel in workload_files(RUNTIME_DIR, use_git=False)]
 
 
 def generated_dockerfile(base: str, requirements: str | None) -> str:

@@ -40,7 +40,7 @@ def runtime_code() -> CodeRef:
     """gpuferry's ``runtime`` package as one content-addressed archive."""
     from blocks.workload import code_archive
 
-    return code_archive(RUNTIME_DIR)
+    return code_archive(RUNTIME_DIR, use_git=False)  # installed, it is in no repository: every file of it
 
 
 def _runtime_on(cluster: SlurmCluster) -> str:

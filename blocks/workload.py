@@ -236,14 +236,16 @@ def load_workload(source: str) -> Workload:
 # ---- the code archive -------------------------------------------------------------------------------
 
 
-def workload_files(root: Path) -> list[str]:
+def workload_files(root: Path, *, use_git: bool = True) -> list[str]:
     """The workload's files, relative to ``root``, sorted: what git would commit (or every file outside git,
-    except hidden directories and ``__pycache__``)."""
+    or with ``use_git=False``, except hidden directories and ``__pycache__``)."""
     listed = None
     try:
-        out = _git(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "."], cwd=root, check=False)
-        if out.returncode == 0:
-            listed = [p for p in out.stdout.split("\0") if p]
+        if use_git:
+            out = _git(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "."], cwd=root,
+                       check=False)  # fmt: skip
+            if out.returncode == 0:
+                listed = [p for p in out.stdout.split("\0") if p]
     except ConfigurationError:
         listed = None
     if listed is None:
@@ -259,10 +261,10 @@ def _plain_files(root: Path, listed: list[str]) -> list[str]:
     return sorted(p for p in listed if (root / p).is_file() and not (root / p).is_symlink())
 
 
-def code_archive(root: Path, files: list[str] | None = None) -> CodeRef:
+def code_archive(root: Path, files: list[str] | None = None, *, use_git: bool = True) -> CodeRef:
     """``root``'s files (``files``, relative to it; None: ``workload_files``) as a deterministic ``.tar.gz``
     under ``$GPUFERRY_CACHE/code/<sha256>.tar.gz``."""
-    files = workload_files(root) if files is None else _plain_files(root, files)
+    files = workload_files(root, use_git=use_git) if files is None else _plain_files(root, files)
     if not files:
         raise ConfigurationError(f"workload {root} has no files to run")
     raw = gzip.compress(deterministic_tar((rel, root / rel) for rel in files), compresslevel=6, mtime=0)

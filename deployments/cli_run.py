@@ -1,6 +1,6 @@
 """``gpuferry deploy`` (register the deployments) and ``gpuferry run`` (a run through its deployment, followed).
 
-``gpuferry deploy`` runs ``prefect deploy`` on this checkout's prefect.yaml, then gives each deployment of a
+``gpuferry deploy`` runs ``prefect deploy`` on gpuferry's prefect.yaml, then gives each deployment of a
 workload that workload's own parameter form (``deployments/forms.py``). With ``--workload`` it registers, for
 each workload given, a ``retrain/<name>`` and a ``sweep/<name>`` deployment of that workload (nothing else),
 so a team's own models get their own deployments and forms.
@@ -29,7 +29,10 @@ import yaml
 from blocks.errors import ConfigurationError
 from deployments.cli import DEFAULT_POOL, PoolOption, explained, fail
 
-REPO = Path(__file__).resolve().parent.parent  # this checkout: prefect.yaml, the flows' entrypoints
+# The directory holding gpuferry's packages (the checkout, or site-packages when installed): prefect.yaml's
+# entrypoints (flows/retrain.py) are relative to it.
+REPO = Path(__file__).resolve().parent.parent
+PREFECT_FILE = Path(__file__).with_name("prefect.yaml")  # the checkout's prefect.yaml, also in an installed package
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 run_app = typer.Typer(help="Start a run through its deployment (or --local) and follow it to its end.",
                       no_args_is_help=True)  # fmt: skip
@@ -82,7 +85,7 @@ def register(sources: list[str], pool: str) -> list[str]:
     """``prefect deploy`` of prefect.yaml's deployments (none given) or of the given workloads' own, on ``pool``
     (created when missing); the names registered (``flow/name``)."""
     ensure_pool(pool)
-    config = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    config = yaml.safe_load(PREFECT_FILE.read_text())
     if sources:
         config["deployments"] = workload_deployments(config, sources, pool)
     else:
@@ -115,6 +118,10 @@ def deploy(
     from deployments.forms import apply_forms
 
     sources = [workload_source(w) for w in workload or []]
+    if not sources and not (REPO / "examples").is_dir():
+        raise ConfigurationError("gpuferry deploy without --workload registers prefect.yaml's deployments, whose "
+                                 "workloads are the examples of a clone of gpuferry: run it in a clone, or name "
+                                 "your workload with --workload DIR")  # fmt: skip
     names = register(sources, pool)
     if sources:
         formed = apply_forms([n for n in names if n.split("/")[0] in ("retrain", "sweep")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Literal
@@ -183,12 +184,22 @@ def run_tags(blocks: Stack, image: ImageRef, run_key: str, run: RunPlan) -> dict
 
 
 def git_sha() -> str:
-    """The commit of gpuferry itself (the workload's own commit is tagged separately)."""
+    """The commit of gpuferry itself (the workload's own commit is tagged separately): the checkout's, or, for a
+    package installed from a git URL (``uv tool install git+...``), the commit the installer recorded."""
+    root = Path(__file__).resolve().parent.parent
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (subprocess.SubprocessError, OSError):
+        top, sha = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.split()  # fmt: skip
+        if Path(top).resolve() == root:
+            return sha
+    except (subprocess.SubprocessError, OSError, ValueError):
+        pass
+    try:
+        from importlib.metadata import distribution
+
+        direct_url = json.loads(distribution("gpuferry").read_text("direct_url.json") or "{}")
+        return direct_url.get("vcs_info", {}).get("commit_id") or "unknown"
+    except (ImportError, OSError, ValueError):
         return "unknown"
 
 

@@ -89,3 +89,12 @@ def test_bad_run_options_name_the_option() -> None:
     assert code == 2 and "a sweep needs a grid: --grid NAME=V1,V2" in out
     code, out = run("run", "retrain", "--workload", "examples/diabetes", "--local", "--hp", "alpha")
     assert code == 2 and "--hp 'alpha': write NAME=VALUE" in out
+
+
+def test_deploy_without_a_workload_outside_a_clone_says_to_name_one(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments import cli_run
+
+    monkeypatch.setattr(cli_run, "REPO", tmp_path)  # an installed gpuferry: site-packages, no examples/
+    code, out = run("deploy")
+    assert code == 2 and "run it in a clone, or name your workload with --workload DIR" in out

@@ -8,10 +8,12 @@ the shared servers), and what this machine's Slurm nodes need on top of a site's
 config files for the plain-HTTP registry, stand-in GPUs as CUDA_VISIBLE_DEVICES). The pods reach the
 loopback-only S3 stack through a relay inside the k8s node (``s3_for_pods`` in conftest.py; the serving block's
 ``env`` gives them its address over the one in the store's Secret the deploy makes), and the node
-pulls with the namespace's image pull secret (``k8s_namespace``). The first line (git clone, make
-venv, activate) is not run: there is no network; the commands run in this checkout with its .venv/bin on
-PATH, which is what activating does. The run without --local goes through a worker of this checkout on a
-work pool of the test's own (GPUFERRY_WORK_POOL), as the shared pool's worker runs another checkout.
+pulls with the namespace's image pull secret (``k8s_namespace``). The first line installs gpuferry as the
+README says, from this repository's committed HEAD (``git+file://REPO@<commit>`` for the README's URL), into
+a tool directory of the test's own (UV_TOOL_DIR, UV_TOOL_BIN_DIR), with the lock's versions (UV_CONSTRAINT);
+the commands after it run that installed ``gpuferry`` (no other is on PATH) in a directory of their own, not
+in this checkout. The run without --local goes through a worker of this checkout on a work pool of the
+test's own (GPUFERRY_WORK_POOL), as the shared pool's worker runs another checkout.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,12 +96,20 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
                               f"'{s3_for_pods['AWS_ENDPOINT_URL']}'}}"),
         ("cluster_name: hpc", f"cluster_name: {stack}"), ("  hpc:", f"  {stack}:"),
     ]  # fmt: skip
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     command_values = [
+        ("git+<this repository>", f"git+file://{REPO}@{head}"),
         ("house-prices", workload),
         ("check hpc ", f"check {stack} "), ("--stack hpc", f"--stack {stack}"),
     ]  # fmt: skip
     pool = f"gpuferry-readme-{uid}"
-    env = {**os.environ, "PATH": os.pathsep.join([str(REPO / ".venv/bin"), os.environ["PATH"]]),
+    # The installed gpuferry is the only one on PATH; uv is the one `make venv` installed, on a PATH of its own.
+    (tmp_path / "uv-bin").mkdir()
+    (tmp_path / "uv-bin" / "uv").symlink_to(shutil.which("uv") or REPO / ".venv/bin/uv")
+    path = [str(tmp_path / "bin"), str(tmp_path / "uv-bin")] + [
+        p for p in os.environ["PATH"].split(os.pathsep) if p and not (Path(p) / "gpuferry").exists()]  # fmt: skip
+    env = {**os.environ, "PATH": os.pathsep.join(path), "UV_TOOL_DIR": str(tmp_path / "tools"),
+           "UV_TOOL_BIN_DIR": str(tmp_path / "bin"), "UV_CONSTRAINT": str(REPO / "requirements.lock"),
            "KUBECONFIG": k8s["KUBECONFIG"], "PREFECT_API_URL": prefect["PREFECT_API_URL"],
            "PREFECT_UI_URL": prefect["PREFECT_UI_URL"], "GPUFERRY_WORK_POOL": pool,
            "GPUFERRY_HOME": str(tmp_path / "home"),
@@ -110,7 +121,7 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
         tmp_path / "worker.log",
     )  # fmt: skip
     try:
-        yield {"tmp": tmp_path, "env": env, "file_values": file_values, "command_values": command_values,
+        yield {"tmp": tmp_path, "env": env, "head": head, "file_values": file_values, "command_values": command_values,
                "stack": stack, "workload": workload, "namespace": k8s_namespace, "mlflow": mlflow["MLFLOW_TRACKING_URI"],
                "kubeconfig": k8s["KUBECONFIG"]}  # fmt: skip
     finally:
@@ -140,25 +151,35 @@ def _forget(api_url: str, stack: str, tracking_uri: str, model: str) -> None:
 
 def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(world: dict[str, Any]) -> None:
     commands, stack_file = readme_blocks()
-    assert commands[0].startswith("git clone ") and commands[0].endswith(". .venv/bin/activate")
-    (world["tmp"] / "stack.yaml").write_text(substitute(stack_file, world["file_values"]))
+    assert commands[0].startswith("uv tool install ")
+    repository = world["tmp"] / "repository"  # the user's own repository: not gpuferry's checkout
+    repository.mkdir()
+    (repository / "stack.yaml").write_text(substitute(stack_file, world["file_values"]))
     for old, _ in world["command_values"]:
         assert any(old in c for c in commands), f"the README's commands no longer have {old!r}: update this test"
     outputs = []
-    for command in commands[1:]:
+    began = time.monotonic()
+    for command in commands:
         line = command
         for old, new in world["command_values"]:
             line = line.replace(old, new)
-        done = subprocess.run(["bash", "-c", line], cwd=world["tmp"], env=world["env"], capture_output=True,
+        started = time.monotonic()
+        done = subprocess.run(["bash", "-c", line], cwd=repository, env=world["env"], capture_output=True,
                               text=True, timeout=1800)  # fmt: skip
         out = done.stdout + done.stderr
-        print(f"$ {line}\n{out[-4000:]}")
+        print(f"$ {line}  ({time.monotonic() - started:.1f} s)\n{out[-4000:]}")
         assert done.returncode == 0, f"{line}\n{out[-6000:]}"
         outputs.append(out)
+    print(f"the README's commands: {time.monotonic() - began:.0f} s")
     assert not any("kubectl" in c for c in commands)  # the deploy gives the pods the store's keys itself
-    init, apply, check, local, deployed = outputs
+    install, init, apply, check, local, deployed = outputs
+    # The commands ran the gpuferry installed from the committed HEAD, not this checkout's.
+    assert "Installed 1 executable: gpuferry" in install
+    assert shutil.which("gpuferry", path=world["env"]["PATH"]) == str(world["tmp"] / "bin" / "gpuferry")
+    direct_url = next((world["tmp"] / "tools" / "gpuferry").glob("lib/python*/site-packages/gpuferry-*.dist-info"))
+    assert json.loads((direct_url / "direct_url.json").read_text())["vcs_info"]["commit_id"] == world["head"]
     stack, model, ns = world["stack"], world["workload"], world["namespace"]
-    assert "wrote " in init and (world["tmp"] / model / "gpuferry.yaml").is_file()
+    assert "wrote " in init and (repository / model / "gpuferry.yaml").is_file()
     assert f"{stack}: created" in apply
     assert "all checks passed" in check
     assert f"model version: {model} v1 (val_rmse=" in local and "promoted" in local
@@ -176,6 +197,8 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
     from blocks.specs import ServingSpec
 
     client = MlflowClient(world["mlflow"])
+    v1_run = client.get_run(client.get_model_version(model, "1").run_id)
+    assert v1_run.data.tags["gpuferry.git_sha"] == world["head"]  # trained by the installed commit
     assert client.get_model_version_by_alias(model, "champion").version == "2"
     block = KubernetesCluster(kubeconfig=SecretStr(Path(world["kubeconfig"]).read_text()), namespace=ns)
     dep = block._api().get(f"/apis/apps/v1/namespaces/{ns}/deployments/{model}")
