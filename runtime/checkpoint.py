@@ -14,9 +14,10 @@ renamed into place only when its size and sha256 match; the manifest itself land
 from a local path, so what is loaded is exactly what was checked, whatever happens to the stored copy later.
 
 From S3 (``fetch_s3``, which gpuferry's S3 checkpoint store uses too: the same reads, the same checks) each file
-comes in ranged GETs, several in flight, of several files at once, written in place and hashed in order while its
-later ranges still arrive; every answer must report the object's size as the manifest does, and a range whose
-stream breaks is fetched again (a few times).
+comes in ranged GETs, several in flight, of several files at once, written in place and hashed in file order: the
+bytes that continue what is hashed are hashed as they arrive, those that land ahead are read back when the hash
+reaches them. Every answer must report the object's size as the manifest does, and a range whose stream breaks is
+asked again from where it broke (a few times).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,41 +163,103 @@ def _fetch_object(
     tmp = dest.with_name(f".{dest.name}.partial")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        futures = [ranges.submit(_fetch_range, client, bucket, key, fd, start, end, entry) for start, end in spans]
-        digest = hashlib.sha256()
+        digest = _InOrderDigest(fd)
+        futures = [ranges.submit(_fetch_range, client, bucket, key, digest, start, end, entry) for start, end in spans]
         try:
-            # Hashed in order as the ranges land: only the last range's bytes are hashed after the download.
-            for (start, end), future in zip(spans, futures):
+            for future in futures:
                 future.result()
-                for offset in range(start, end, _HASH_PIECE):
-                    digest.update(os.pread(fd, min(_HASH_PIECE, end - offset), offset))
+                digest.catch_up()  # what landed ahead of this range, now that the hash has reached it
         except BaseException:
             _stop(futures)
             raise
-        if digest.hexdigest() != entry["sha256"]:
-            raise UnverifiedCheckpoint(_mismatch(where, digest.hexdigest(), size, entry))
+        if digest.hashed != size or digest.hexdigest() != entry["sha256"]:
+            raise UnverifiedCheckpoint(_mismatch(where, digest.hexdigest(), digest.hashed, entry))
         os.replace(tmp, dest)
     finally:
         os.close(fd)
         tmp.unlink(missing_ok=True)
 
 
-def _fetch_range(client: Any, bucket: str, key: str, fd: int, start: int, end: int, entry: dict[str, Any]) -> None:
-    """Write bytes [start, end) of the object at their place in ``fd``, checking the size the store reports."""
+class _InOrderDigest:
+    """The sha256 of a file whose ranges are written concurrently, in whatever order they land.
+
+    A range's bytes that continue what is hashed are hashed by its own thread as they arrive, from memory; bytes
+    written ahead are remembered and hashed from the file by ``catch_up`` (the file's thread, between waits) once
+    the hash reaches them, so that no range's reading waits on another's hashing. Each byte is hashed once, in
+    file order."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.hashed = fd, 0  # the bytes [0, hashed) are hashed
+        self._digest = hashlib.sha256()
+        self._busy = False  # a thread is hashing from ``hashed`` on
+        self._ahead: dict[int, int] = {}  # start -> end of the stretches written past ``hashed``, not hashed yet
+        self._ends: dict[int, int] = {}  # end -> start of the same stretches
+        self._lock = threading.Lock()
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Write ``data`` at ``offset`` (every byte of the file once), hashing it now if it continues the hash."""
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        end = offset + len(view)
+        with self._lock:
+            if offset != self.hashed or self._busy:
+                start = self._ends.pop(offset, offset)
+                self._ahead[start], self._ends[end] = end, start
+                return
+            self._busy = True
+        self._hash(view, end)
+
+    def catch_up(self) -> None:
+        """Hash, from the file, the stretches written ahead that now continue the hash."""
+        buffer = None
+        while True:
+            with self._lock:
+                if self._busy or self.hashed not in self._ahead:
+                    return
+                start = self.hashed
+                stop = self._ahead.pop(start)
+                del self._ends[stop]
+                self._busy = True
+            buffer = buffer or bytearray(_HASH_PIECE)
+            for at in range(start, stop, _HASH_PIECE):
+                read = os.preadv(self.fd, [memoryview(buffer)[: min(_HASH_PIECE, stop - at)]], at)
+                self._digest.update(memoryview(buffer)[:read])
+                if read < min(_HASH_PIECE, stop - at):  # cannot happen unless the file is changed meanwhile
+                    stop = at + read
+                    break
+            self._hash(b"", stop)
+
+    def _hash(self, data: bytes | memoryview, end: int) -> None:
+        self._digest.update(data)
+        with self._lock:
+            self.hashed, self._busy = end, False
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def _fetch_range(
+    client: Any, bucket: str, key: str, out: _InOrderDigest, start: int, end: int, entry: dict[str, Any]
+) -> None:
+    """Write bytes [start, end) of the object at their place in ``out``, checking the size the store reports; a
+    stream that breaks is asked again from where it broke."""
     where = f"s3://{bucket}/{key}"
     retryable = _stream_errors()
+    offset = start
     for attempt in range(1, _RANGE_ATTEMPTS + 1):
         try:
             request = {"Bucket": bucket, "Key": key}
-            if end > start:  # an empty object has no range to ask for
-                request["Range"] = f"bytes={start}-{end - 1}"
+            if end > offset:  # an empty object has no range to ask for
+                request["Range"] = f"bytes={offset}-{end - 1}"
             response = client.get_object(**request)
             total = _object_size(response)
             if total != entry["size"]:
                 raise UnverifiedCheckpoint(_mismatch(where, "(not read)", total, entry))
-            offset = start
             for piece in response["Body"].iter_chunks(_CHUNK):
-                os.pwrite(fd, piece, offset)
+                if offset + len(piece) > end:
+                    raise UnverifiedCheckpoint(f"{where}: the store sent more than bytes {start}-{end} asked for")
+                out.write(offset, piece)
                 offset += len(piece)
             if offset == end:
                 return

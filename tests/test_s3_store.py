@@ -369,7 +369,7 @@ def _damaged_first_attempt(client: object, part_number: int) -> Iterator[list[in
             return
         if not damaged:
             original.append(request.body)
-            data = bytearray(request.body if isinstance(request.body, bytes) else request.body.read())
+            data = bytearray(request.body.read() if hasattr(request.body, "read") else request.body)
             data[len(data) // 2] ^= 0x01
             request.body = bytes(data)
             damaged.append(part_number)
