@@ -31,7 +31,7 @@ from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
 from blocks.slurm_script import Container, sbatch_script
 from blocks.mlflow_model import check_mlflow_model
 from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob
-from tests.stacks import registry_login, slurm_for_images, stack_env
+from tests.stacks import mlflow_server, registry_login, slurm_for_images, stack_env
 from tests.test_slurm_script import check_golden
 
 REPO = Path(__file__).resolve().parent.parent
@@ -488,16 +488,13 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
                                                       stacks: dict[str, str], s3_store: S3CheckpointStore,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The whole pipeline with a Stack: DockerImageBuilder → SlurmCluster (podman) → S3 → MLflow server."""
-    from mlflow import MlflowClient
-
     from blocks.provision import ClusterManaged
     from blocks.serving import LocalServing
     from blocks.specs import TrainingSpec
     from blocks.stack import Stack
-    from blocks.tracking import MlflowTracking
     from flows.retrain import retrain
 
-    mlflow_env, s3_env = stack_env("mlflow"), stack_env("s3")
+    tracking, s3_env = mlflow_server(), stack_env("s3")
     ref, _, builder, context = image
     bucket = s3_store.bucket.bucket_name  # a bucket of the test's own on the s3 stack, removed afterwards
     # The local inference server reads the s3:// checkpoint with boto3's own variables.
@@ -507,7 +504,7 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
     stack = Stack(
         provider=ClusterManaged(cluster_name="gpuferry-test"), images=builder, compute=slurm,
         storage=s3_store,
-        tracking=MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None),
+        tracking=tracking,
         serving=LocalServing(),
     )  # fmt: skip
     name = f"slurm-image-{uuid.uuid4().hex[:8]}"
@@ -521,7 +518,7 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
     )  # fmt: skip
     try:
         assert outcome.image.reference == ref.reference and not outcome.image.built  # the same content: a tag hit
-        run = MlflowClient(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"]).get_run(outcome.run_id)
+        run = tracking.client.get_run(outcome.run_id)
         assert run.data.tags["image"] == ref.reference
         assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)  # logged from the container
         assert run.data.metrics["cpu_hours"] > 0
