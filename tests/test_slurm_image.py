@@ -94,6 +94,22 @@ def test_golden_image_sweep_array() -> None:
     assert 'GPUFERRY_CONTAINER_ENV+=" ${word%%=*}"' in text
 
 
+@pytest.mark.parametrize("runtime", ["auto", "podman"])
+def test_the_tracking_login_alone_is_sourced_from_the_secret_file(runtime: str) -> None:
+    # A job whose only secrets are the tracking block's login (retrain's job against an MLflow server with a
+    # login): the script sources the 0600 file, and holds no value.
+    from pydantic import SecretStr
+
+    given = job(reference=IMAGE).model_copy(update={
+        "secret_env": {"MLFLOW_TRACKING_USERNAME": SecretStr("gpuferry-tests"),
+                       "MLFLOW_TRACKING_PASSWORD": SecretStr("tracking-" + "y" * 8)}})  # fmt: skip
+    if runtime == "auto":
+        given = given.model_copy(update={"image": None})  # no image: the cluster's Python
+    text = cluster(container_runtime=runtime)._script_for_job(given)
+    assert "set -a; . /shared/jobs/run-7-train/.secret.env; set +a" in text
+    assert "tracking-" + "y" * 8 not in text and "gpuferry-tests" not in text
+
+
 def test_registry_login_goes_to_a_file_in_the_runtime_format() -> None:
     podman = cluster(container_runtime="podman")._container_files(job())
     auth = json.loads(podman[REGISTRY_AUTH_NAME])
