@@ -62,9 +62,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Bench:
-    def __init__(self, api_url: str, tracking_uri: str, tmp: Path, worker: str) -> None:
+    def __init__(self, api_url: str, tracking: Any, tmp: Path, worker: str) -> None:
         self.api_url = api_url
-        self.tracking_uri = tracking_uri
+        self.tracking = tracking  # the mlflow stack's server and its login (an MlflowTracking block)
         self.tmp = tmp
         uid = uuid.uuid4().hex[:8]
         self.model = f"gpuferry-bench-{uid}"
@@ -93,10 +93,9 @@ class Bench:
                                                       self.tmp / "worker.log", kind=self.worker_kind))  # fmt: skip
         from blocks.serving import LocalServing
         from blocks.stack import Stack
-        from blocks.tracking import MlflowTracking
 
         stack = Stack.embedded()
-        stack.tracking = MlflowTracking(tracking_uri=self.tracking_uri, artifact_location=None)
+        stack.tracking = self.tracking  # the worker and the receiver log in with the saved block's login
         stack.serving = LocalServing(state_dir=str(self.serving_dir), drain_seconds=2)
         stack.save(self.stack, overwrite=True)
         self.register(versions)
@@ -105,12 +104,11 @@ class Bench:
         """``count`` versions of one real checkpoint, an MLflow model (each alias move deploys another version)."""
         import mlflow.sklearn
         import numpy as np
-        from mlflow import MlflowClient
         from sklearn.linear_model import LinearRegression
 
         from blocks.storage import write_manifest
 
-        client = MlflowClient(self.tracking_uri)
+        client = self.tracking.client
         experiment = client.create_experiment(self.model, artifact_location=(self.tmp / "artifacts").as_uri())
         client.create_registered_model(self.model)
         run = client.create_run(experiment)
@@ -154,12 +152,10 @@ class Bench:
 
     def set_alias_and_time(self, timeout: float = RUN_DEADLINE_S) -> dict[str, float]:
         """Move the alias to the next version; wait for its run to finish; return the hops (seconds)."""
-        from mlflow import MlflowClient
-
         standby_wait_s = self.standby_ready()
         version = str(self.next_version)
         self.next_version += 1
-        client = MlflowClient(self.tracking_uri)
+        client = self.tracking.client
         set_at = datetime.now(timezone.utc)
         client.set_registered_model_alias(self.model, self.alias, version)
         returned_s = (datetime.now(timezone.utc) - set_at).total_seconds()
@@ -224,7 +220,6 @@ class Bench:
 
     def webhook_path(self, n: int) -> list[dict[str, float]]:
         import httpx
-        from mlflow import MlflowClient
 
         from blocks._proc import free_port
 
@@ -232,7 +227,7 @@ class Bench:
         port = free_port("127.0.0.1")
         receiver = self.start("receiver", [
             sys.executable, "-m", "deployments.webhook", "--port", str(port), "--stack", self.stack,
-            "--register", self.tracking_uri, "--webhook-name", self.stack, "--model", self.model,
+            "--register", "--webhook-name", self.stack, "--model", self.model,
         ], env={**self.env, "GPUFERRY_WEBHOOK_SECRET": secret})  # fmt: skip
 
         def up() -> bool:
@@ -251,7 +246,7 @@ class Bench:
         while True:
             version = str(self.next_version)
             self.next_version += 1
-            MlflowClient(self.tracking_uri).set_registered_model_alias(self.model, self.alias, version)
+            self.tracking.client.set_registered_model_alias(self.model, self.alias, version)
             try:
                 wait_for("a delivery", lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["emitted"],
                          timeout=10, interval=0.5)  # fmt: skip
@@ -271,7 +266,7 @@ class Bench:
         self.stop(receiver)
         from deployments.webhook import unregister_webhook
 
-        unregister_webhook(self.tracking_uri, self.stack)
+        unregister_webhook(self.tracking, self.stack)
         return results
 
     def poll_path(self, n: int, interval: float) -> list[dict[str, float]]:
@@ -293,14 +288,12 @@ class Bench:
         for proc in self.procs:
             self.stop(proc)
         try:
-            from mlflow import MlflowClient
-
             from blocks.serving import LocalServing
             from deployments.webhook import unregister_webhook
 
-            unregister_webhook(self.tracking_uri, self.stack)
+            unregister_webhook(self.tracking, self.stack)
             LocalServing(state_dir=str(self.serving_dir)).undeploy(self.model)  # no service recorded: the model's name
-            MlflowClient(self.tracking_uri).delete_registered_model(self.model)
+            self.tracking.client.delete_registered_model(self.model)
             from prefect.client.orchestration import SyncPrefectClient
 
             if self.deployment:
@@ -333,13 +326,13 @@ def main() -> int:
     subprocess.run(["make", "-s", "prefect-up", "mlflow-up"], cwd=REPO, check=True)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.stacks import stack_env
+    from tests.stacks import mlflow_server, stack_env
 
     api_url = stack_env("prefect")["PREFECT_API_URL"]
-    tracking_uri = stack_env("mlflow")["MLFLOW_TRACKING_URI"]
+    tracking = mlflow_server()
     tmp = Path(tempfile.mkdtemp(prefix="gpuferry-p4-"))
     with temporary_settings({PREFECT_API_URL: api_url}):
-        bench = Bench(api_url, tracking_uri, tmp, args.worker)
+        bench = Bench(api_url, tracking, tmp, args.worker)
         try:
             bench.setup(versions=2 * args.events + 40)
             print(f"worker: {args.worker}; load: {os.getloadavg()[0]:.1f}", flush=True)

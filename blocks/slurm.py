@@ -251,7 +251,7 @@ class SlurmCluster(SlurmTransport, SlurmSubmit, SlurmJobs, SlurmContainers, Slur
         if torchrun:
             options.update(torchrun_nproc_per_node=res.processes_per_node, torchrun_python=python,
                            rdzv_port=self.rdzv_port, rdzv_port_span=self.rdzv_port_span)  # fmt: skip
-        if job.secrets:
+        if job.secrets or job.secret_env:  # the workload's secrets or the tracking login
             options["secret_env_file"] = posixpath.join(workdir, SECRETS_NAME)
         if array_size is not None:
             # One array task per configuration; each exports its own settings (checkpoint dir, progress

@@ -16,9 +16,14 @@ Run it (the Prefect API from PREFECT_API_URL; the secret from a Prefect Secret b
 environment, never from the command line)::
 
     python -m deployments.webhook --port 5091 --stack my-stack --secret-block mlflow-webhook-secret
-    python -m deployments.webhook --register http://127.0.0.1:5075 ...   # also (re)creates the MLflow webhook
+    python -m deployments.webhook --stack my-stack --register ...   # also (re)creates the MLflow webhook
 
-``register_webhook`` creates the webhook in MLflow, or updates the one with the same name.
+``register_webhook`` creates the webhook in MLflow, or updates the one with the same name. ``--register``
+logs in to MLflow as the stack's tracking block does (its ``username`` + ``password`` or ``token``; MLflow
+allows admins only to manage webhooks); ``--register TRACKING_URI`` names another address of that server,
+with the same login. A block without a login falls back to MLflow's own variables
+(``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``, ``MLFLOW_TRACKING_TOKEN``), as every
+``MlflowTracking`` does.
 """
 
 from __future__ import annotations
@@ -36,9 +41,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deployments import mlflow_events
+
+if TYPE_CHECKING:
+    from blocks.tracking import MlflowTracking
 
 log = logging.getLogger("gpuferry.webhook")
 
@@ -243,27 +251,23 @@ def load_secret(block: str | None = None, file: str | None = None, env: str = SE
     return str(value)
 
 
-def register_webhook(
-    tracking_uri: str, url: str, secret: str, name: str = DEFAULT_WEBHOOK_NAME
-) -> str:
-    """Create the MLflow webhook that calls ``url``, or update the one called ``name``; returns its id."""
-    from mlflow import MlflowClient
+def register_webhook(tracking: MlflowTracking, url: str, secret: str, name: str = DEFAULT_WEBHOOK_NAME) -> str:
+    """Create the MLflow webhook that calls ``url``, or update the one called ``name``; returns its id.
+    ``tracking``: the MLflow server and its login."""
     from mlflow.entities.webhook import WebhookEvent
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = tracking.client
     events = [WebhookEvent("model_version_alias", "created"), WebhookEvent("model_version", "created")]
-    existing = find_webhook(tracking_uri, name)
+    existing = find_webhook(tracking, name)
     if existing is not None:
         client.update_webhook(existing.webhook_id, url=url, events=events, secret=secret, status="ACTIVE")
         return existing.webhook_id
     return client.create_webhook(name=name, url=url, events=events, secret=secret).webhook_id
 
 
-def find_webhook(tracking_uri: str, name: str = DEFAULT_WEBHOOK_NAME) -> Any | None:
+def find_webhook(tracking: MlflowTracking, name: str = DEFAULT_WEBHOOK_NAME) -> Any | None:
     """The MLflow webhook called ``name``, or None."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = tracking.client
     page_token = None
     while True:
         page = client.list_webhooks(max_results=100, page_token=page_token)
@@ -273,15 +277,31 @@ def find_webhook(tracking_uri: str, name: str = DEFAULT_WEBHOOK_NAME) -> Any | N
         page_token = page.token
 
 
-def unregister_webhook(tracking_uri: str, name: str = DEFAULT_WEBHOOK_NAME) -> bool:
+def unregister_webhook(tracking: MlflowTracking, name: str = DEFAULT_WEBHOOK_NAME) -> bool:
     """Delete the MLflow webhook called ``name``; True if there was one."""
-    from mlflow import MlflowClient
-
-    found = find_webhook(tracking_uri, name)
+    found = find_webhook(tracking, name)
     if found is None:
         return False
-    MlflowClient(tracking_uri=tracking_uri).delete_webhook(found.webhook_id)
+    tracking.client.delete_webhook(found.webhook_id)
     return True
+
+
+def stack_tracking(stack: str, tracking_uri: str | None = None) -> MlflowTracking:
+    """The tracking block of the saved Stack block ``stack`` ('' = the embedded stack), at ``tracking_uri``
+    when given (another address of the same server: the block's login goes with it)."""
+    from blocks.tracking import is_server
+    from flows.retrain import load_stack
+
+    tracking = load_stack(stack or None).tracking
+    if tracking_uri:
+        tracking = tracking.model_copy(update={"tracking_uri": tracking_uri, "registry_uri": None})
+    if not is_server(tracking.tracking_uri):
+        raise ValueError(
+            f"--register: the tracking_uri of stack {stack or '(embedded)'!r} is {tracking.tracking_uri!r}, a local "
+            "store without webhooks: point the stack's tracking at an MLflow server, or poll the registry "
+            "(deployments/poll_registry.py)"
+        )
+    return tracking
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,15 +314,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", help="only models matching this pattern (repeatable; default all)")
     parser.add_argument("--webhook-name", default=DEFAULT_WEBHOOK_NAME, help="name of the webhook in MLflow")
     parser.add_argument("--tolerance-seconds", type=float, default=300)
-    parser.add_argument("--register", metavar="TRACKING_URI", help="create/update the webhook in this MLflow first")
+    parser.add_argument("--register", metavar="TRACKING_URI", nargs="?", const="",
+                        help="create/update the webhook first, in the MLflow of --stack's tracking block and with its "
+                        "login (TRACKING_URI: another address of that server)")
     parser.add_argument("--public-url", help="URL MLflow calls (default http://HOST:PORT/mlflow)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     secret = load_secret(args.secret_block, args.secret_file)
-    if args.register:
+    if args.register is not None:
         url = args.public_url or f"http://{args.host}:{args.port}/mlflow"
-        webhook_id = register_webhook(args.register, url, secret, args.webhook_name)
+        webhook_id = register_webhook(stack_tracking(args.stack, args.register), url, secret, args.webhook_name)
         log.info("MLflow webhook %s calls %s", webhook_id, url)
 
     import uvicorn

@@ -48,7 +48,8 @@ def local_stack(bucket: str, namespace: str = "default", workdir_root: str | Non
                 "region_name": s3["AWS_DEFAULT_REGION"],
                 "aws_client_parameters": {"endpoint_url": s3["S3_ENDPOINT_URL"]}}},
         },  # fmt: skip
-        "tracking": {"tracking_uri": mlflow["MLFLOW_TRACKING_URI"]},
+        "tracking": {"tracking_uri": mlflow["MLFLOW_TRACKING_URI"], "username": mlflow["MLFLOW_TRACKING_USERNAME"],
+                     "password": {"file": mlflow["MLFLOW_PASSWORD_FILE"]}},
         "serving": {"type": "KubernetesCluster", "kubeconfig": {"file": k8s["KUBECONFIG"]}, "namespace": namespace},
     }
 

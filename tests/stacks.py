@@ -181,12 +181,28 @@ def remove_on_cluster(cluster, path: str) -> None:  # type: ignore[no-untyped-de
         cluster.run(["rm", "-rf", "--", path], check=False)
 
 
-def mlflow_server():  # type: ignore[no-untyped-def]
-    """An MlflowTracking block on the mlflow stack's server (artifacts proxied by the server to its S3 bucket):
-    what a job on a remote cluster can log to."""
+def mlflow_server(**fields):  # type: ignore[no-untyped-def]
+    """An MlflowTracking block on the mlflow stack's server (artifacts proxied by the server to its S3 bucket),
+    logged in as the stack's tests user: what a job on a remote cluster can log to. Its ``client`` is an
+    MlflowClient with that login (``mlflow_server().client``). ``fields`` override the block's settings."""
+    from pydantic import SecretStr
+
     from blocks.tracking import MlflowTracking
 
-    return MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
+    env = stack_env("mlflow")
+    settings = {"tracking_uri": env["MLFLOW_TRACKING_URI"], "artifact_location": None,
+                "username": env["MLFLOW_TRACKING_USERNAME"], "password": SecretStr(env["MLFLOW_TRACKING_PASSWORD"]),
+                **fields}  # fmt: skip
+    return MlflowTracking(**settings)
+
+
+def mlflow_login_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's own variables (MLFLOW_TRACKING_USERNAME / PASSWORD) set to the mlflow stack's login for one test:
+    for what MLflow reads from the environment only, whichever client asks (artifact transfers through the
+    server's proxy, mlflow-artifacts:/)."""
+    env = stack_env("mlflow")
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, env[name])
 
 
 def slurm_for_images(workdir_root: str | Path, **fields):  # type: ignore[no-untyped-def]

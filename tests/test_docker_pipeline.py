@@ -25,9 +25,8 @@ from blocks.provision import LocalMachine
 from blocks.specs import Resources, ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.s3 import S3CheckpointStore
-from blocks.tracking import MlflowTracking
 from tests.fake_gpus import FakeGpus, fake_gpus
-from tests.stacks import stack_env
+from tests.stacks import mlflow_server, stack_env
 from tests.test_docker_compute import credentials
 
 
@@ -58,7 +57,7 @@ def docker_stack(gpus: FakeGpus, root: Path, storage: S3CheckpointStore, reposit
         compute=DockerCompute(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
                               workdir_root=str(root / "jobs")),
         storage=storage,
-        tracking=MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None),
+        tracking=mlflow_server(),
         serving=DockerServing(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
                               env={"WARMUP_ITERATIONS": "1"}, drain_seconds=5),
     )  # fmt: skip
@@ -76,8 +75,6 @@ def test_gpus_the_host_lacks_fail_the_retrain_before_anything_is_built_or_run(
 ) -> None:  # fmt: skip
     """Training's and serving's GPU requests are checked against the provider's inventory first: no node
     provisioned, no image built, no MLflow run, no job, no server, no front."""
-    from mlflow import MlflowClient
-
     from flows.retrain import retrain
     from tests.examples import DIGITS
 
@@ -97,7 +94,7 @@ def test_gpus_the_host_lacks_fail_the_retrain_before_anything_is_built_or_run(
     with pytest.raises(ConfigurationError, match=error):
         state.result()
     assert tasks_of(state.state_details.flow_run_id) <= {"load-workload", "host-inventory", "serving-preflight"}
-    mlflow = MlflowClient(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"])
+    mlflow = mlflow_server().client
     assert mlflow.get_experiment_by_name(f"gpuferry-preflight-{tag}") is None  # no run was started
     engine = docker.DockerClient(base_url=_registry()["DOCKER_HOST"], timeout=300)
     try:
@@ -124,14 +121,12 @@ def test_retrain_on_a_docker_host_trains_and_serves_on_the_providers_gpus(
     gpus: FakeGpus, tmp_path: Path, s3_store: S3CheckpointStore, s3_for_containers: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    from mlflow import MlflowClient
-
     from flows.retrain import retrain
     from tests.examples import DIGITS
 
     for key, value in s3_for_containers.items():  # what the server container gets by name (pass_env)
         monkeypatch.setenv(key, value)
-    registry, mlflow_env = _registry(), stack_env("mlflow")
+    registry = _registry()
     context = tmp_path / "digits"
     shutil.copytree(DIGITS, context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     stack = docker_stack(gpus, tmp_path, s3_store, "gpuferry-test/docker-pipeline")
@@ -152,11 +147,10 @@ def test_retrain_on_a_docker_host_trains_and_serves_on_the_providers_gpus(
             stack=name, force_deploy=True,
         )  # fmt: skip
         assert outcome.deployed and outcome.endpoint is not None
-        version = MlflowClient(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"]).get_model_version(
-            f"digits-docker-{tag}", outcome.model_version.version)
+        version = mlflow_server().client.get_model_version(f"digits-docker-{tag}", outcome.model_version.version)
         assert version.tags["deploy.status"] == "deployed" and version.tags["deploy.backend"] == "gpuferry-docker-serving"
         assert version.tags["deploy.endpoint"] == outcome.endpoint.url
-        run = MlflowClient(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"]).get_run(outcome.run_id)
+        run = mlflow_server().client.get_run(outcome.run_id)
         assert run.data.tags["backend.compute"] == "gpuferry-docker-compute"
         assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)  # logged from inside
         assert run.data.metrics["gpu_hours"] > 0

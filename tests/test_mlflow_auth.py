@@ -6,7 +6,8 @@ With the right login the block logs a run and registers a model version; a wrong
 without the permission fails at the first request with a ConfigurationError naming the block's fields, and the
 task is not retried. A training job on the local backend logs into the run with the login it reads from a 0600
 file; the password is found on no command line, in no file the backend leaves, in no MLflow param or tag and in
-none of the flow run's Prefect logs.
+none of the flow run's Prefect logs. The webhook receiver's `--register` logs in as the saved stack's tracking
+block does, and falls back to MLflow's variables for a block without a login.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mlflow.exceptions import MlflowException
 from prefect import flow
 from prefect.client.orchestration import get_client
 from pydantic import SecretStr
@@ -72,6 +74,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
     env = {**inherited_environment(), "PYTHONPATH": str(REPO), "MLFLOW_AUTH_CONFIG_PATH": str(ini),
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex,
            "GPUFERRY_TEST_MLFLOW_TOKEN": token,
+           # webhooks to a loopback receiver (test_the_webhook_registers_with_the_stacks_login)
+           "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
            "GPUFERRY_TEST_MLFLOW_TOKEN_USER": ADMIN}  # fmt: skip
     argv = [str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
             "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
@@ -265,3 +269,31 @@ def test_the_check_logs_in_as_the_block_does(server: AuthServer, login: str, mon
         assert "tracking.username + tracking.password" in refused[0].fix
     else:
         assert rows["tracking"].status == "ok" and rows["registry"].status == "ok", rows
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_the_webhook_registers_with_the_stacks_login(server: AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from blocks.stack import Stack
+    from deployments.webhook import find_webhook, register_webhook, stack_tracking, unregister_webhook
+
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    stack = Stack.embedded()
+    stack.tracking = MlflowTracking(tracking_uri=server.uri, username=ADMIN, password=SecretStr(server.password))
+    name = f"auth-webhook-{uuid.uuid4().hex[:8]}"
+    stack.save(name)
+    # `--stack NAME --register`: the saved block's server and login (MLflow lets admins only manage webhooks).
+    tracking = stack_tracking(name)
+    assert (tracking.tracking_uri, tracking.username) == (server.uri, ADMIN)
+    webhook_id = register_webhook(tracking, "http://127.0.0.1:9/mlflow", "s3cr3t", name)
+    assert find_webhook(stack_tracking(name, server.uri.replace("127.0.0.1", "localhost")), name).webhook_id == webhook_id
+    # A block without a login: MLflow's own variables, as for every MlflowTracking.
+    anonymous = MlflowTracking(tracking_uri=server.uri)
+    with pytest.raises(MlflowException, match=r"401"):  # MLflow's webhook calls bypass the store's refusal message
+        find_webhook(anonymous, name)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+    assert unregister_webhook(MlflowTracking(tracking_uri=server.uri), name)
+    assert find_webhook(tracking, name) is None
+    with pytest.raises(ValueError, match=r"a local store without webhooks"):
+        stack_tracking("")

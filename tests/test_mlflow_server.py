@@ -1,4 +1,5 @@
-"""The tracking block and tasks against a real MLflow server (`make mlflow-up`: PostgreSQL + S3 artifacts)."""
+"""The tracking block and tasks against a real MLflow server (`make mlflow-up`: PostgreSQL + S3 artifacts, a login
+required: MLflow's basic auth). The tests log in as the stack's tests user (tests/stacks.py: mlflow_server)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import uuid
 from pathlib import Path
 
 import boto3
+import httpx
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
+from pydantic import SecretStr
 
+from blocks.errors import ConfigurationError
 from blocks.s3 import S3CheckpointStore
 from blocks.specs import CheckpointRef, PromotionPolicy
 from blocks.storage import MANIFEST, manifest_bytes
 from blocks.tracking import MlflowTracking
 from tasks.track import log_run, register_model
-from tests.stacks import stack_env
+from tests.stacks import mlflow_login_in_environment, mlflow_server, stack_env
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +47,7 @@ def test_run_and_version_record_the_checkpoint(
     tag = uuid.uuid4().hex[:8]
     ref = s3_store.put(checkpoint, f"digits/{tag}")
     # artifact_location=None: the server's own artifact root (the S3 stack), not a local directory.
-    tracking = MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None)
+    tracking = mlflow_server()
     tags = {"prefect.flow_run_id": f"test-{tag}"}
     run_id = tracking.start_run(f"gpuferry-test-{tag}", f"retrain-{tag}", tags)
     assert tracking.start_run(f"gpuferry-test-{tag}", f"retrain-{tag}", tags) == run_id  # same flow run, same run
@@ -82,10 +86,12 @@ def test_run_and_version_record_the_checkpoint(
     tracking.client.delete_experiment(run.info.experiment_id)
 
 
-def test_artifacts_go_to_the_s3_stack(mlflow_env: dict[str, str], tmp_path: Path) -> None:
+def test_artifacts_go_to_the_s3_stack(mlflow_env: dict[str, str], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The server keeps run artifacts in the s3 stack's bucket (RGW checks the server's keys and signatures)."""
+    mlflow_login_in_environment(monkeypatch)  # MLflow's artifact client takes its login from there only
     tag = uuid.uuid4().hex[:8]
-    tracking = MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None)
+    tracking = mlflow_server()
     run_id = tracking.start_run(f"gpuferry-test-{tag}", f"artifacts-{tag}", {"prefect.flow_run_id": f"test-{tag}"})
     notes = tmp_path / "notes.txt"
     notes.write_text(f"run {tag}")
@@ -105,6 +111,27 @@ def test_artifacts_go_to_the_s3_stack(mlflow_env: dict[str, str], tmp_path: Path
     finally:
         tracking.end_run(run_id)
         tracking.client.delete_experiment(experiment_id)
+
+
+def test_the_server_requires_a_login(mlflow_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An anonymous request and a wrong password are refused (401); /health stays open; the block with the
+    stack's login is let in."""
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(name, raising=False)  # only the block's login counts
+    uri = mlflow_env["MLFLOW_TRACKING_URI"]
+    search = f"{uri}/api/2.0/mlflow/experiments/search"
+    user, password = mlflow_env["MLFLOW_TRACKING_USERNAME"], mlflow_env["MLFLOW_TRACKING_PASSWORD"]
+    assert httpx.get(f"{uri}/health", timeout=30).text == "OK"
+    assert httpx.get(search, params={"max_results": 1}, timeout=30).status_code == 401
+    assert httpx.get(search, params={"max_results": 1}, auth=(user, f"{password}-wrong"), timeout=30).status_code == 401
+    assert httpx.get(search, params={"max_results": 1}, auth=(user, password), timeout=30).status_code == 200
+
+    with pytest.raises(ConfigurationError, match=r"requires a login \(HTTP 401\) and the tracking block has none"):
+        MlflowTracking(tracking_uri=uri, artifact_location=None).experiment_id("gpuferry-test-anonymous")
+    wrong = mlflow_server(password=SecretStr(f"{password}-wrong"))
+    with pytest.raises(ConfigurationError, match=rf"refused the login of tracking.username='{user}' and its password"):
+        wrong.experiment_id("gpuferry-test-wrong-password")
+    assert mlflow_server().client.search_experiments(max_results=1) is not None
 
 
 def _closed_port() -> int:

@@ -44,7 +44,7 @@ from blocks.tracking import MlflowTracking
 from flows.retrain import retrain
 from tests.k8s_node import PULL_SECRET, ready_pods
 from tests.examples import DIABETES, DIGITS, example_module
-from tests.stacks import stack_env
+from tests.stacks import mlflow_server, stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
@@ -88,7 +88,7 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
 ) -> None:  # fmt: skip
     block = serving_block(k8s, k8s_namespace, env={"WARMUP_ITERATIONS": "1"})
     with_store_secret(block, k8s_namespace, s3_for_pods)
-    tracking = MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
+    tracking = mlflow_server()
     tag = uuid.uuid4().hex[:8]
     model, experiment = f"digits-k8s-{tag}", f"gpuferry-k8s-{tag}"
     training = TrainingSpec(model_name=model, experiment=experiment, hyperparameters={"epochs": 15, "lr": 0.05},
@@ -123,7 +123,7 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     accuracy = float((np.asarray(answer["predictions"]).argmax(axis=1) == y_test).mean())  # class probabilities
     assert accuracy >= 0.9  # 0.95-0.97 with these settings (tests/test_pipeline_embedded.py)
 
-    client = MlflowClient(tracking_uri=tracking.tracking_uri)
+    client = tracking.client
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster" and run.data.metrics["gpu_hours"] > 0
@@ -170,7 +170,7 @@ def test_the_regressor_trains_on_slurm_and_serves_on_kubernetes(
 ) -> None:  # fmt: skip
     # No env_from_secret: the deploy puts the store's credentials into a Secret of the service's own.
     block = serving_block(k8s, k8s_namespace, env_from_secret=None, env={"AWS_ENDPOINT_URL": s3_for_pods["AWS_ENDPOINT_URL"]})
-    tracking = MlflowTracking(tracking_uri=stack_env("mlflow")["MLFLOW_TRACKING_URI"], artifact_location=None)
+    tracking = mlflow_server()
     tag = uuid.uuid4().hex[:8]
     model = f"diabetes-k8s-{tag}"
     stack = save_stack(block, workload_builder, slurm_in_images, s3_store, tracking)
@@ -182,7 +182,7 @@ def test_the_regressor_trains_on_slurm_and_serves_on_kubernetes(
     assert outcome.deployed and outcome.model_version.version == "1"
     assert outcome.endpoint.url == f"http://diabetes.{k8s_namespace}.svc.cluster.local:80"  # the workload's service
     assert outcome.image.reference and "@sha256:" in outcome.image.reference  # its own, from its requirements
-    run = MlflowClient(tracking_uri=tracking.tracking_uri).get_run(outcome.run_id)
+    run = tracking.client.get_run(outcome.run_id)
     assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster"
     assert run.data.metrics["val_rmse"] == pytest.approx(outcome.model_version.value) and 0 < outcome.model_version.value < 80
     assert run.data.params["alpha"] == "0.05"

@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
 
 from blocks.provision import ClusterManaged
 from blocks.specs import Resources, TrainingSpec
@@ -54,7 +53,7 @@ def test_retrain_trains_on_a_remote_slurm_cluster() -> None:
             stack="slurm-pipeline-test",
             force_deploy=True,
         )  # fmt: skip
-        run = MlflowClient(tracking_uri=stack.tracking.tracking_uri).get_run(outcome.run_id)
+        run = stack.tracking.client.get_run(outcome.run_id)
         assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster"
         assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)
         assert run.data.metrics["cpu_hours"] > 0

@@ -29,7 +29,7 @@ from deployments import mlflow_events
 from deployments.poll_registry import RegistryPoller
 from deployments.webhook import sign
 from tests.private_worker import wait_until
-from tests.stacks import stack_env
+from tests.stacks import mlflow_server, stack_env
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +46,10 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = DEADLINE, int
 class World:
     """Everything the tests share: the servers' settings, the test's model, stack and receiver."""
 
-    def __init__(self, prefect: dict[str, str], mlflow: dict[str, str], tmp: Path) -> None:
+    def __init__(self, prefect: dict[str, str], tracking: Any, tmp: Path) -> None:
         self.api_url = prefect["PREFECT_API_URL"]
-        self.tracking_uri = mlflow["MLFLOW_TRACKING_URI"]
+        self.tracking = tracking  # the mlflow stack's server and its login (an MlflowTracking block)
+        self.tracking_uri = tracking.tracking_uri
         self.tmp = tmp
         self.uid = uuid.uuid4().hex[:8]
         self.model = f"gpuferry-test-{self.uid}"
@@ -58,6 +59,8 @@ class World:
         self.receiver_url = ""
         self.env = {**os.environ, "PREFECT_API_URL": self.api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         self.env.pop("PREFECT_HOME", None)
+        for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+            self.env.pop(name, None)  # the receiver logs in to MLflow with the saved stack's block only
 
     def client(self) -> Any:
         from prefect.client.orchestration import SyncPrefectClient
@@ -77,10 +80,10 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    prefect_env, mlflow_env = stack_env("prefect"), stack_env("mlflow")
+    prefect_env, tracking = stack_env("prefect"), mlflow_server()
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    w = World(prefect_env, mlflow_env, tmp_path_factory.mktemp("deployments"))
+    w = World(prefect_env, tracking, tmp_path_factory.mktemp("deployments"))
     with temporary_settings({PREFECT_API_URL: w.api_url}):
         deploy = subprocess.run(
             [str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--all"],
@@ -96,7 +99,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         finally:
             from deployments.webhook import unregister_webhook
 
-            unregister_webhook(w.tracking_uri, w.stack)  # the MLflow server is shared: leave no webhook behind
+            unregister_webhook(w.tracking, w.stack)  # the MLflow server is shared: leave no webhook behind
             if w.receiver is not None:
                 w.receiver.terminate()
                 w.receiver.wait(30)
@@ -104,10 +107,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             from blocks.serving import LocalServing
 
             LocalServing(state_dir=str(w.serving_dir)).undeploy(w.model)
-            from mlflow import MlflowClient
-
-            MlflowClient(w.tracking_uri).delete_registered_model(w.model)
-            MlflowClient(w.tracking_uri).delete_registered_model(f"{w.model}-primer")
+            w.tracking.client.delete_registered_model(w.model)
+            w.tracking.client.delete_registered_model(f"{w.model}-primer")
 
 
 def finish_runs(w: World) -> None:
@@ -129,10 +130,11 @@ def finish_runs(w: World) -> None:
 def save_stack(w: World) -> None:
     from blocks.serving import LocalServing
     from blocks.stack import Stack
-    from blocks.tracking import MlflowTracking
 
     stack = Stack.embedded()
-    stack.tracking = MlflowTracking(tracking_uri=w.tracking_uri, artifact_location=None)
+    # The worker's runs and the webhook receiver (--register) log in with the block's login, saved with it;
+    # neither process has it in its environment.
+    stack.tracking = w.tracking
     stack.serving = LocalServing(state_dir=str(w.serving_dir), drain_seconds=5)
     stack.save(w.stack, overwrite=True)
 
@@ -141,10 +143,9 @@ def register_versions(w: World, count: int) -> None:
     """``count`` versions whose sources are real checkpoints (MLflow models with their manifest) in their run's
     (local) artifact directory, registered without gpuferry (no tags saying how they are served)."""
     import mlflow.sklearn
-    from mlflow import MlflowClient
     from sklearn.linear_model import LinearRegression
 
-    client = MlflowClient(w.tracking_uri)
+    client = w.tracking.client
     experiment = client.create_experiment(f"gpuferry-test-{w.uid}", artifact_location=(w.tmp / "artifacts").as_uri())
     client.create_registered_model(w.model)
     for i in range(count):
@@ -164,7 +165,7 @@ def start_receiver(w: World) -> None:
     w.receiver_url = f"http://127.0.0.1:{port}"
     log = open(w.tmp / "receiver.log", "wb")  # noqa: SIM115 - closed with the process
     w.receiver = subprocess.Popen(
-        [PY, "-m", "deployments.webhook", "--port", str(port), "--stack", w.stack, "--register", w.tracking_uri,
+        [PY, "-m", "deployments.webhook", "--port", str(port), "--stack", w.stack, "--register",
          "--webhook-name", w.stack, "--model", w.model],
         cwd=REPO, env={**w.env, "GPUFERRY_WEBHOOK_SECRET": SECRET}, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -186,9 +187,7 @@ def prime_webhook(w: World) -> None:
     while the list cached before our webhook existed (another user's event, moments earlier) is never
     delivered to it. Alias moves on a model of its own (the receiver ignores it) until one arrives.
     """
-    from mlflow import MlflowClient
-
-    client = MlflowClient(w.tracking_uri)
+    client = w.tracking.client
     primer = f"{w.model}-primer"
     source = client.get_model_version(w.model, "1")
     client.create_registered_model(primer)
@@ -285,10 +284,8 @@ def test_weekly_retrain_is_scheduled_for_the_next_monday_3am(world: World) -> No
 
 
 def test_alias_set_in_mlflow_deploys_that_version(world: World) -> None:
-    from mlflow import MlflowClient
-
     set_at = time.monotonic()
-    MlflowClient(world.tracking_uri).set_registered_model_alias(world.model, "champion", "1")
+    world.tracking.client.set_registered_model_alias(world.model, "champion", "1")
     run = wait_for("a deploy-model run for v1", lambda: world.runs_of("deploy-model/on-champion", model_name=world.model))
     created_s = time.monotonic() - set_at
     assert len(run) == 1
@@ -328,10 +325,6 @@ def test_forged_and_stale_webhooks_are_rejected(world: World) -> None:
 
 
 def test_duplicates_and_both_bridges_deploy_once(world: World) -> None:
-    from mlflow import MlflowClient
-
-    from blocks.tracking import MlflowTracking
-
     before = serving(world)
     assert before is not None and before["version"] == "1"
     # MLflow resends a delivery (champion → v1 again): the receiver emits it once; a copy sent by
@@ -349,11 +342,11 @@ def test_duplicates_and_both_bridges_deploy_once(world: World) -> None:
     mlflow_events.flush()
 
     # The same change seen by the webhook and by the poller: the poller finds it reported already.
-    tracking = MlflowTracking(tracking_uri=world.tracking_uri, artifact_location=None)
+    tracking = world.tracking
     poller = RegistryPoller(tracking.alias_map, tracking_uri=world.tracking_uri, stack=world.stack,
                             models=[world.model])  # fmt: skip
     assert poller.poll_once() == []  # the first poll records champion → v1
-    MlflowClient(world.tracking_uri).set_registered_model_alias(world.model, "champion", "3")
+    tracking.client.set_registered_model_alias(world.model, "champion", "3")
     wait_for("the webhook's event for v3",
              lambda: mlflow_events.recently_emitted(world.model, "3", "champion", timedelta(minutes=5)))  # fmt: skip
     assert poller.poll_once() == []

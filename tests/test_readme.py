@@ -36,7 +36,7 @@ import yaml
 from blocks.s3 import S3CheckpointStore
 from tests import private_worker
 from tests.k8s_node import ready_pods
-from tests.stacks import stack_env
+from tests.stacks import mlflow_server, stack_env
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +91,7 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
         ("region_name: us-east-1", f"region_name: {s3['AWS_DEFAULT_REGION']}"),
         ("https://s3.example.org", s3["S3_ENDPOINT_URL"]),
         ("https://mlflow.example.org", mlflow["MLFLOW_TRACKING_URI"]),
+        ("username: alice", f"username: {mlflow['MLFLOW_TRACKING_USERNAME']}"),
         ("~/.kube/config", k8s["KUBECONFIG"]),
         ("namespace: models", f"namespace: {k8s_namespace}\n      env: {{AWS_ENDPOINT_URL: "
                               f"'{s3_for_pods['AWS_ENDPOINT_URL']}'}}"),
@@ -114,7 +115,8 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
            "PREFECT_UI_URL": prefect["PREFECT_UI_URL"], "GPUFERRY_WORK_POOL": pool,
            "GPUFERRY_HOME": str(tmp_path / "home"),
            "REGISTRY_PASSWORD": Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
-           "AWS_ACCESS_KEY_ID": s3["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": s3["AWS_SECRET_ACCESS_KEY"]}  # fmt: skip
+           "AWS_ACCESS_KEY_ID": s3["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": s3["AWS_SECRET_ACCESS_KEY"],
+           "MLFLOW_TRACKING_PASSWORD": mlflow["MLFLOW_TRACKING_PASSWORD"]}  # fmt: skip
     env.pop("PREFECT_HOME", None)
     worker = private_worker.start_worker(
         pool, f"readme-{uid}", private_worker.worker_env(prefect["PREFECT_API_URL"], tmp_path / "worker-home"),
@@ -122,19 +124,19 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
     )  # fmt: skip
     try:
         yield {"tmp": tmp_path, "env": env, "head": head, "file_values": file_values, "command_values": command_values,
-               "stack": stack, "workload": workload, "namespace": k8s_namespace, "mlflow": mlflow["MLFLOW_TRACKING_URI"],
+               "stack": stack, "workload": workload, "namespace": k8s_namespace, "mlflow": mlflow_server(),
                "kubeconfig": k8s["KUBECONFIG"]}  # fmt: skip
     finally:
         private_worker.stop(worker)
         print((tmp_path / "worker.log").read_text()[-5000:])
         private_worker.remove(prefect["PREFECT_API_URL"], [f"retrain/{workload}", f"sweep/{workload}"], pool)
-        _forget(prefect["PREFECT_API_URL"], stack, mlflow["MLFLOW_TRACKING_URI"], workload)
+        _forget(prefect["PREFECT_API_URL"], stack, mlflow_server(), workload)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _forget(api_url: str, stack: str, tracking_uri: str, model: str) -> None:
-    """The shared servers keep nothing of this test: its Stack block and its registered model."""
-    from mlflow import MlflowClient
+def _forget(api_url: str, stack: str, tracking: Any, model: str) -> None:
+    """The shared servers keep nothing of this test: its Stack block and its registered model (``tracking``: the
+    mlflow stack's block, with its login)."""
     from prefect.client.orchestration import SyncPrefectClient
 
     with SyncPrefectClient(api_url) as client:
@@ -144,7 +146,7 @@ def _forget(api_url: str, stack: str, tracking_uri: str, model: str) -> None:
         except Exception as exc:  # noqa: BLE001 - best effort
             print(f"cleanup: stack {stack}: {exc}")
     try:
-        MlflowClient(tracking_uri).delete_registered_model(model)
+        tracking.client.delete_registered_model(model)
     except Exception as exc:  # noqa: BLE001
         print(f"cleanup: model {model}: {exc}")
 
@@ -189,14 +191,13 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
     assert re.search(r": Completed — http://\S+/runs/flow-run/", deployed)
 
     # Version 2 serves on Kubernetes: its pod loaded the checkpoint from S3 and answers the model's input example.
-    from mlflow import MlflowClient
     from pydantic import SecretStr
 
     from blocks import k8s_manifests as m
     from blocks.kubernetes import KubernetesCluster
     from blocks.specs import ServingSpec
 
-    client = MlflowClient(world["mlflow"])
+    client = world["mlflow"].client
     v1_run = client.get_run(client.get_model_version(model, "1").run_id)
     assert v1_run.data.tags["gpuferry.git_sha"] == world["head"]  # trained by the installed commit
     assert client.get_model_version_by_alias(model, "champion").version == "2"

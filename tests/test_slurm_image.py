@@ -30,7 +30,7 @@ from blocks.slurm import SlurmCluster
 from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
 from blocks.slurm_script import Container, sbatch_script
 from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob
-from tests.stacks import cluster_dir, registry_login, remove_on_cluster, slurm_for_images, stack_env
+from tests.stacks import cluster_dir, mlflow_server, registry_login, remove_on_cluster, slurm_for_images, stack_env
 from tests.test_slurm_script import check_golden
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,6 +91,22 @@ def test_golden_image_sweep_array() -> None:
     check_golden("image_podman_array", text)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     assert 'GPUFERRY_CONTAINER_ENV+=" ${word%%=*}"' in text
+
+
+@pytest.mark.parametrize("runtime", ["auto", "podman"])
+def test_the_tracking_login_alone_is_sourced_from_the_secret_file(runtime: str) -> None:
+    # A job whose only secrets are the tracking block's login (retrain's job against an MLflow server with a
+    # login): the script sources the 0600 file, and holds no value.
+    from pydantic import SecretStr
+
+    given = job(reference=IMAGE).model_copy(update={
+        "secret_env": {"MLFLOW_TRACKING_USERNAME": SecretStr("gpuferry-tests"),
+                       "MLFLOW_TRACKING_PASSWORD": SecretStr("tracking-" + "y" * 8)}})  # fmt: skip
+    if runtime == "auto":
+        given = given.model_copy(update={"image": None})  # no image: the cluster's Python
+    text = cluster(container_runtime=runtime)._script_for_job(given)
+    assert "set -a; . /shared/jobs/run-7-train/.secret.env; set +a" in text
+    assert "tracking-" + "y" * 8 not in text and "gpuferry-tests" not in text
 
 
 def test_registry_login_goes_to_a_file_in_the_runtime_format() -> None:
@@ -498,16 +514,13 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
                                                       stacks: dict[str, str], s3_store: S3CheckpointStore,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The whole pipeline with a Stack: DockerImageBuilder → SlurmCluster (podman) → S3 → MLflow server."""
-    from mlflow import MlflowClient
-
     from blocks.provision import ClusterManaged
     from blocks.serving import LocalServing
     from blocks.specs import TrainingSpec
     from blocks.stack import Stack
-    from blocks.tracking import MlflowTracking
     from flows.retrain import retrain
 
-    mlflow_env, s3_env = stack_env("mlflow"), stack_env("s3")
+    tracking, s3_env = mlflow_server(), stack_env("s3")
     ref, _, builder, context = image
     bucket = s3_store.bucket.bucket_name  # a bucket of the test's own on the s3 stack, removed afterwards
     # The local inference server reads the s3:// checkpoint with boto3's own variables.
@@ -517,7 +530,7 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
     stack = Stack(
         provider=ClusterManaged(cluster_name="gpuferry-test"), images=builder, compute=slurm,
         storage=s3_store,
-        tracking=MlflowTracking(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"], artifact_location=None),
+        tracking=tracking,
         serving=LocalServing(),
     )  # fmt: skip
     name = f"slurm-image-{uuid.uuid4().hex[:8]}"
@@ -531,7 +544,7 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
     )  # fmt: skip
     try:
         assert outcome.image.reference == ref.reference and not outcome.image.built  # the same content: a tag hit
-        run = MlflowClient(tracking_uri=mlflow_env["MLFLOW_TRACKING_URI"]).get_run(outcome.run_id)
+        run = tracking.client.get_run(outcome.run_id)
         assert run.data.tags["image"] == ref.reference
         assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)  # logged from the container
         assert run.data.metrics["cpu_hours"] > 0

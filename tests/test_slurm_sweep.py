@@ -59,7 +59,7 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
         force_deploy=True,
     )  # fmt: skip
     try:
-        client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+        client = stack.tracking.client
         parent = client.get_run(outcome.parent_run_id)
         assert outcome.completed == 4 and outcome.failed == 0
         children = [client.get_run(r) for r in outcome.child_run_ids]
@@ -126,7 +126,7 @@ def test_a_sweep_of_the_regressors_own_hyperparameters_is_one_array() -> None:
                                           resources=Resources(mem_gb=1)),
                     serving=ServingSpec(service_name="diabetes-sweep"))  # fmt: skip
     try:
-        client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+        client = stack.tracking.client
         assert outcome.completed == 6 and outcome.failed == 0
         rmse = [client.get_run(r).data.metrics["val_rmse"] for r in outcome.child_run_ids]
         assert outcome.best_index == rmse.index(min(rmse))  # minimise: the workload's direction
