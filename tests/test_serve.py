@@ -91,7 +91,7 @@ mlflow.models.set_model(Echo())
 @dataclass(frozen=True)
 class Models:
     digits: Path  # mlflow.pytorch, signature: tensor float32 (-1, 64)
-    regressor: Path  # mlflow.sklearn, signature: ten double columns
+    regressor: Path  # mlflow.sklearn (scaler + ElasticNet pipeline), signature: ten double columns
     echo: Path  # pyfunc from code, signature: column x (double), params scale (double), total (boolean)
     gate_started: Path
     gate_release: Path
@@ -108,6 +108,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     from mlflow.models import infer_signature
     from sklearn.datasets import load_diabetes, load_digits
     from sklearn.linear_model import ElasticNet
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
 
     root = tmp_path_factory.mktemp("models")
     digits = load_digits()
@@ -123,7 +125,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     mlflow.pytorch.save_model(mlp.eval(), root / "digits", input_example=x[:2], pip_requirements=["torch"])
 
     diabetes = load_diabetes(as_frame=True)
-    regressor = ElasticNet(alpha=0.01, l1_ratio=0.5).fit(diabetes.data[:400], diabetes.target[:400])
+    # As examples/diabetes: a scaler and ElasticNet fitted on a DataFrame (its feature names checked at predict).
+    regressor = make_pipeline(StandardScaler(), ElasticNet(alpha=0.01, l1_ratio=0.5))
+    regressor.fit(diabetes.data[:400], diabetes.target[:400])
     mlflow.sklearn.save_model(
         regressor, root / "regressor", input_example=diabetes.data.iloc[:3], pip_requirements=["scikit-learn"]
     )
