@@ -50,6 +50,7 @@ from runtime.jsonio import canonical as _canonical
 from runtime.jsonio import dumps as _dumps
 from runtime.jsonio import error_body
 from runtime.jsonio import loads as _loads
+from runtime.request_problems import NUMBER, describe, element_problem, index_text, shape_problem, shape_text
 
 log = logging.getLogger("runtime.scoring")
 
@@ -75,12 +76,11 @@ TENSOR, COLUMNS, FRAME, ARRAY, SOLO = "tensor", "columns", "frame", "array", "so
 
 # Column types of the column fast path: numpy dtype (None: let pandas infer, as MLflow's parser does) and the
 # Python types a JSON value of the column may have.
-_NUMBER = frozenset({int, float})
 _COLUMN_TYPES: dict[DataType, tuple[Any, frozenset[type], str]] = {
-    DataType.double: (np.float64, _NUMBER | {type(None)}, "numbers (null for missing)"),
-    DataType.float: (np.float32, _NUMBER | {type(None)}, "numbers (null for missing)"),
-    DataType.long: (np.int64, _NUMBER, "integers"),
-    DataType.integer: (np.int32, _NUMBER, "integers"),
+    DataType.double: (np.float64, NUMBER | {type(None)}, "numbers (null for missing)"),
+    DataType.float: (np.float32, NUMBER | {type(None)}, "numbers (null for missing)"),
+    DataType.long: (np.int64, NUMBER, "integers"),
+    DataType.integer: (np.int32, NUMBER, "integers"),
     DataType.boolean: (None, frozenset({bool}), "booleans"),
     DataType.string: (None, frozenset({str}), "strings"),
 }
@@ -299,7 +299,7 @@ class Scorer:
         try:
             x = np.array(value)
         except (ValueError, TypeError):  # ragged
-            raise _mismatch(_shape_problem(value, shape, field) or f'"{field}" is not a regular array') from None
+            raise _mismatch(shape_problem(value, shape, field) or f'"{field}" is not a regular array') from None
         if x.dtype.kind not in "biuf":
             if x.dtype.kind == "O" and dtype.kind == "f":  # nulls among numbers: NaN, as MLflow reads them
                 try:
@@ -307,22 +307,22 @@ class Scorer:
                 except (ValueError, TypeError):
                     pass
             if x.dtype.kind not in "biuf":
-                problem = _shape_problem(value, shape, field) or _element_problem(value, field, dtype.kind == "f")
+                problem = shape_problem(value, shape, field) or element_problem(value, field, dtype.kind == "f")
                 raise _mismatch(problem or f'"{field}" must hold numbers')
         if x.ndim != len(shape) or any(want not in (-1, got) for want, got in zip(shape, x.shape, strict=False)):
-            problem = _shape_problem(value, shape, field)
-            raise _mismatch(problem or f'"{field}" has shape {x.shape}; the signature expects {_shape(shape)}')
+            problem = shape_problem(value, shape, field)
+            raise _mismatch(problem or f'"{field}" has shape {x.shape}; the signature expects {shape_text(shape)}')
         if x.dtype == dtype:
             return x
         if dtype.kind in "iu" and x.dtype.kind == "f" and not np.array_equal(x, np.trunc(x)):
             index = tuple(int(i[0]) for i in np.nonzero(x != np.trunc(x)))
-            raise _mismatch(f'"{field}{_index(index)}" = {x[index].item()!r} is not an integer; the signature expects {dtype}')
+            raise _mismatch(f'"{field}{index_text(index)}" = {x[index].item()!r} is not an integer; the signature expects {dtype}')
         with np.errstate(over="ignore", invalid="ignore"):
             y = x.astype(dtype)
         lossy = (~np.isfinite(y) & np.isfinite(x)) if dtype.kind == "f" else (y != x)
         if lossy.any():
             index = tuple(int(i[0]) for i in np.nonzero(lossy))
-            raise _mismatch(f'"{field}{_index(index)}" = {x[index].item()!r} is out of range for {dtype}')
+            raise _mismatch(f'"{field}{index_text(index)}" = {x[index].item()!r} is out of range for {dtype}')
         return y
 
     def _split_columns(self, value: dict[str, Any]) -> list[list[Any]] | None:
@@ -384,7 +384,7 @@ class Scorer:
             return
         for i, v in enumerate(values):
             if type(v) not in allowed or (type(v) is float and kind in (DataType.long, DataType.integer) and not v.is_integer()):
-                raise _mismatch(f"column {name!r} ({kind.name}) holds {expected}; {where(i)} is {_describe(v)}")
+                raise _mismatch(f"column {name!r} ({kind.name}) holds {expected}; {where(i)} is {describe(v)}")
 
     # ------------------------------------------------------------------------------------ predicting
 
@@ -492,64 +492,3 @@ def _encode(predictions: Any, plain: bool) -> bytes:
         return b'{"predictions":' + _dumps(predictions) + b"}"
     jsonable = _get_jsonable_obj(predictions, pandas_orient="records")
     return json.dumps({"predictions": jsonable}, cls=NumpyEncoder).encode()
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join("any" if d == -1 else str(d) for d in shape) + ")"
-
-
-def _index(index: tuple[int, ...]) -> str:
-    return "".join(f"[{i}]" for i in index)
-
-
-def _shape_problem(value: list[Any], shape: tuple[int, ...], field: str) -> str | None:
-    """Where a nested list first departs from ``shape`` (its first dimension is the request's rows)."""
-    inner = list(shape[1:])
-    reference = value[0]  # dimensions left free (-1) take the first row's sizes
-    for d in range(len(inner)):
-        if inner[d] == -1:
-            inner[d] = len(reference) if type(reference) is list else -1
-        if type(reference) is not list or not reference:
-            break
-        reference = reference[0]
-
-    def walk(node: Any, dims: list[int], path: str) -> str | None:
-        if not dims:
-            return f'"{path}" must be a number, got a list' if type(node) is list else None
-        if type(node) is not list:
-            hint = ""
-            if path == f"{field}[0]" and len(value) == dims[0] and len(dims) == 1:
-                hint = f' (a single row is a list of one row: {{"{field}": [[...]]}})'
-            return f'"{path}" must be a list of {dims[0] if dims[0] != -1 else "the"} values, got {_describe(node)}{hint}'
-        if dims[0] != -1 and len(node) != dims[0]:
-            return f'"{path}" has {len(node)} values; the signature expects {dims[0]} (shape {_shape(shape)})'
-        for i, child in enumerate(node):
-            if problem := walk(child, dims[1:], f"{path}[{i}]"):
-                return problem
-        return None
-
-    for i, row in enumerate(value):
-        if problem := walk(row, inner, f"{field}[{i}]"):
-            return problem
-    return None
-
-
-def _element_problem(value: Any, path: str, nulls: bool) -> str | None:
-    """The first element of a nested list that is not a number (or null, where ``nulls``)."""
-    if type(value) is list:
-        for i, child in enumerate(value):
-            if problem := _element_problem(child, f"{path}[{i}]", nulls):
-                return problem
-        return None
-    if type(value) in _NUMBER or type(value) is bool or (nulls and value is None):
-        return None
-    return f'"{path}" must be a number, got {_describe(value)}'
-
-
-def _describe(value: Any) -> str:
-    """What a JSON value is, for error messages: 'a string ("abc")', 'null', 'an object'."""
-    if value is None:
-        return "null"
-    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    kind = kinds.get(type(value), type(value).__name__)
-    return f"{kind} ({json.dumps(value)[:40]})" if type(value) in (str, bool, int, float) else kind
