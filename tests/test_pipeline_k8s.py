@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mlflow import MlflowClient
 from prefect.artifacts import Artifact
 from pydantic import SecretStr
 
@@ -226,6 +225,6 @@ def test_no_gpu_node_stops_the_retrain_before_it_trains(
     with pytest.raises(ConfigurationError, match=r"no schedulable node offers 1 × nvidia.com/mig-2g.20gb"):
         retrain(workload=str(DIGITS), training=TrainingSpec(model_name="digits-k8s-preflight", experiment=experiment),
                 serving=ServingSpec(mig_profile="2g.20gb"), stack=name)  # fmt: skip
-    assert MlflowClient(tracking_uri=stack.tracking.tracking_uri).get_experiment_by_name(experiment) is None
+    assert stack.tracking.client.get_experiment_by_name(experiment) is None
     assert stack.serving.current("digits") is None  # nothing was applied either
 

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from blocks.specs import Resources, TrainingSpec
 from flows.retrain import retrain
 from tests.examples import DIABETES
 from tests.planted import CommandLines, flow_run_logs, send_logs_now
-from tests.stacks import remove_on_cluster, stack_env
+from tests.stacks import mlflow_login_in_environment, remove_on_cluster, stack_env
 from tests.test_pipeline_slurm import slurm_stack
 from tests.test_slurm_cluster import slurm
 
@@ -48,7 +47,7 @@ def _workload(tmp_path: Path, secret_block: str, token: str) -> Path:
     return work
 
 
-def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
+def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from prefect.blocks.system import Secret
 
     token = f"planted-{uuid.uuid4().hex}"
@@ -68,7 +67,7 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
                                                 resources=Resources(mem_gb=1)))  # fmt: skip
         seen = lines.stop()
         assert len(seen) > 10  # the sampler saw the processes
-        client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+        client = stack.tracking.client
         run = client.get_run(outcome.run_id)
         key = f"{run.data.tags['prefect.flow_run_id']}-train"
         rc, log, _ = stack.compute.run(["cat", f"{root}/{key}/job.log"])
@@ -84,6 +83,7 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path) -> None:
         s3 = stack.storage.bucket.credentials.get_s3_client()
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])]
         assert any(k.endswith("/MANIFEST.json") for k in keys) and any(k.endswith("/MLmodel") for k in keys), keys
+        mlflow_login_in_environment(monkeypatch)  # MLflow's artifact client reads its login there only
         artifacts = Path(client.download_artifacts(outcome.run_id, "", str(tmp_path / "artifacts")))
         version = client.get_model_version(outcome.model_version.name, outcome.model_version.version)
         # Slurm's record of the job: its submit line, comment and directory.

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mlflow import MlflowClient
 
 from blocks.specs import Resources, TrainingSpec
 from flows.retrain import retrain
@@ -129,7 +128,7 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_on_the_other_node() -> No
         rc, log, _ = stack.compute.run(["cat", f"{workdir}/job.log"])
         assert rc == 0 and "resumed from step-" in log, log[-3000:]
         # One run, one model version.
-        client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
+        client = stack.tracking.client
         run_ = client.get_run(result.run_id)
         assert run_.info.status == "FINISHED" and "val_accuracy" in run_.data.metrics
         versions = client.search_model_versions(f"name='{model}'")
