@@ -1,7 +1,7 @@
 """P3: a 2 GiB checkpoint (several shards) to S3-compatible storage and back.
 
-One run, one server (the s3 stack: Ceph RGW 16.2, started with the idempotent `make s3-up`), every
-side storing the same checkpoint into an empty prefix:
+One run, one server (the s3 stack: Ceph RGW 16.2, started with the idempotent `scripts/s3.sh up`; with
+``--no-stack-up`` used as it runs), every side storing the same checkpoint into an empty prefix:
 
 - ours: ``S3CheckpointStore.put`` with its defaults (hash every file, skip what is already stored,
   multipart + concurrent across files through one pool of requests, a CRC32 header and a signed
@@ -17,7 +17,8 @@ read again). Then the stored checkpoint comes back twice, in an order that turns
 gets its name) and boto3 tuned (one TransferManager, the same range size and concurrency, every file
 at once, nothing checked). The objects of one side are deleted before the next.
 
-    .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048] [--rounds 3] [--endpoint URL]
+    .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048] [--rounds 3] [--endpoint URL] [--no-stack-up]
+        [--also-read-kib 1024]
 
 Each round runs the three upload sides in an order that turns from round to round; the figures are the
 medians of the rounds' throughputs. The machine's 1-minute load average is sampled before every side.
@@ -28,7 +29,8 @@ and ``AWS_SECRET_ACCESS_KEY``).
 Prints ``RESULT P3_vs_boto3 <ours/boto3 upload throughput>``, ``RESULT P3_vs_s3bucket <ours/S3Bucket
 throughput>``, ``RESULT P3_download_vs_boto3 <ours/boto3 download throughput>``, ``RESULT
 P3_reupload_bytes <bytes>`` and ``RESULT P3_load1_median <load>`` (with its minimum and maximum). Goals:
-≥ 1.0, ≥ 1.5, ≥ 1.0 and 0.
+≥ 1.0, ≥ 1.5, ≥ 1.0 and 0. ``--also-read-kib N`` adds a third download side, ours reading each range's stream
+N KiB at a time (the fetch reads 256 KiB), and ``RESULT P3_download_<N>KiB_reads_vs_boto3``.
 """
 
 from __future__ import annotations
@@ -56,13 +58,17 @@ from prefect_aws.client_parameters import AwsClientParameters  # noqa: E402
 
 from blocks.s3 import S3CheckpointStore  # noqa: E402
 from blocks.storage import HashCache  # noqa: E402
+from runtime import checkpoint  # noqa: E402
 from tests.stacks import stacks_root  # noqa: E402
 
 MiB = 1 << 20
 
 
-def s3_stack() -> dict[str, str]:
-    subprocess.run(["make", "-s", "s3-up"], cwd=REPO, check=True)
+def s3_stack(start: bool = True) -> dict[str, str]:
+    """The s3 stack's endpoint and keys; ``start``: bring it up first (idempotent; the script, not ``make``, so
+    that the virtualenv is left as it is)."""
+    if start:
+        subprocess.run(["bash", "scripts/s3.sh", "up"], cwd=REPO, check=True)
     env = {}
     for line in (stacks_root() / "s3" / "env").read_text().splitlines():
         if "=" in line and not line.startswith("#"):
@@ -108,11 +114,12 @@ def server_cpu_seconds() -> float | None:
 
 
 def timed(label: str, size: int, fn: Callable[[], object]) -> float:
-    """Run ``fn``; print its time, throughput, this process's CPU time and the server's (when it is the stack)."""
-    server, client, start = server_cpu_seconds(), time.process_time(), time.perf_counter()
+    """Run ``fn``; print its time, throughput, this process's CPU time (of it in the kernel) and the server's (when
+    it is the stack)."""
+    server, client, kernel, start = server_cpu_seconds(), time.process_time(), os.times().system, time.perf_counter()
     fn()
     seconds = time.perf_counter() - start
-    cpu = f"client CPU {time.process_time() - client:5.1f} s"
+    cpu = f"client CPU {time.process_time() - client:5.1f} s (kernel {os.times().system - kernel:4.1f} s)"
     if server is not None:
         cpu += f", server CPU {server_cpu_seconds() - server:5.1f} s"
     print(f"{label:<28} {seconds:7.2f} s  {size / MiB / seconds:8.1f} MiB/s  {cpu}", flush=True)
@@ -125,6 +132,9 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three sides (medians reported)")
     parser.add_argument("--endpoint", help="another S3-compatible server (default: the s3 stack, started here)")
+    parser.add_argument("--no-stack-up", action="store_true", help="use the s3 stack as it runs (its env file)")
+    parser.add_argument("--also-read-kib", type=int, metavar="KIB",
+                        help="also time ours reading each range's stream KIB at a time (the fetch's own: 256)")
     args = parser.parse_args()
 
     if args.endpoint:
@@ -132,7 +142,7 @@ def main() -> None:
         env["S3_ENDPOINT_URL"] = args.endpoint
         env["AWS_DEFAULT_REGION"] = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
     else:
-        env = s3_stack()
+        env = s3_stack(start=not args.no_stack_up)
     credentials = AwsCredentials(
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_DEFAULT_REGION"],
@@ -209,6 +219,17 @@ def main() -> None:
                  ("ours", "ours (S3CheckpointStore)", ours_put, None)]  # fmt: skip
         getters = [("get_ours", "ours, verified get", lambda dest: ours.get(refs[-1].uri, dest)),
                    ("get_boto3", "boto3 download tuned", boto3_download)]  # fmt: skip
+        if args.also_read_kib:
+
+            def other_reads(dest: Path) -> None:
+                saved, checkpoint._READ = checkpoint._READ, args.also_read_kib << 10
+                try:
+                    ours.get(refs[-1].uri, dest)
+                finally:
+                    checkpoint._READ = saved
+
+            results["get_other"] = []
+            getters.append(("get_other", f"ours, {args.also_read_kib} KiB reads", other_reads))
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}", flush=True)
             # The order turns each round: no side always runs first (or on a server that just worked).
@@ -223,7 +244,8 @@ def main() -> None:
                 print(f"{'ours, unchanged re-upload':<28} {time.perf_counter() - start:7.2f} s  "
                       f"{again.bytes_uploaded} bytes moved", flush=True)  # fmt: skip
                 assert refs[-1].bytes_uploaded == size and again.sha256 == refs[-1].sha256
-                for get_key, get_label, get in getters[round_ % 2:] + getters[: round_ % 2]:
+                turn = round_ % len(getters)
+                for get_key, get_label, get in getters[turn:] + getters[:turn]:
                     download(get_key, get_label, get)
                 ours.delete(refs[-1].uri)
                 shutil.rmtree(HashCache().root, ignore_errors=True)  # the next round starts with an empty hash cache
@@ -232,6 +254,9 @@ def main() -> None:
         print(f"\nRESULT P3_vs_boto3 {median['ours'] / median['boto3']:.2f}")
         print(f"RESULT P3_vs_s3bucket {median['ours'] / median['s3bucket']:.2f}")
         print(f"RESULT P3_download_vs_boto3 {median['get_ours'] / median['get_boto3']:.2f}")
+        if args.also_read_kib:
+            print(f"RESULT P3_download_{args.also_read_kib}KiB_reads_vs_boto3 "
+                  f"{median['get_other'] / median['get_boto3']:.2f}")  # fmt: skip
         print(f"RESULT P3_reupload_bytes {again.bytes_uploaded}")
         print(f"RESULT P3_load1_median {statistics.median(loads):.1f} (min {min(loads):.1f}, max {max(loads):.1f}, "
               f"{os.cpu_count()} CPUs)")

@@ -35,6 +35,9 @@ from urllib.parse import unquote, urlparse
 from runtime import contract
 
 _CHUNK = 1 << 20
+# One read of a range's stream, as s3transfer's io_chunksize: reads of 1 MiB cost the client about twice the kernel
+# time for the same bytes (bench/s3_upload.py's P3; README).
+_READ = 256 << 10
 _RANGE = 64 << 20  # one ranged GET
 _RANGE_ATTEMPTS = 5  # as s3transfer's download retries
 _HASH_PIECE = 8 << 20
@@ -256,7 +259,7 @@ def _fetch_range(
             total = _object_size(response)
             if total != entry["size"]:
                 raise UnverifiedCheckpoint(_mismatch(where, "(not read)", total, entry))
-            for piece in response["Body"].iter_chunks(_CHUNK):
+            for piece in response["Body"].iter_chunks(_READ):
                 if offset + len(piece) > end:
                     raise UnverifiedCheckpoint(f"{where}: the store sent more than bytes {start}-{end} asked for")
                 out.write(offset, piece)

@@ -1,5 +1,6 @@
 """The verified S3 fetch's ranges (runtime/checkpoint.py), without a server: ranges landing in any order are hashed
-once each, in file order; a stream that breaks is asked again from where it broke; a damaged byte is refused."""
+once each, in file order; a stream that breaks is asked again from where it broke; a damaged byte is refused; a range
+that fails stops the fetch, leaving no file behind."""
 
 from __future__ import annotations
 
@@ -115,4 +116,38 @@ def test_a_damaged_byte_is_refused_and_nothing_gets_the_name(tmp_path: Path) -> 
     with pytest.raises(UnverifiedCheckpoint, match="model.bin: sha256"):
         fetch_s3(_Store(data, bytes(damaged)), "bucket", "ckpt", tmp_path, chunk_size=10_000, max_concurrency=3)
     assert not (tmp_path / "model.bin").exists()
+    assert not list(tmp_path.glob(".*partial"))
+
+
+class _Files:
+    """get_object over several objects and their manifest; ``short`` names an object whose answers report a size
+    other than the manifest's."""
+
+    def __init__(self, objects: dict[str, bytes], short: str | None = None) -> None:
+        self.objects, self.short = objects, short
+        entries = [{"path": p, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for p, d in objects.items()]
+        self.manifest = contract.manifest_bytes({"format": contract.MANIFEST_FORMAT, "files": entries})
+
+    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict:
+        if Key.endswith(contract.MANIFEST_FILENAME):
+            return {"Body": _Body(self.manifest, None)}
+        path = Key.removeprefix("ckpt/")
+        start, end = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", Range).groups())
+        data = self.objects[path]
+        total = len(data) + (1 if path == self.short else 0)
+        return {"Body": _Body(data[start : end + 1], None), "ContentRange": f"bytes {start}-{end}/{total}"}
+
+
+def test_files_fetched_together_are_each_whole(tmp_path: Path) -> None:
+    objects = {f"shard-{i}.bin": os.urandom(25_000) for i in range(3)}
+    fetch_s3(_Files(objects), "bucket", "ckpt", tmp_path, chunk_size=10_000, max_concurrency=2)
+    for path, data in objects.items():
+        assert (tmp_path / path).read_bytes() == data
+
+
+def test_a_range_that_fails_stops_the_fetch_and_leaves_no_file(tmp_path: Path) -> None:
+    objects = {f"shard-{i}.bin": os.urandom(200_000) for i in range(4)}
+    with pytest.raises(UnverifiedCheckpoint, match=r"shard-2.bin: sha256 \(not read\)"):
+        fetch_s3(_Files(objects, short="shard-2.bin"), "bucket", "ckpt", tmp_path, chunk_size=1000, max_concurrency=4)
+    assert not (tmp_path / "shard-2.bin").exists()
     assert not list(tmp_path.glob(".*partial"))
