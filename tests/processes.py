@@ -7,13 +7,13 @@ import signal
 import subprocess
 
 
-def stop_process_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``proc``'s process group, SIGKILL after 30 s; then SIGKILL to whatever of the group is left
-    (children a stopped server or relay forked)."""
+def stop_process_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGTERM, grace_s: float = 30) -> None:
+    """``first`` (SIGTERM) to ``proc``'s process group, SIGKILL after ``grace_s``; then SIGKILL to whatever of the
+    group is left (children a stopped server or relay forked)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, first)
         try:
-            proc.wait(30)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)

@@ -24,6 +24,7 @@ from prefect.states import Cancelling
 
 from blocks.slurm import SlurmCluster
 from tests.test_slurm_cluster import REPO, cluster, env, wait_for  # noqa: F401 - fixtures
+from tests.processes import stop_process_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
@@ -101,10 +102,5 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tm
                                  for entry in client.read_logs(log_filter=run_logs, limit=200, sort=LogSort.TIMESTAMP_DESC)),
                      60, "the run's log of the cancelled job")  # fmt: skip
     finally:
-        os.killpg(runner.pid, signal.SIGINT)
-        try:
-            runner.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(runner.pid, signal.SIGKILL)
-            runner.wait(30)
+        stop_process_group(runner, signal.SIGINT, 60)  # SIGINT first: the runner's own cancellation path
         log.close()
