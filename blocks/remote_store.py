@@ -38,9 +38,10 @@ _ERRORS: dict[str, type[GpuferryError]] = {
 @lru_cache(maxsize=1)
 def runtime_code() -> CodeRef:
     """gpuferry's ``runtime`` package as one content-addressed archive."""
-    from blocks.workload import code_archive
+    from blocks.workload import code_archive, workload_files
 
-    return code_archive(RUNTIME_DIR, use_git=False)  # installed, it is in no repository: every file of it
+    # Installed, it is in no repository: every file of it.
+    return code_archive(RUNTIME_DIR, workload_files(RUNTIME_DIR, use_git=False))
 
 
 def _runtime_on(cluster: SlurmCluster) -> str:

@@ -261,10 +261,10 @@ def _plain_files(root: Path, listed: list[str]) -> list[str]:
     return sorted(p for p in listed if (root / p).is_file() and not (root / p).is_symlink())
 
 
-def code_archive(root: Path, files: list[str] | None = None, *, use_git: bool = True) -> CodeRef:
+def code_archive(root: Path, files: list[str] | None = None) -> CodeRef:
     """``root``'s files (``files``, relative to it; None: ``workload_files``) as a deterministic ``.tar.gz``
     under ``$GPUFERRY_CACHE/code/<sha256>.tar.gz``."""
-    files = workload_files(root, use_git=use_git) if files is None else _plain_files(root, files)
+    files = workload_files(root) if files is None else _plain_files(root, files)
     if not files:
         raise ConfigurationError(f"workload {root} has no files to run")
     raw = gzip.compress(deterministic_tar((rel, root / rel) for rel in files), compresslevel=6, mtime=0)
