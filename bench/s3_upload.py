@@ -21,7 +21,8 @@ at once, nothing checked). The objects of one side are deleted before the next.
         [--also-read-kib 1024]
 
 Each round runs the three upload sides in an order that turns from round to round; the figures are the
-medians of the rounds' throughputs. The machine's 1-minute load average is sampled before every side.
+medians of the rounds' throughputs. Every side starts after ``sync``: the file system's writeback of what
+an earlier side wrote is not timed against the next. The machine's 1-minute load average is sampled before every side.
 
 ``--endpoint`` measures another S3-compatible server instead (credentials from ``AWS_ACCESS_KEY_ID``
 and ``AWS_SECRET_ACCESS_KEY``).
@@ -115,7 +116,9 @@ def server_cpu_seconds() -> float | None:
 
 def timed(label: str, size: int, fn: Callable[[], object]) -> float:
     """Run ``fn``; print its time, throughput, this process's CPU time (of it in the kernel) and the server's (when
-    it is the stack)."""
+    it is the stack). Dirty pages are written out first: no side pays for the writeback of bytes another side (or
+    the checkpoint's making) left in the page cache."""
+    os.sync()
     server, client, kernel, start = server_cpu_seconds(), time.process_time(), os.times().system, time.perf_counter()
     fn()
     seconds = time.perf_counter() - start

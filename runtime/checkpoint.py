@@ -16,13 +16,16 @@ from a local path, so what is loaded is exactly what was checked, whatever happe
 From S3 (``fetch_s3``, which gpuferry's S3 checkpoint store uses too: the same reads, the same checks) each file
 comes in ranged GETs, several in flight, of several files at once, written in place and hashed in file order: the
 bytes that continue what is hashed are hashed as they arrive, those that land ahead are read back when the hash
-reaches them. Every answer must report the object's size as the manifest does, and a range whose stream breaks is
+reaches them. The GETs in flight are each file's earliest ranges first (every file's first range, then every file's
+second...), so that most bytes land where their file's hash has reached and are not read back. Every answer must report the object's size as the manifest does, and a range whose stream breaks is
 asked again from where it broke (a few times).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import os
 import socket
 import threading
@@ -130,7 +133,7 @@ def fetch_s3(
     _check_identity(raw, expected_sha256, f"s3://{bucket}/{root}".rstrip("/"))
     files = contract.parse_manifest(raw, f"s3://{bucket}/{root}".rstrip("/"))["files"]
     out = Path(dest)
-    with ThreadPoolExecutor(max_concurrency, thread_name_prefix="fetch-range") as ranges:
+    with _RangePool(max_concurrency) as ranges:
 
         def one(entry: dict[str, Any]) -> None:
             key = f"{root}/{entry['path']}" if root else entry["path"]
@@ -158,7 +161,7 @@ def read_s3_manifest(client: Any, bucket: str, prefix: str) -> bytes:
 
 
 def _fetch_object(
-    client: Any, ranges: ThreadPoolExecutor, bucket: str, key: str, entry: dict[str, Any], dest: Path, chunk: int
+    client: Any, ranges: _RangePool, bucket: str, key: str, entry: dict[str, Any], dest: Path, chunk: int
 ) -> None:
     where, size = f"s3://{bucket}/{key}", entry["size"]
     spans = [(start, min(size, start + chunk)) for start in range(0, size, chunk)] or [(0, 0)]
@@ -167,7 +170,10 @@ def _fetch_object(
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         digest = _InOrderDigest(fd)
-        futures = [ranges.submit(_fetch_range, client, bucket, key, digest, start, end, entry) for start, end in spans]
+        futures = [
+            ranges.submit(rank, _fetch_range, client, bucket, key, digest, start, end, entry)
+            for rank, (start, end) in enumerate(spans)
+        ]
         try:
             for future in futures:
                 future.result()
@@ -181,6 +187,57 @@ def _fetch_object(
     finally:
         os.close(fd)
         tmp.unlink(missing_ok=True)
+
+
+class _RangePool:
+    """Threads that run the ranged GETs of every file being fetched, the lowest rank (a range's place in its file)
+    first, then in the order submitted: each file's next range before any file's later ones, so that few ranges
+    run ahead of their file's hash. A ``ThreadPoolExecutor`` takes them in the order submitted, which puts the
+    first file's every range in flight before the second file's first."""
+
+    def __init__(self, threads: int) -> None:
+        self._max, self._threads, self._idle = max(1, threads), [], 0
+        self._queue: list[tuple[int, int, Future, Any, tuple]] = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def submit(self, rank: int, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        with self._cond:
+            heapq.heappush(self._queue, (rank, next(self._order), future, fn, args))
+            self._cond.notify()
+            if len(self._queue) > self._idle and len(self._threads) < self._max:
+                thread = threading.Thread(target=self._work, name=f"fetch-range-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._idle += 1
+                    self._cond.wait()
+                    self._idle -= 1
+                if not self._queue:
+                    return
+                _, _, future, fn, args = heapq.heappop(self._queue)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(exc)
+
+    def __enter__(self) -> _RangePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
 
 
 class _InOrderDigest:

@@ -1,6 +1,6 @@
 """The verified S3 fetch's ranges (runtime/checkpoint.py), without a server: ranges landing in any order are hashed
-once each, in file order; a stream that breaks is asked again from where it broke; a damaged byte is refused; a range
-that fails stops the fetch, leaving no file behind."""
+once each, in file order; each file's earlier ranges are asked first; a stream that breaks is asked again from where
+it broke; a damaged byte is refused; a range that fails stops the fetch, leaving no file behind."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from botocore.exceptions import ResponseStreamingError
 
 from runtime import contract
-from runtime.checkpoint import UnverifiedCheckpoint, _InOrderDigest, fetch_s3
+from runtime.checkpoint import UnverifiedCheckpoint, _InOrderDigest, _RangePool, fetch_s3
 
 
 def test_ranges_written_in_any_order_are_hashed_in_file_order(tmp_path: Path) -> None:
@@ -151,3 +151,37 @@ def test_a_range_that_fails_stops_the_fetch_and_leaves_no_file(tmp_path: Path) -
         fetch_s3(_Files(objects, short="shard-2.bin"), "bucket", "ckpt", tmp_path, chunk_size=1000, max_concurrency=4)
     assert not (tmp_path / "shard-2.bin").exists()
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_the_range_pool_runs_each_files_earlier_ranges_first() -> None:
+    """With its one thread busy, ranges queued as three files' threads submit them (each file all its ranges at
+    once) run by their place in their file, then in the order they came: every file's first range before any
+    second one."""
+    ran: list[str] = []
+    release = threading.Event()
+    with _RangePool(1) as pool:
+        busy = pool.submit(0, release.wait)
+        futures = [pool.submit(rank, ran.append, f"{name}{rank}") for name in "abc" for rank in range(3)]
+        release.set()
+        for future in [busy, *futures]:
+            future.result(timeout=30)
+    assert ran == ["a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2"]
+
+
+def test_the_range_pool_runs_as_many_at_once_as_it_has_threads() -> None:
+    barrier = threading.Barrier(4, timeout=30)  # passes only when all four run at the same time
+    with _RangePool(4) as pool:
+        futures = [pool.submit(0, barrier.wait) for _ in range(4)]
+        assert sorted(f.result(timeout=60) for f in futures) == [0, 1, 2, 3]
+
+
+def test_a_cancelled_range_does_not_run() -> None:
+    ran: list[int] = []
+    release = threading.Event()
+    with _RangePool(1) as pool:
+        busy = pool.submit(0, release.wait)
+        queued = pool.submit(1, ran.append, 1)
+        assert queued.cancel()
+        release.set()
+        busy.result(timeout=30)
+    assert ran == [] and queued.cancelled()
