@@ -4,9 +4,8 @@ One run, one server (the s3 stack: Ceph RGW 16.2, started with the idempotent `s
 ``--no-stack-up`` used as it runs), every side storing the same checkpoint into an empty prefix:
 
 - ours: ``S3CheckpointStore.put`` with its defaults (hash every file, skip what is already stored,
-  multipart + concurrent across files through one pool of requests, a CRC32 header and a signed
-  sha256 payload on every body, HEAD-verify every object, manifest last), starting with an empty hash
-  cache;
+  multipart + concurrent across files through one pool of requests, every body signed with its
+  sha256 and no CRC32, HEAD-verify every object, manifest last), starting with an empty hash cache;
 - boto3 tuned: one boto3 TransferManager with the same part size, threshold and concurrency as ours,
   every shard submitted at once (no hashing, no verification, no manifest);
 - S3Bucket defaults: prefect-aws ``S3Bucket.upload_from_path`` for each shard, default TransferConfig.
@@ -18,9 +17,9 @@ gets its name) and boto3 tuned (one TransferManager, the same range size and con
 at once, nothing checked). The objects of one side are deleted before the next.
 
     .venv/bin/python bench/s3_upload.py [--shards 8] [--total-mib 2048] [--rounds 3] [--endpoint URL] [--no-stack-up]
-        [--also-read-kib 1024]
+            [--also-read-kib 1024] [--also-unsigned]
 
-Each round runs the three upload sides in an order that turns from round to round; the figures are the
+Each round runs the upload sides in an order that turns from round to round; the figures are the
 medians of the rounds' throughputs. Every side starts after ``sync``: the file system's writeback of what
 an earlier side wrote is not timed against the next. The machine's 1-minute load average is sampled before every side.
 
@@ -32,6 +31,10 @@ throughput>``, ``RESULT P3_download_vs_boto3 <ours/boto3 download throughput>``,
 P3_reupload_bytes <bytes>`` and ``RESULT P3_load1_median <load>`` (with its minimum and maximum). Goals:
 ≥ 1.0, ≥ 1.5, ≥ 1.0 and 0. ``--also-read-kib N`` adds a third download side, ours reading each range's stream
 N KiB at a time (the fetch reads 256 KiB), and ``RESULT P3_download_<N>KiB_reads_vs_boto3``.
+``--also-unsigned`` adds a fourth upload side, the least work a client can make the server do: boto3 tuned
+with no payload signature (``UNSIGNED-PAYLOAD``, so the server hashes no body for it) and no CRC32, hashing
+nothing itself; ``RESULT P3_unsigned_vs_s3bucket`` is then the most any client could gain over S3Bucket's
+defaults from this server on this machine.
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three sides (medians reported)")
     parser.add_argument("--endpoint", help="another S3-compatible server (default: the s3 stack, started here)")
     parser.add_argument("--no-stack-up", action="store_true", help="use the s3 stack as it runs (its env file)")
+    parser.add_argument("--also-unsigned", action="store_true",
+                        help="also time boto3 tuned with unsigned payloads and no checksums (the server's ceiling)")
     parser.add_argument("--also-read-kib", type=int, metavar="KIB",
                         help="also time ours reading each range's stream KIB at a time (the fetch's own: 256)")
     args = parser.parse_args()
@@ -189,6 +194,23 @@ def main() -> None:
                 for future in futures:
                     future.result()
 
+        unsigned_client = credentials.get_boto3_session().client(
+            "s3", endpoint_url=env["S3_ENDPOINT_URL"],
+            config=Config(max_pool_connections=ours.max_concurrency + ours.max_parallel_files + 2,
+                          request_checksum_calculation="when_required", s3={"payload_signing_enabled": False}),
+        )  # fmt: skip
+
+        def boto3_unsigned() -> None:
+            config = TransferConfig(
+                multipart_threshold=ours.multipart_threshold_mib * MiB,
+                multipart_chunksize=ours.multipart_chunksize_mib * MiB,
+                max_concurrency=ours.max_concurrency,
+            )
+            with create_transfer_manager(unsigned_client, config) as manager:
+                futures = [manager.upload(str(p), bucket_name, f"unsigned/{p.name}") for p in files]
+                for future in futures:
+                    future.result()
+
         def boto3_download(dest: Path) -> None:
             config = TransferConfig(
                 multipart_threshold=ours.download_chunksize_mib * MiB,
@@ -220,6 +242,9 @@ def main() -> None:
         sides = [("s3bucket", "S3Bucket.upload_from_path", s3bucket_defaults, "s3bucket/"),
                  ("boto3", "boto3 TransferManager tuned", boto3_tuned, "boto3/"),
                  ("ours", "ours (S3CheckpointStore)", ours_put, None)]  # fmt: skip
+        if args.also_unsigned:
+            results["unsigned"] = []
+            sides.insert(2, ("unsigned", "boto3 unsigned, no checksum", boto3_unsigned, "unsigned/"))
         getters = [("get_ours", "ours, verified get", lambda dest: ours.get(refs[-1].uri, dest)),
                    ("get_boto3", "boto3 download tuned", boto3_download)]  # fmt: skip
         if args.also_read_kib:
@@ -236,7 +261,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}", flush=True)
             # The order turns each round: no side always runs first (or on a server that just worked).
-            for key, label, fn, prefix in sides[round_ % 3:] + sides[: round_ % 3]:
+            for key, label, fn, prefix in sides[round_ % len(sides):] + sides[: round_ % len(sides)]:
                 loads.append(os.getloadavg()[0])
                 results[key].append(timed(label, size, fn))
                 if prefix:
@@ -257,6 +282,8 @@ def main() -> None:
         print(f"\nRESULT P3_vs_boto3 {median['ours'] / median['boto3']:.2f}")
         print(f"RESULT P3_vs_s3bucket {median['ours'] / median['s3bucket']:.2f}")
         print(f"RESULT P3_download_vs_boto3 {median['get_ours'] / median['get_boto3']:.2f}")
+        if args.also_unsigned:
+            print(f"RESULT P3_unsigned_vs_s3bucket {median['unsigned'] / median['s3bucket']:.2f}")
         if args.also_read_kib:
             print(f"RESULT P3_download_{args.also_read_kib}KiB_reads_vs_boto3 "
                   f"{median['get_other'] / median['get_boto3']:.2f}")  # fmt: skip
