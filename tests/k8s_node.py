@@ -13,7 +13,9 @@ import base64
 import ctypes
 import json
 import os
+import selectors
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -128,6 +130,51 @@ class NodeRelay(Relay):
 
     def _listen(self, host: str) -> socket.socket:
         return in_netns(self.netns, lambda: socket.create_server((host, 0)))  # connections go out from the host
+
+
+class TlsNodeRelay(NodeRelay):
+    """A ``NodeRelay`` that speaks TLS to the pods with ``certificate``/``key`` (a certificate for the node's address)
+    and plain TCP to ``target``: an https endpoint at the node's address in front of a store on loopback. Counts the
+    TLS handshakes that passed and those that failed (a client that did not trust the certificate). One thread per
+    connection moves both directions (an SSL connection is not used by two threads at once)."""
+
+    def __init__(self, netns: str, host: str, target: tuple[str, int], certificate: Path, key: Path) -> None:
+        self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.tls.load_cert_chain(certificate, key)
+        self.handshakes, self.refused = 0, 0
+        super().__init__(netns, host, target)
+
+    def _serve(self, client: socket.socket) -> None:
+        client.settimeout(30)
+        try:
+            pod = self.tls.wrap_socket(client, server_side=True)
+        except (OSError, ssl.SSLError):
+            self.refused += 1
+            client.close()
+            return
+        self.handshakes += 1
+        try:
+            upstream = socket.create_connection(self.target, timeout=30)
+        except OSError:
+            pod.close()
+            return
+        with pod, upstream, selectors.DefaultSelector() as sel:
+            sel.register(pod, selectors.EVENT_READ, upstream)
+            sel.register(upstream, selectors.EVENT_READ, pod)
+            try:
+                while True:
+                    for key, _ in sel.select(timeout=300) or [(None, None)]:
+                        if key is None:
+                            return  # idle: the pod's client keeps no connection that long
+                        src, dst = key.fileobj, key.data
+                        data = src.recv(65536)
+                        while isinstance(src, ssl.SSLSocket) and src.pending():  # decrypted, not seen by select
+                            data += src.recv(src.pending())
+                        if not data:
+                            return
+                        dst.sendall(data)
+            except (OSError, ssl.SSLError):
+                return
 
 
 @dataclass

@@ -75,13 +75,16 @@ class Relay:
                 client, _ = self.server.accept()
             except OSError:
                 return  # closed
-            try:
-                upstream = socket.create_connection(self.target, timeout=30)
-            except OSError:
-                client.close()
-                continue
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.target, timeout=30)
+        except OSError:
+            client.close()
+            return
+        for src, dst in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket) -> None:

@@ -30,6 +30,7 @@ from blocks import k8s_manifests as m
 from blocks.errors import ConfigurationError, DeployFailed, TransientError
 from blocks.k8s_api import ApplyConflict
 from blocks.kubernetes import KubernetesCluster, RolledBack
+from blocks.s3 import S3CheckpointStore
 from blocks.serving import Release
 from blocks.specs import ImageRef, ServingSpec
 from tests.k8s_node import (
@@ -99,10 +100,15 @@ def replicasets(block: KubernetesCluster, name: str) -> list[dict[str, Any]]:
     return block._replicasets(name)
 
 
-def served_hidden(block: KubernetesCluster, pod: dict[str, Any]) -> int:
+def served_checkpoint(block: KubernetesCluster, pod: dict[str, Any]) -> str:
+    """The sha256 of the checkpoint the pod's server loaded (its manifest's), as its /readyz names it."""
     status, body = block.pod_request(pod["metadata"]["name"], "/readyz")
     assert status == 200, body
-    return CHECKPOINTS[body["model"]["checkpoint_sha256"]]
+    return body["model"]["checkpoint_sha256"]
+
+
+def served_hidden(block: KubernetesCluster, pod: dict[str, Any]) -> int:
+    return CHECKPOINTS[served_checkpoint(block, pod)]
 
 
 def predictions_answered(block: KubernetesCluster, pod: dict[str, Any]) -> int:
@@ -301,6 +307,80 @@ def test_the_stores_ca_reaches_the_pods_as_a_file_and_a_new_one_restarts_them(
     assert in_pod(k8s, k8s_namespace, pod, "cat", m.STORE_CA_PATH) == second.decode().strip()
     block.undeploy("digits")
     assert api.get_or_none(secret_path) is None
+
+
+def node_certificate(tmp: Path, address: str) -> tuple[Path, Path]:
+    """A certificate (and its key) for ``address``, signed by the s3 stack's own CA: what a store's private CA
+    signs for the address its clients use."""
+    import subprocess
+
+    from tests.stacks import stacks_root
+
+    ca = stacks_root() / "s3" / "tls"
+    key, csr, cert, ext = (tmp / name for name in ("node.key", "node.csr", "node.crt", "node.ext"))
+    ext.write_text(f"subjectAltName=IP:{address}\nbasicConstraints=critical,CA:FALSE\n")
+    for cmd in (["openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key),
+                 "-out", str(csr), "-subj", f"/CN={address}"],
+                ["openssl", "x509", "-req", "-sha256", "-days", "2", "-in", str(csr), "-CA", str(ca / "ca.crt"),
+                 "-CAkey", str(ca / "ca.key"), "-set_serial", f"0x{uuid.uuid4().hex}", "-extfile", str(ext),
+                 "-out", str(cert)]):  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def store_over_https(store: S3CheckpointStore, endpoint: str, ca: Path) -> S3CheckpointStore:
+    """``store`` as a user with an https endpoint and a private CA configures it: the endpoint and the CA's file
+    in the credentials' client parameters."""
+    params = store.bucket.credentials.aws_client_parameters.model_copy(
+        update={"endpoint_url": endpoint, "verify_cert_path": str(ca)}
+    )
+    credentials = store.bucket.credentials.model_copy(update={"aws_client_parameters": params})
+    return store.model_copy(update={"bucket": store.bucket.model_copy(update={"credentials": credentials})})
+
+
+def test_a_pod_fetches_its_checkpoint_over_https_trusting_the_stores_ca_file(
+    k8s: dict[str, str], cluster: Callable[..., KubernetesCluster], models: Path, s3_store: S3CheckpointStore,
+    workload_image: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    """A user's MinIO or Ceph behind a private CA: the store block's https endpoint and ``verify_cert_path`` are all
+    the pods get (``reader_env``), and the server fetches and checks the checkpoint from there at start-up. The
+    s3 stack's own certificate names only loopback, which pods do not share: they reach the stack through a relay
+    in the node that presents a certificate for the node's address, signed by the stack's CA. With a CA that did
+    not sign it, the pod refuses the store and the deploy rolls back."""
+    from tests.k8s_node import TlsNodeRelay
+    from tests.stacks import s3_target, stacks_root
+
+    ref = s3_store.put(models / "model-16", f"https-{uuid.uuid4().hex[:8]}")
+    cert, key = node_certificate(tmp_path, k8s["K8S_NODE_IP"])
+    relay = TlsNodeRelay(k8s["K8S_NODE_NETNS"], k8s["K8S_NODE_IP"], s3_target(), cert, key)
+    try:
+        endpoint = f"https://{relay.address[0]}:{relay.address[1]}"
+        trusted = store_over_https(s3_store, endpoint, stacks_root() / "s3" / "tls" / "ca.crt")
+
+        def release(version: str, store: S3CheckpointStore) -> Release:
+            return Release(
+                model_name="digits-mlp", version=version, model_uri=ref.uri, checkpoint_sha256=ref.sha256,
+                image=ImageRef(builder="docker", content_tag=version, reference=workload_image, built=True),
+                store_env=store.reader_env(),
+            )  # fmt: skip
+
+        block, spec = cluster(), ServingSpec(service_name="digits", smoke_request=SMOKE, ready_timeout_seconds=120)
+        block.deploy(spec, release("1", trusted))
+        (pod,) = ready_pods(block, "digits")
+        assert served_checkpoint(block, pod) == ref.sha256  # fetched from the store, checked against the manifest
+        assert relay.handshakes >= 1 and relay.refused == 0
+
+        other = tmp_path / "other-ca.pem"
+        make_ca(other, "a CA that signed nothing of the store's")
+        with pytest.raises(RolledBack) as refused:
+            block.deploy(spec, release("2", store_over_https(s3_store, endpoint, other)))
+        # The server exits when it cannot fetch its checkpoint; the relay saw its TLS client refuse the certificate.
+        assert refused.value.reason == "CrashLoopBackOff" and refused.value.rolled_back_to == "1"
+        assert relay.refused >= 1
+        (pod,) = ready_pods(block, "digits")
+        assert served_checkpoint(block, pod) == ref.sha256
+    finally:
+        relay.close()
 
 
 def test_first_deploy_that_fails_has_nothing_to_roll_back(
