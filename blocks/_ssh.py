@@ -148,12 +148,31 @@ def exec_commands(client: paramiko.SSHClient, commands: list[str], *, timeout: f
             chan.exec_command(command)
             if stdin:
                 chan.sendall(stdin)
-            chan.shutdown_write()
+            shutdown_write(chan)
         deadline = time.monotonic() + timeout
         return [_collect(chan, timeout, deadline) for chan in channels]
     finally:
         for chan in channels:
             chan.close()
+
+
+def shutdown_write(chan: paramiko.Channel) -> None:
+    """``chan.shutdown_write()`` (the EOF that ends the command's stdin), sent while the channel's lock is held.
+
+    paramiko builds the EOF under the channel's lock but sends it after releasing it. When the command has ended
+    by then, paramiko's transport thread can answer the server's CLOSE in between, and the EOF reaches the server
+    after the CLOSE, for a channel it has freed: OpenSSH's sshd then drops the whole connection ("ieof packet
+    referred to nonexistent channel"), failing every other command on it. With the lock held, the transport
+    thread's answer to the CLOSE waits for the EOF. (paramiko's own method where its internals differ.)"""
+    build = getattr(chan, "_send_eof", None)
+    send = getattr(chan.transport, "_send_user_message", None)
+    if build is None or send is None:
+        chan.shutdown_write()
+        return
+    with chan.lock:
+        message = build()
+        if message is not None:
+            send(message)
 
 
 def _collect(chan: paramiko.Channel, timeout: float, deadline: float) -> tuple[int, str, str]:
