@@ -17,8 +17,9 @@ From S3 (``fetch_s3``, which gpuferry's S3 checkpoint store uses too: the same r
 comes in ranged GETs, several in flight, of several files at once, written in place and hashed in file order: the
 bytes that continue what is hashed are hashed as they arrive, those that land ahead are read back when the hash
 reaches them. The GETs in flight are each file's earliest ranges first (every file's first range, then every file's
-second...), so that most bytes land where their file's hash has reached and are not read back. Every answer must report the object's size as the manifest does, and a range whose stream breaks is
-asked again from where it broke (a few times).
+second...), so that most bytes land where their file's hash has reached and are not read back. Every answer must
+report the object's size as the manifest does, and a range whose stream breaks is asked again from where it broke
+(a few times).
 """
 
 from __future__ import annotations
