@@ -183,31 +183,15 @@ def main() -> None:
             config=Config(max_pool_connections=ours.max_concurrency + ours.max_parallel_files + 2),
         )  # fmt: skip
 
-        def boto3_tuned() -> None:
+        def boto3_upload(client: object, prefix: str) -> None:
+            """Every shard at once through one TransferManager with ours' part size, threshold and concurrency."""
             config = TransferConfig(
                 multipart_threshold=ours.multipart_threshold_mib * MiB,
                 multipart_chunksize=ours.multipart_chunksize_mib * MiB,
                 max_concurrency=ours.max_concurrency,
             )
-            with create_transfer_manager(tuned_client, config) as manager:
-                futures = [manager.upload(str(p), bucket_name, f"boto3/{p.name}") for p in files]
-                for future in futures:
-                    future.result()
-
-        unsigned_client = credentials.get_boto3_session().client(
-            "s3", endpoint_url=env["S3_ENDPOINT_URL"],
-            config=Config(max_pool_connections=ours.max_concurrency + ours.max_parallel_files + 2,
-                          request_checksum_calculation="when_required", s3={"payload_signing_enabled": False}),
-        )  # fmt: skip
-
-        def boto3_unsigned() -> None:
-            config = TransferConfig(
-                multipart_threshold=ours.multipart_threshold_mib * MiB,
-                multipart_chunksize=ours.multipart_chunksize_mib * MiB,
-                max_concurrency=ours.max_concurrency,
-            )
-            with create_transfer_manager(unsigned_client, config) as manager:
-                futures = [manager.upload(str(p), bucket_name, f"unsigned/{p.name}") for p in files]
+            with create_transfer_manager(client, config) as manager:
+                futures = [manager.upload(str(p), bucket_name, f"{prefix}{p.name}") for p in files]
                 for future in futures:
                     future.result()
 
@@ -240,11 +224,17 @@ def main() -> None:
             shutil.rmtree(dest, ignore_errors=True)
 
         sides = [("s3bucket", "S3Bucket.upload_from_path", s3bucket_defaults, "s3bucket/"),
-                 ("boto3", "boto3 TransferManager tuned", boto3_tuned, "boto3/"),
+                 ("boto3", "boto3 TransferManager tuned", lambda: boto3_upload(tuned_client, "boto3/"), "boto3/"),
                  ("ours", "ours (S3CheckpointStore)", ours_put, None)]  # fmt: skip
-        if args.also_unsigned:
+        if args.also_unsigned:  # boto3 tuned's client, with no payload signature and no CRC32
+            unsigned_client = credentials.get_boto3_session().client(
+                "s3", endpoint_url=env["S3_ENDPOINT_URL"],
+                config=tuned_client.meta.config.merge(
+                    Config(request_checksum_calculation="when_required", s3={"payload_signing_enabled": False})),
+            )  # fmt: skip
             results["unsigned"] = []
-            sides.insert(2, ("unsigned", "boto3 unsigned, no checksum", boto3_unsigned, "unsigned/"))
+            sides.insert(2, ("unsigned", "boto3 unsigned, no checksum",
+                             lambda: boto3_upload(unsigned_client, "unsigned/"), "unsigned/"))
         getters = [("get_ours", "ours, verified get", lambda dest: ours.get(refs[-1].uri, dest)),
                    ("get_boto3", "boto3 download tuned", boto3_download)]  # fmt: skip
         if args.also_read_kib:
