@@ -133,7 +133,9 @@ def check_mlflow(tracking: MlflowTracking, probe: Probe) -> None:
     if not _reach_url(probe, uri, "start the MLflow server, or fix tracking_uri"):
         return
     base = uri.rstrip("/")
-    http = httpx.Client(timeout=probe.left, auth=_mlflow_auth(tracking))
+    with probe.local():  # the login comes through MLflow's own settings: importing it takes seconds
+        auth = _mlflow_auth(tracking)
+    http = httpx.Client(timeout=probe.left, auth=auth)
 
     def get(path: str, what: str) -> httpx.Response:
         response = http.get(f"{base}{path}")

@@ -9,19 +9,21 @@ and delete it: nothing is left behind.
 
 ``check_stack`` runs every backend's checks at once, each group in a thread of its own with its own
 deadline: a backend that does not answer gets a failed row for the check it was on ("no answer within
-N s"), and the others' rows are not held up. The Prefect server, its work pool and an online worker are
+N s"), and the others' rows are not held up. The deadline is for answers: work on this machine that a
+group does inside ``probe.local()`` (importing a client library) is not counted against it. The Prefect server, its work pool and an online worker are
 checked alongside (``check_prefect``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -83,13 +85,35 @@ class Probe:
         self.rows: list[CheckRow] = []
         self.current: str | None = None
         self._started = time.monotonic()
+        self._local_s = 0.0  # seconds spent in local(), finished
+        self._local_since: float | None = None  # when the local() running now began
         self._lock = threading.Lock()
         self.closed = False  # set when the group ran out of time: later rows are dropped
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """Work on this machine (importing a client library): its time does not count against the deadline, which
+        is for answers. A busy machine takes seconds to import MLflow, and that is no fault of the server's."""
+        with self._lock:
+            self._local_since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._local_s += time.monotonic() - (self._local_since or time.monotonic())
+                self._local_since = None
+
+    def remaining(self) -> float:
+        """Seconds left of the deadline (less than 0 past it); the clock stops inside ``local()``."""
+        now = time.monotonic()
+        with self._lock:
+            local = self._local_s + (now - self._local_since if self._local_since is not None else 0.0)
+        return self.timeout - (now - self._started - local)
 
     @property
     def left(self) -> float:
         """Seconds left of the group's deadline (at least 1: a client timeout of 0 means none)."""
-        return max(1.0, self.timeout - (time.monotonic() - self._started))
+        return max(1.0, self.remaining())
 
     def add(self, check: str, status: Status, detail: str = "", fix: str = "", seconds: float = 0.0) -> CheckRow:
         row = CheckRow(step=self.step_name, backend=self.backend, check=check, status=status, detail=detail,
@@ -193,10 +217,10 @@ def run_groups(groups: Iterable[tuple[Probe, Callable[[Probe], Any]]]) -> list[C
     """
     groups = list(groups)
     threads = [_group(probe, run) for probe, run in groups]
-    started = time.monotonic()
     out: list[CheckRow] = []
     for (probe, _), thread in zip(groups, threads):
-        thread.join(max(0.0, probe.timeout - (time.monotonic() - started)))
+        while thread.is_alive() and (left := probe.remaining()) > 0:
+            thread.join(min(left, 0.25))  # the deadline moves while the group works locally: look again soon
         if thread.is_alive():
             with probe._lock:
                 probe.closed = True

@@ -10,13 +10,15 @@ command runner answering the recording.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
 
 from blocks.check_k8s import deploy_permissions
 from blocks.check_slurm import _accounts, _partitions, _runtimes, _sections, check_slurm
-from blocks.checks import CheckRow, Probe
+from blocks.checks import CheckRow, Probe, run_groups
 from blocks.kubernetes import KubernetesCluster
 from blocks.slurm import SlurmCluster
 from tests.golden_files import GOLDEN as GOLDEN_DIR
@@ -167,3 +169,24 @@ def test_the_permissions_a_deploy_needs_follow_the_blocks_settings() -> None:
         ("patch", "autoscaling", "horizontalpodautoscalers", True), ("delete", "autoscaling", "horizontalpodautoscalers", True),
         ("patch", "policy", "poddisruptionbudgets", True), ("delete", "policy", "poddisruptionbudgets", True),
     }  # fmt: skip
+
+
+def test_work_on_this_machine_does_not_count_against_a_groups_deadline() -> None:
+    """Two groups with the same deadline: one waits for an answer that never comes and is given up on; the other
+    imports (inside ``probe.local()``) until that has happened, longer than the deadline, then checks and passes."""
+    hung, importing = Probe("hung", "x", timeout=2.0), Probe("importing", "x", timeout=2.0)
+    never = threading.Event()
+
+    def imports(probe: Probe) -> None:
+        with probe.local():
+            deadline = time.monotonic() + 60
+            while not hung.closed and time.monotonic() < deadline:
+                time.sleep(0.05)
+        probe.step("server", lambda: "answers")
+
+    rows = run_groups([(hung, lambda p: p.step("reach", never.wait)), (importing, imports)])
+    assert hung.closed and not importing.closed
+    assert {(r.step, r.check): (r.status, r.detail) for r in rows} == {
+        ("hung", "reach"): ("failed", "no answer within 2 s"),
+        ("importing", "server"): ("ok", "answers"),
+    }
