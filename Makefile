@@ -62,7 +62,7 @@ stacks-up: $(addsuffix -up,$(TEST_STACKS))
 stacks-down: $(addsuffix -down,$(TEST_STACKS))
 
 # ---- tests -----------------------------------------------------------------------------------
-PYTEST := PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -p no:cacheprovider --durations=10
+PYTEST := PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -p no:cacheprovider --durations=30
 
 # Everything: unit tests, the embedded pipeline and the integration tests against the local stacks
 # (which it starts; an integration test whose stack is down fails instead of skipping).
