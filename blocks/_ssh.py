@@ -163,16 +163,33 @@ def shutdown_write(chan: paramiko.Channel) -> None:
     by then, paramiko's transport thread can answer the server's CLOSE in between, and the EOF reaches the server
     after the CLOSE, for a channel it has freed: OpenSSH's sshd then drops the whole connection ("ieof packet
     referred to nonexistent channel"), failing every other command on it. With the lock held, the transport
-    thread's answer to the CLOSE waits for the EOF. (paramiko's own method where its internals differ.)"""
+    thread's answer to the CLOSE waits for the EOF.
+
+    It must not wait *with* the lock for a key exchange to end (paramiko's ``_send_user_message`` would): the
+    transport thread, which runs the exchange, may first need the lock for a message of this channel that came
+    before it, and both would wait until paramiko's 30 s timeout. So it takes the lock and the transport's
+    send gate together only when no exchange is on, and sends the EOF under both, as ``_send_user_message``
+    does under the gate. (paramiko's own method where its internals differ.)"""
+    transport = chan.transport
     build = getattr(chan, "_send_eof", None)
-    send = getattr(chan.transport, "_send_user_message", None)
-    if build is None or send is None:
+    ready, gate, send = (getattr(transport, name, None) for name in ("clear_to_send", "clear_to_send_lock",
+                                                                     "_send_message"))  # fmt: skip
+    if build is None or ready is None or gate is None or send is None:
         chan.shutdown_write()
         return
-    with chan.lock:
-        message = build()
-        if message is not None:
-            send(message)
+    deadline = time.monotonic() + float(getattr(transport, "clear_to_send_timeout", 30.0))
+    while True:
+        with chan.lock, gate:
+            if ready.is_set():
+                message = build()
+                if message is not None:
+                    send(message)
+                return
+        if not transport.is_active():
+            return  # as paramiko does: the EOF goes with the connection
+        if time.monotonic() > deadline:
+            raise paramiko.SSHException("Key-exchange timed out waiting for key negotiation")
+        ready.wait(0.1)
 
 
 def _collect(chan: paramiko.Channel, timeout: float, deadline: float) -> tuple[int, str, str]:
