@@ -11,16 +11,16 @@ from typing import Any
 
 from blocks.errors import ConfigurationError
 
-_PATH = re.compile(r"^/[A-Za-z0-9_./%+@=-]{0,1023}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ABSOLUTE_PATH = re.compile(r"^/[A-Za-z0-9_./%+@=-]{0,1023}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
-def _fail(option: str, value: Any, allowed: str) -> None:
+def refuse(option: str, value: Any, allowed: str) -> None:
     raise ConfigurationError(f"sbatch option {option}={value!r} is not allowed: use {allowed}")
 
 
-def _check(option: str, value: Any, pattern: re.Pattern[str], allowed: str) -> str:
+def checked(option: str, value: Any, pattern: re.Pattern[str], allowed: str) -> str:
     if not isinstance(value, str) or not pattern.match(value):
-        _fail(option, value, allowed)
+        refuse(option, value, allowed)
     return value
 

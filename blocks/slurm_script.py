@@ -44,8 +44,8 @@ from typing import Any
 
 from blocks.errors import ConfigurationError
 from blocks.launch import is_python
-from blocks.sbatch_values import _ENV_NAME, _PATH, _check, _fail
-from blocks.slurm_script_image import _container, _container_lines, _in_container, _in_container_srun
+from blocks.sbatch_values import ABSOLUTE_PATH, ENV_NAME, checked, refuse
+from blocks.slurm_script_image import container_lines, container_option, in_container, in_container_srun
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 NAME_HELP = "1-128 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -100,13 +100,13 @@ SCRIPT_OPTIONS: tuple[str, ...] = (
 
 def _int(option: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        _fail(option, value, f"an integer from {low} to {high}")
+        refuse(option, value, f"an integer from {low} to {high}")
     return value
 
 
 def check_name(value: Any, option: str) -> str:
     """A job, partition, account or QoS name: no shell metacharacters, no spaces."""
-    return _check(option, value, NAME, NAME_HELP)
+    return checked(option, value, NAME, NAME_HELP)
 
 
 def format_time(minutes: int) -> str:
@@ -124,7 +124,7 @@ def _directives(options: Mapping[str, Any]) -> list[str]:  # noqa: C901 - one br
     if "job_name" in options:
         add("job-name", check_name(options["job_name"], "job_name"))
     if "comment" in options:
-        add("comment", _check("comment", options["comment"], _COMMENT, "1-256 of: letters, digits and _.:=,/@+-"))
+        add("comment", checked("comment", options["comment"], _COMMENT, "1-256 of: letters, digits and _.:=,/@+-"))
     for key in ("partition", "account", "qos"):
         if options.get(key) is not None:
             add(key, check_name(options[key], key))
@@ -138,45 +138,45 @@ def _directives(options: Mapping[str, Any]) -> list[str]:  # noqa: C901 - one br
     if options.get("gpus_per_node"):
         add("gpus-per-node", _int("gpus_per_node", options["gpus_per_node"], 0, 64))
     if options.get("gres") is not None:
-        add("gres", _check("gres", options["gres"], _GRES, "NAME[:TYPE]:COUNT[,...], e.g. gpu:2 or gpu:a100:4"))
+        add("gres", checked("gres", options["gres"], _GRES, "NAME[:TYPE]:COUNT[,...], e.g. gpu:2 or gpu:a100:4"))
     if options.get("mem") is not None:
         mem = options["mem"]
         add("mem", f"{_int('mem', mem, 1, 2**31)}M" if isinstance(mem, int) else
-            _check("mem", mem, _MEM, "megabytes as an integer, or a size like 4G / 500M"))  # fmt: skip
+            checked("mem", mem, _MEM, "megabytes as an integer, or a size like 4G / 500M"))  # fmt: skip
     if options.get("time") is not None:
         t = options["time"]
         add("time", format_time(_int("time", t, 1, 10**7)) if isinstance(t, int) else
-            _check("time", t, _TIME, "minutes as an integer, or D-HH:MM:SS"))  # fmt: skip
+            checked("time", t, _TIME, "minutes as an integer, or D-HH:MM:SS"))  # fmt: skip
     for key in ("output", "error"):
         if options.get(key) is not None:
-            add(key, _check(key, options[key], _PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)"))
+            add(key, checked(key, options[key], ABSOLUTE_PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)"))
     open_mode = options.get("open_mode", "append")
     if open_mode not in ("append", "truncate"):
-        _fail("open_mode", open_mode, "'append' or 'truncate'")
+        refuse("open_mode", open_mode, "'append' or 'truncate'")
     add("open-mode", open_mode)
     if options.get("array") is not None:
-        array = _check("array", options["array"], _ARRAY, "indexes like 0-99, 1,3,5 or 0-15:4")
+        array = checked("array", options["array"], _ARRAY, "indexes like 0-99, 1,3,5 or 0-15:4")
         if options.get("array_parallelism") is not None:
             array += f"%{_int('array_parallelism', options['array_parallelism'], 1, 100_000)}"
         add("array", array)
     elif options.get("array_parallelism") is not None:
         raise ConfigurationError("array_parallelism needs array (the throttle of a job array)")
     if options.get("dependency") is not None:
-        add("dependency", _check("dependency", options["dependency"], _DEPENDENCY,
+        add("dependency", checked("dependency", options["dependency"], _DEPENDENCY,
                                  "TYPE:JOBID[:JOBID...] joined by ',' or '?', e.g. afterok:123"))  # fmt: skip
     if options.get("signal") is not None:
         sig = options["signal"]
         m = _SIGNAL.match(sig) if isinstance(sig, str) else None
         if m is None or not (m["sig"] in _SIGNALS or m["sig"].isdigit()) or (m["secs"] and int(m["secs"]) > 65535):
-            _fail("signal", sig, f"[B:]SIG[@SECONDS] with SIG one of {', '.join(_SIGNALS)}, e.g. B:USR1@90")
+            refuse("signal", sig, f"[B:]SIG[@SECONDS] with SIG one of {', '.join(_SIGNALS)}, e.g. B:USR1@90")
         add("signal", sig)
     if options.get("requeue") is not None:
         if not isinstance(options["requeue"], bool):
-            _fail("requeue", options["requeue"], "True or False")
+            refuse("requeue", options["requeue"], "True or False")
         add("requeue" if options["requeue"] else "no-requeue")
     additional = options.get("additional") or {}
     if not isinstance(additional, Mapping):
-        _fail("additional", additional, "a mapping of directive name to value")
+        refuse("additional", additional, "a mapping of directive name to value")
     for name in sorted(additional):
         value = additional[name]
         if name not in ADDITIONAL_DIRECTIVES:
@@ -185,12 +185,12 @@ def _directives(options: Mapping[str, Any]) -> list[str]:  # noqa: C901 - one br
                 f"{', '.join(sorted(ADDITIONAL_DIRECTIVES))} (the main options are keywords: {', '.join(SBATCH_OPTIONS)})"
             )
         if ADDITIONAL_DIRECTIVES[name]:
-            add(name, _check(f"additional[{name!r}]", str(value), _DIRECTIVE_VALUE,
+            add(name, checked(f"additional[{name!r}]", str(value), _DIRECTIVE_VALUE,
                              "1-256 of: letters, digits and _.:,[]@+=/%-"))  # fmt: skip
         elif value is True:
             add(name)
         elif value not in (False, None):
-            _fail(f"additional[{name!r}]", value, "True or False (the directive takes no value)")
+            refuse(f"additional[{name!r}]", value, "True or False (the directive takes no value)")
     return out
 
 
@@ -223,24 +223,24 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
         )
     if not command or not all(isinstance(a, str) and a and "\x00" not in a for a in command):
         raise ConfigurationError(f"command={list(command)!r} must be a non-empty list of non-empty strings")
-    _check("workdir", workdir, _PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)")
-    cwd = _check("cwd", options.get("cwd") or workdir, _PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)")
-    container = _container(options, workdir)
+    checked("workdir", workdir, ABSOLUTE_PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)")
+    cwd = checked("cwd", options.get("cwd") or workdir, ABSOLUTE_PATH, "an absolute path of letters, digits and _./%+@=- (no spaces)")
+    container = container_option(options, workdir)
     lines = ["#!/bin/bash", *_directives(options), ""]
     lines += ["set -uo pipefail", f"cd {shlex.quote(cwd)} || exit 1"]
 
     env = options.get("env") or {}
     for name in sorted(env):
-        if not _ENV_NAME.match(name):
-            _fail(f"env[{name!r}]", name, "a variable name: letters, digits and _, not starting with a digit")
+        if not ENV_NAME.match(name):
+            refuse(f"env[{name!r}]", name, "a variable name: letters, digits and _, not starting with a digit")
         lines.append(f"export {name}={shlex.quote(str(env[name]))}")
     if options.get("secret_env_file") is not None:
-        path = _check("secret_env_file", options["secret_env_file"], _PATH, "an absolute path (no spaces)")
+        path = checked("secret_env_file", options["secret_env_file"], ABSOLUTE_PATH, "an absolute path (no spaces)")
         lines.append(f"set -a; . {shlex.quote(path)}; set +a   # secrets: sent separately, mode 0600")
     if options.get("array_env_dir") is not None:
         if options.get("array") is None:
             raise ConfigurationError("array_env_dir needs array (it holds one environment per array task)")
-        path = _check("array_env_dir", options["array_env_dir"], _PATH, "an absolute path (no spaces)")
+        path = checked("array_env_dir", options["array_env_dir"], ABSOLUTE_PATH, "an absolute path (no spaces)")
         # NAME=value words, NUL-terminated, exported as they are: no shell ever parses a value.
         lines += [
             "# This array task's own settings: the NAME=value words (NUL-separated) of <task id>.env.",
@@ -251,13 +251,13 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
 
     if container is not None:
         gpus = bool(options.get("gpus_per_node")) or "gpu" in str(options.get("gres") or "")
-        lines += _container_lines(container, workdir=workdir, env_names=sorted(env), gpus=gpus,
+        lines += container_lines(container, workdir=workdir, env_names=sorted(env), gpus=gpus,
                                   array_env=options.get("array_env_dir") is not None)  # fmt: skip
 
     nproc = options.get("torchrun_nproc_per_node")
     nodes = options.get("nodes", 1)
     if nproc is None:
-        launch = _in_container(container, shlex.join(command), workdir)
+        launch = in_container(container, shlex.join(command), workdir)
     else:
         _int("torchrun_nproc_per_node", nproc, 1, 64)
         port = _int("rdzv_port", options.get("rdzv_port", 29500), 1024, 65535)
@@ -271,7 +271,7 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
             python, program = options.get("torchrun_python") or "python3", list(command)
             torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--no-python"]
         if nodes == 1:
-            launch = _in_container(container, shlex.join([*torchrun, "--standalone", *program]), workdir)
+            launch = in_container(container, shlex.join([*torchrun, "--standalone", *program]), workdir)
         else:
             lines += [
                 "# Rendezvous on the first node of the allocation (its address as Slurm knows it).",
@@ -281,7 +281,7 @@ def sbatch_script(command: Sequence[str], *, workdir: str, **options: Any) -> st
                 "# One port per job: jobs sharing their first node must not meet in one rendezvous.",
                 f"export MASTER_PORT=$(({port} + SLURM_JOB_ID % {span}))",
             ]
-            srun_options, in_image = _in_container_srun(container, workdir)
+            srun_options, in_image = in_container_srun(container, workdir)
             launch = (
                 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
                 f"--kill-on-bad-exit=1{srun_options} {_RDZV_HOST}{in_image}{shlex.join(torchrun)} "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from blocks.errors import ConfigurationError
-from blocks.sbatch_values import _ENV_NAME, _PATH, _check, _fail
+from blocks.sbatch_values import ENV_NAME, ABSOLUTE_PATH, checked, refuse
 
 CONTAINER_RUNTIMES: tuple[str, ...] = ("pyxis", "podman", "apptainer")
 # repository@sha256:<64 hex>, the repository optionally led by a registry host[:port].
@@ -81,13 +81,13 @@ class Container:
 def _podman_option(option: Any) -> None:
     name, eq, value = option.partition("=") if isinstance(option, str) else ("", "", "")
     if name not in PODMAN_OPTIONS:
-        _fail("container.podman_options", option, f"one of {', '.join(sorted(PODMAN_OPTIONS))} (options that widen what "
+        refuse("container.podman_options", option, f"one of {', '.join(sorted(PODMAN_OPTIONS))} (options that widen what "
               "the container may reach are not allowed: mounts go in container_mounts, GPUs come from Slurm)")
     pattern = PODMAN_OPTIONS[name]
     if pattern is None and eq:
-        _fail("container.podman_options", option, f"{name} without a value")
+        refuse("container.podman_options", option, f"{name} without a value")
     if pattern is not None and not pattern.match(value):
-        _fail("container.podman_options", option, f"{name}=VALUE with VALUE matching {pattern.pattern}")
+        refuse("container.podman_options", option, f"{name}=VALUE with VALUE matching {pattern.pattern}")
 
 
 def check_pinned_image(reference: Any, option: str = "image") -> str:
@@ -108,37 +108,37 @@ def _pyxis_image(reference: str) -> str:
     return reference
 
 
-def _container(options: Mapping[str, Any], workdir: str) -> Container | None:
+def container_option(options: Mapping[str, Any], workdir: str) -> Container | None:
     c = options.get("container")
     if c is None:
         return None
     if not isinstance(c, Container):
-        _fail("container", c, "a blocks.slurm_script_image.Container")
+        refuse("container", c, "a blocks.slurm_script_image.Container")
     if c.runtime not in CONTAINER_RUNTIMES:
-        _fail("container.runtime", c.runtime, f"one of {', '.join(CONTAINER_RUNTIMES)}")
+        refuse("container.runtime", c.runtime, f"one of {', '.join(CONTAINER_RUNTIMES)}")
     check_pinned_image(c.image, "container.image")
     if c.gpu_mode not in ("cdi", "env"):
-        _fail("container.gpu_mode", c.gpu_mode, "'cdi' or 'env'")
+        refuse("container.gpu_mode", c.gpu_mode, "'cdi' or 'env'")
     for option in c.podman_options:
         _podman_option(option)
     for mount in c.mounts:
-        _check("container.mounts", mount, _PATH, "absolute paths of letters, digits and _./%+@=- (no spaces)")
+        checked("container.mounts", mount, ABSOLUTE_PATH, "absolute paths of letters, digits and _./%+@=- (no spaces)")
     if c.workdir is not None:
-        _check("container.workdir", c.workdir, _PATH, "an absolute path inside the image (no spaces)")
+        checked("container.workdir", c.workdir, ABSOLUTE_PATH, "an absolute path inside the image (no spaces)")
     elif c.runtime == "apptainer":
-        _fail("container.workdir", None, "the directory of the workload's code inside the image (apptainer does not "
+        refuse("container.workdir", None, "the directory of the workload's code inside the image (apptainer does not "
               "start in the image's WORKDIR): declare image.workdir in gpuferry.yaml")
     if c.auth_file is not None:
-        _check("container.auth_file", c.auth_file, _PATH, "an absolute path (no spaces)")
+        checked("container.auth_file", c.auth_file, ABSOLUTE_PATH, "an absolute path (no spaces)")
         if c.runtime == "pyxis" and not c.auth_file.endswith("/.credentials"):
-            _fail("container.auth_file", c.auth_file, "a file named .credentials (enroot reads ENROOT_CONFIG_PATH/.credentials)")
+            refuse("container.auth_file", c.auth_file, "a file named .credentials (enroot reads ENROOT_CONFIG_PATH/.credentials)")
     for name in [*c.runtime_env, *c.env_names]:
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            _fail("container variable name", name, "a variable name: letters, digits and _, not starting with a digit")
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            refuse("container variable name", name, "a variable name: letters, digits and _, not starting with a digit")
     return c
 
 
-def _container_lines(c: Container, *, workdir: str, env_names: Sequence[str], gpus: bool,
+def container_lines(c: Container, *, workdir: str, env_names: Sequence[str], gpus: bool,
                      array_env: bool) -> list[str]:  # fmt: skip
     """The script lines that prepare the runtime; podman and apptainer get an ``in_image`` function."""
     mounts = [workdir, *(m for m in c.mounts if m != workdir)]
@@ -204,7 +204,7 @@ def _pyxis_options(c: Container, workdir: str) -> str:
     ])  # fmt: skip
 
 
-def _in_container(c: Container | None, launch: str, workdir: str) -> str:
+def in_container(c: Container | None, launch: str, workdir: str) -> str:
     """``launch`` (a command run by the batch shell itself) run inside the container."""
     if c is None:
         return launch
@@ -213,7 +213,7 @@ def _in_container(c: Container | None, launch: str, workdir: str) -> str:
     return f"in_image {launch}"
 
 
-def _in_container_srun(c: Container | None, workdir: str) -> tuple[str, str]:
+def in_container_srun(c: Container | None, workdir: str) -> tuple[str, str]:
     """(extra srun options, the prefix of the command srun runs) for a launch through srun."""
     if c is None:
         return "", ""
