@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from blocks.errors import ConfigurationError
-from blocks.sbatch_values import ENV_NAME, ABSOLUTE_PATH, checked, refuse
+from blocks.sbatch_values import ABSOLUTE_PATH, ENV_NAME, checked, refuse
 
 CONTAINER_RUNTIMES: tuple[str, ...] = ("pyxis", "podman", "apptainer")
 # repository@sha256:<64 hex>, the repository optionally led by a registry host[:port].
