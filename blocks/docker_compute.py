@@ -52,7 +52,8 @@ from blocks.errors import ConfigurationError, explain_exit_code
 from blocks.gpu_alloc import GpuRequest, HostGpu, claim_label, parse_claim_label
 from blocks.launch import launch_command
 from blocks.secrets import job_secret_values, write_secret_env
-from blocks.slurm_script import check_name, check_pinned_image
+from blocks.slurm_script import check_name
+from blocks.slurm_script_image import check_pinned_image
 from blocks.specs import JobHandle, JobStatus, Resources, TrainingJob
 from runtime import contract
 

@@ -19,8 +19,8 @@ This file is the block (its fields), the job's validation and batch script, and 
 read and stored. Its parts live beside it, each a mixin of the block or pure functions:
 ``slurm_ssh.py`` (the connection, commands and files), ``slurm_submit.py`` (code shipped, submit and adopt),
 ``slurm_jobs.py`` (log, poll, cancel, accounting), ``slurm_state.py`` (what squeue, sacct, sinfo, sbatch and
-scontrol answer, read: pure), ``slurm_script.py`` (the batch script, pure), ``slurm_containers.py`` (jobs in
-the image) and ``slurm_arrays.py`` (sweeps as job arrays).
+scontrol answer, read: pure), ``slurm_script.py`` (the batch script, pure; its container part in
+``slurm_script_image.py``), ``slurm_containers.py`` (jobs in the image) and ``slurm_arrays.py`` (sweeps as job arrays).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from blocks.mlflow_model import ModelInfo
 from blocks.slurm_arrays import TASKS_DIR, SlurmArrays
 from blocks.slurm_containers import SlurmContainers
 from blocks.slurm_jobs import SlurmJobs
-from blocks.slurm_script import ADDITIONAL_DIRECTIVES, PODMAN_OPTIONS, check_name, check_pinned_image, sbatch_script
+from blocks.slurm_script import ADDITIONAL_DIRECTIVES, check_name, sbatch_script
+from blocks.slurm_script_image import PODMAN_OPTIONS, check_pinned_image
 from blocks.slurm_ssh import SlurmTransport
 from blocks.slurm_state import KEY_COMMENT_PREFIX, partitions_from_sinfo
 from blocks.slurm_submit import SECRETS_NAME, SlurmSubmit

@@ -17,7 +17,7 @@ import posixpath
 from blocks.docker_image import _registry_parts
 from blocks.errors import ConfigurationError
 from blocks.secrets import job_secret_names
-from blocks.slurm_script import CONTAINER_RUNTIMES, Container, check_pinned_image
+from blocks.slurm_script_image import CONTAINER_RUNTIMES, Container, check_pinned_image
 from blocks.specs import TrainingJob
 
 REGISTRY_AUTH_NAME = ".registry-auth.json"  # podman / apptainer --authfile

@@ -28,7 +28,8 @@ from blocks.errors import ConfigurationError, JobFailed
 from blocks.s3 import S3CheckpointStore
 from blocks.slurm import SlurmCluster
 from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
-from blocks.slurm_script import Container, sbatch_script
+from blocks.slurm_script import sbatch_script
+from blocks.slurm_script_image import Container
 from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob
 from tests.stacks import cluster_dir, mlflow_server, registry_login, remove_on_cluster, slurm_for_images, stack_env
 from tests.test_slurm_script import check_golden
