@@ -1,15 +1,26 @@
-"""SlurmCluster against the real local Slurm (`make slurm-up`), over SSH with a checked host key."""
+"""SlurmCluster against the real local Slurm (`make slurm-up`) as a remote cluster: over SSH with a checked host
+key, the job directories on the cluster's own filesystem and the jobs run by the cluster's own Python. This
+machine has no such paths: what a job wrote, what the block shipped and what a test plants for a job are read
+and written on the cluster, through the block's SSH session (`remote_text`, `remote_exists`, `remote_write`,
+`remote_copy`). The two local-mode tests run as the flow would on the login node (no SSH), in a directory of
+their own that this machine and the cluster's nodes both see, as the login node shares the cluster's.
+"""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
+import posixpath
+import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +31,7 @@ from blocks.slurm import SlurmCluster
 from blocks.mlflow_model import check_mlflow_model
 from blocks.specs import Resources, TrainingJob
 from tests.examples import DIGITS, JOBS, code_of
-from tests.stacks import slurm_login, stack_env
+from tests.stacks import remote_slurm, remove_on_cluster, stack_env
 from runtime import contract
 
 pytestmark = pytest.mark.integration
@@ -42,13 +53,47 @@ def env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(env: dict[str, str]) -> SlurmCluster:
-    c = SlurmCluster(
-        **slurm_login(), workdir_root=str(Path(env["SLURM_SHARED_DIR"]) / f"tests-{uuid.uuid4().hex[:8]}"),
-        python=sys.executable, poll_interval_start=0.3, poll_interval_max=2.0,
-    )  # fmt: skip
+def cluster() -> Iterator[SlurmCluster]:
+    c = remote_slurm("cluster-tests", poll_interval_start=0.3, poll_interval_max=2.0)
     yield c
+    remove_on_cluster(c, c.workdir_root)
     c.close()
+
+
+@pytest.fixture
+def login_node_dir(env: dict[str, str]) -> Iterator[str]:
+    """A job directory root for a flow that runs on the login node, which shares the cluster's filesystem: a
+    directory of this machine that the cluster's nodes see too (SLURM_SHARED_DIR)."""
+    root = Path(env["SLURM_SHARED_DIR"]) / f"login-node-{uuid.uuid4().hex[:8]}"
+    yield str(root)
+    if os.environ.get("GPUFERRY_KEEP_JOBS") != "1":
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def remote_text(cluster: SlurmCluster, path: str) -> str:
+    """The text of the file ``path`` on the cluster (read over the block's SSH session; missing: an error)."""
+    return cluster.run(["cat", "--", path])[1]
+
+
+def remote_exists(cluster: SlurmCluster, path: str) -> bool:
+    """Whether ``path`` exists on the cluster."""
+    rc, _, err = cluster.run(["test", "-e", path], check=False)
+    assert rc in (0, 1), err
+    return rc == 0
+
+
+def remote_write(cluster: SlurmCluster, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` on the cluster (its directory created)."""
+    cluster.run(["sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path], stdin=data)
+
+
+def remote_copy(cluster: SlurmCluster, directory: str, into: Path) -> Path:
+    """A copy of ``directory`` of the cluster at ``into`` on this machine (a tar over the block's SSH session)."""
+    script = 't=$(mktemp) || exit; tar -c -f "$t" -C "$1" . && base64 -- "$t"; rc=$?; rm -f -- "$t"; exit $rc'
+    archive = base64.b64decode(cluster.run(["sh", "-c", script, "sh", directory])[1])
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
 def key(name: str) -> str:
@@ -82,8 +127,9 @@ def wait_for(predicate: Callable[[], object], timeout: float = 60.0, what: str =
 
 
 def tiny(cluster: SlurmCluster, k: str, code: int = 0, **options: object):  # type: ignore[no-untyped-def]
+    """TINY as a job, run by the block's ``python``: the cluster's interpreter."""
     workdir = cluster.job_workdir(k)
-    return cluster.submit_command(k, [sys.executable, "-c", TINY, str(code)],
+    return cluster.submit_command(k, [cluster.python, "-c", TINY, str(code)],
                                   env={"PROGRESS": f"{workdir}/progress.json"}, **options)  # fmt: skip
 
 
@@ -163,7 +209,7 @@ def test_bad_input_is_refused_before_anything_is_submitted(cluster: SlurmCluster
     with pytest.raises(ValidationError, match="gpus_per_node"):
         Resources(gpus_per_node=-1)
     assert jobs_named(env, k) == []
-    assert not Path(cluster.job_workdir(k)).exists()
+    assert not remote_exists(cluster, cluster.job_workdir(k))
 
 
 def test_unknown_or_changed_host_key_is_refused(cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -205,7 +251,7 @@ def test_failed_job_carries_exit_code_and_log_tail(cluster: SlurmCluster) -> Non
     assert info.value.exit_code == 3 and "tiny job on" in info.value.log_tail
 
 
-def test_trains_the_real_workload(cluster: SlurmCluster) -> None:
+def test_trains_the_real_workload(cluster: SlurmCluster, tmp_path: Path) -> None:
     """The digits example's code shipped to the cluster (once: a second job finds it there) and run from it."""
     k = key("train")
     code = code_of(DIGITS)
@@ -216,21 +262,27 @@ def test_trains_the_real_workload(cluster: SlurmCluster) -> None:
     progress: list[dict] = []
     status = cluster.watch(handle, on_progress=progress.append, timeout_seconds=300)
     result = cluster.result(handle, status)
-    model = check_mlflow_model(Path(result.checkpoint_dir) / contract.FINAL_DIRNAME)
+    final = posixpath.join(result.checkpoint_dir, contract.FINAL_DIRNAME)
+    model = check_mlflow_model(remote_copy(cluster, final, tmp_path / contract.FINAL_DIRNAME))
     assert "pytorch" in model.flavors and model.serving_example
     assert progress and progress[-1]["step"] == progress[-1]["total_steps"]
     assert progress[-1]["metrics"]["val_accuracy"] > 0.5
-    shipped = Path(cluster.code_dir(code.sha256))
-    assert (shipped / "train.py").read_bytes() == (DIGITS / "train.py").read_bytes()
-    assert (shipped / ".complete").exists()
+    shipped = cluster.code_dir(code.sha256)
+    assert remote_text(cluster, f"{shipped}/train.py") == (DIGITS / "train.py").read_bytes().decode()
+    assert remote_exists(cluster, f"{shipped}/.complete")
     again = cluster.model_copy()  # another block (no memory of what it shipped) finds the code there
-    before = shipped.stat().st_mtime_ns
-    assert again.ship_code(job) == str(shipped) and shipped.stat().st_mtime_ns == before
+
+    def mtime() -> str:  # to the nanosecond: a directory unpacked again in the same second is another one
+        return cluster.run(["stat", "-c", "%.9Y", "--", shipped])[1]
+
+    before = mtime()
+    assert again.ship_code(job) == shipped and mtime() == before
 
 
-def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]) -> None:
+def test_local_mode_on_the_login_node(env: dict[str, str], login_node_dir: str) -> None:
     """The flow runs on the login node itself: the same block, no SSH."""
-    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=cluster.workdir_root,
+    # python: the login node's interpreter, which the flow running on it has; the login node is this machine here.
+    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=login_node_dir, python=sys.executable,
                          poll_interval_start=0.3, poll_interval_max=2.0)  # fmt: skip
     handle = tiny(local, key("local"))
     assert local.submit_command(handle.key, ["true"]) == handle
@@ -240,14 +292,14 @@ def test_local_mode_on_the_login_node(cluster: SlurmCluster, env: dict[str, str]
     assert local._session is None  # no SSH connection was made
 
 
-def test_local_mode_jobs_do_not_get_the_orchestrators_environment(cluster: SlurmCluster, env: dict[str, str],
+def test_local_mode_jobs_do_not_get_the_orchestrators_environment(env: dict[str, str], login_node_dir: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """With local=True sbatch runs in this process's environment and exports it to the job: the commands get
     PATH, HOME, the locale, SLURM_CONF and pass_env only, never the orchestrator's credentials."""
     monkeypatch.setenv("PREFECT_API_KEY", "planted-prefect-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted-aws-secret")
     monkeypatch.setenv("GPUFERRY_TEST_PASSED", "passed-on-purpose")
-    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=cluster.workdir_root,
+    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=login_node_dir,
                          pass_env=["GPUFERRY_TEST_PASSED"], poll_interval_start=0.3, poll_interval_max=2.0)  # fmt: skip
     handle = local.submit_command(key("localenv"), ["env"], env={"GIVEN": "by-the-job"})
     status = local.watch(handle, timeout_seconds=120)
@@ -272,7 +324,7 @@ def test_two_node_torchrun_all_reduce(cluster: SlurmCluster, env: dict[str, str]
     output: list[str] = []
     status = ddp.watch(handle, on_output=output.append, timeout_seconds=300)
     assert status.state == "COMPLETED", f"{status}\n{ddp.log_tail(handle)}"
-    ranks = [json.loads((Path(workdir) / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads(remote_text(cluster, f"{workdir}/rank-{r}.json")) for r in (0, 1)]
     for rank, seen in enumerate(ranks):
         assert seen["rank"] == rank and seen["world_size"] == 2
         assert seen["sum"] == 3.0  # (0 + 1) + (1 + 1): both ranks contributed
@@ -321,8 +373,6 @@ def test_a_job_neither_squeue_nor_sacct_knows_is_lost_after_the_grace_a_fresh_on
 @pytest.mark.usefixtures("prefect_server")
 def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends(cluster: SlurmCluster) -> None:
     """A workload's secret (a Prefect Secret block) and the tracking server's login the pipeline hands the job."""
-    import stat
-
     from prefect.blocks.system import Secret
     from pydantic import SecretStr
 
@@ -333,12 +383,11 @@ def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends
              "print('token', len(s), s == open(os.environ['EXPECT']).read().strip(), flush=True); "
              "print('login', len(p), p == open(os.environ['EXPECT'] + '.pw').read().strip(), flush=True); "
              "p = pathlib.Path(os.environ['CHECKPOINT_DIR']).parent / '.secret.env'; print('mode', oct(p.stat().st_mode & 0o777))")  # fmt: skip
-    expect = Path(cluster.workdir_root) / f"{k}.expected"
-    expect.parent.mkdir(parents=True, exist_ok=True)
-    expect.write_text(planted)
-    Path(f"{expect}.pw").write_text(password)
+    expect = f"{cluster.workdir_root}/{k}.expected"  # what the job compares its values with, on the cluster
+    cluster.write_private(expect, planted.encode())
+    cluster.write_private(f"{expect}.pw", password.encode())
     job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["python", "-c", probe], code=code_of(JOBS),
-                      env={"EXPECT": str(expect)}, secrets={"API_TOKEN": "slurm-job-token"},
+                      env={"EXPECT": expect}, secrets={"API_TOKEN": "slurm-job-token"},
                       secret_env={"MLFLOW_TRACKING_PASSWORD": SecretStr(password)},
                       resources=Resources(time_limit_minutes=5))  # fmt: skip
     handle = cluster.submit(job)
@@ -346,18 +395,16 @@ def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends
     log = cluster.read_log(handle)[0]
     assert status.state == "COMPLETED", log
     assert f"token {len(planted)} True" in log and f"login {len(password)} True" in log and "mode 0o600" in log
-    script = Path(job.workdir, "job.sbatch").read_text()
+    script = remote_text(cluster, f"{job.workdir}/job.sbatch")
     assert planted not in script and planted not in log and "API_TOKEN" not in script.split(". /")[0]
     assert password not in script and password not in log and "MLFLOW_TRACKING_PASSWORD" not in script.split(". /")[0]
-    assert not Path(job.workdir, ".secret.env").exists()  # the job completed: it removed its secrets itself
+    assert not remote_exists(cluster, f"{job.workdir}/.secret.env")  # the job completed: it removed its secrets itself
     cluster.result(handle, status)  # the orchestrator's removal (for any other end) finds nothing left
-    assert not Path(job.workdir, ".secret.env").exists()
+    assert not remote_exists(cluster, f"{job.workdir}/.secret.env")
 
 
 def test_cancel_removes_the_jobs_secret_and_login_files(cluster: SlurmCluster) -> None:
     """A cancelled job never starts again: its secrets (and the registry login a job in an image gets) go."""
-    import stat
-
     from pydantic import SecretStr
 
     from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
@@ -366,14 +413,13 @@ def test_cancel_removes_the_jobs_secret_and_login_files(cluster: SlurmCluster) -
     handle = cluster.submit_command(
         k, ["sh", "-c", 'echo "token ${#API_TOKEN}"; sleep 300'], secret_env={"API_TOKEN": SecretStr("s3cr3t-token")}
     )  # fmt: skip
-    workdir = Path(handle.workdir)
     for name in (REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME):  # as the container runtimes' logins are written
         cluster.write_private(f"{handle.workdir}/{name}", b"registry login")
     wait_for(lambda: "token 12" in cluster.read_log(handle)[0], 120, "the job running with its secret")
-    secrets = [workdir / ".secret.env", workdir / REGISTRY_AUTH_NAME, workdir / ENROOT_CREDENTIALS_NAME]
-    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in secrets)
+    secrets = [f"{handle.workdir}/{name}" for name in (".secret.env", REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME)]
+    assert cluster.run(["stat", "-c", "%a", "--", *secrets])[1].split() == ["600"] * len(secrets)  # all there, 0600
     cluster.cancel(handle)
-    assert [path.name for path in secrets if path.exists()] == []
+    assert [posixpath.basename(path) for path in secrets if remote_exists(cluster, path)] == []
     wait_for(lambda: cluster.poll([handle])[handle.job_id].state == "CANCELLED", 60, "the job cancelled")
 
 
@@ -385,23 +431,24 @@ def test_the_cluster_stores_the_trained_model_itself(cluster: SlurmCluster, s3_s
     from blocks.mlflow_model import NoModel
 
     k = key("store")
-    final = Path(cluster.job_workdir(k)) / "checkpoints" / "final"
-    final.mkdir(parents=True)
-    (final / "MLmodel").write_text("flavors:\n  python_function: {loader_module: mlflow.sklearn}\n  sklearn: {}\n")
-    (final / "model.bin").write_bytes(b"w" * 10_000)
-    info = cluster.inspect_model(str(final))
+    checkpoints = f"{cluster.job_workdir(k)}/checkpoints"
+    final = f"{checkpoints}/final"
+    mlmodel = b"flavors:\n  python_function: {loader_module: mlflow.sklearn}\n  sklearn: {}\n"
+    remote_write(cluster, f"{final}/MLmodel", mlmodel)
+    remote_write(cluster, f"{final}/model.bin", b"w" * 10_000)
+    info = cluster.inspect_model(final)
     assert info.pyfunc and info.flavors == ["python_function", "sklearn"]
-    ref = cluster.store_model(str(final), s3_store, f"m/{k}")
-    assert ref.uri == s3_store.uri_of(f"m/{k}") and ref.files == 2 and ref.bytes_uploaded == 10_000 + len(
-        (final / "MLmodel").read_bytes())  # fmt: skip
+    ref = cluster.store_model(final, s3_store, f"m/{k}")
+    assert ref.uri == s3_store.uri_of(f"m/{k}") and ref.files == 2 and ref.bytes_uploaded == 10_000 + len(mlmodel)
     manifest = s3_store.read_manifest(ref.uri)
     assert sorted(e["path"] for e in manifest["files"]) == ["MLmodel", "model.bin"]
     raw = s3_store.read_file(ref.uri, "model.bin")
     assert raw == b"w" * 10_000 and hashlib.sha256(raw).hexdigest() == manifest["files"][1]["sha256"]
-    assert not list(final.parent.glob(".store-*"))  # the 0600 settings file went with the command
-    again = cluster.store_model(str(final), s3_store, f"m/{k}")  # unchanged: nothing sent
+    # the 0600 settings file went with the command
+    assert cluster.run(["find", checkpoints, "-maxdepth", "1", "-name", ".store-*"])[1] == ""
+    again = cluster.store_model(final, s3_store, f"m/{k}")  # unchanged: nothing sent
     assert again.sha256 == ref.sha256 and again.bytes_uploaded == 0
-    empty = final.parent / "empty"
-    empty.mkdir()
+    empty = f"{checkpoints}/empty"
+    cluster.run(["mkdir", "--", empty])
     with pytest.raises(NoModel, match="holds no MLflow model"):
-        cluster.inspect_model(str(empty))
+        cluster.inspect_model(empty)
