@@ -3,7 +3,6 @@ one for their own cluster: secrets as references to files and environment variab
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,10 @@ def local_stack(bucket: str, namespace: str = "default", workdir_root: str | Non
             "credentials": {"user": slurm["SLURM_SSH_USER"], "private_key": {"file": slurm["SLURM_SSH_KEY"]},
                             "known_hosts": {"file": slurm["SLURM_KNOWN_HOSTS"]}},
             "slurm_conf": slurm["SLURM_CONF"],
-            "partition": slurm["SLURM_PARTITION"], "account": slurm["SLURM_ACCOUNT"], "python": sys.executable,
-            "workdir_root": workdir_root or str(Path(slurm["SLURM_SHARED_DIR"]) / "stack-file"),
+            "partition": slurm["SLURM_PARTITION"], "account": slurm["SLURM_ACCOUNT"],
+            # The cluster's own interpreter and filesystem: neither exists on this machine, as for a remote cluster.
+            "python": slurm["SLURM_CLUSTER_PYTHON"],
+            "workdir_root": workdir_root or f"{slurm['SLURM_CLUSTER_DIR']}/stack-file",
             "podman_gpu_mode": "env",  # the stack's GPUs are stand-in character devices
             "container_runtime_env": {k: registry[k] for k in
                                       ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")},

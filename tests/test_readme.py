@@ -36,7 +36,7 @@ import yaml
 from blocks.s3 import S3CheckpointStore
 from tests import private_worker
 from tests.k8s_node import ready_pods
-from tests.stacks import mlflow_server, stack_env
+from tests.stacks import mlflow_server, remote_slurm, remove_on_cluster, stack_env
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,8 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
     uid = uuid.uuid4().hex[:8]
     slurm, registry, s3, mlflow, k8s, prefect = (stack_env(n) for n in
                                                  ("slurm", "registry", "s3", "mlflow", "k8s", "prefect"))  # fmt: skip
-    workdir = Path(slurm["SLURM_SHARED_DIR"]) / f"readme-{uid}"
+    cluster = remote_slurm("readme")  # its jobs' directory: on the cluster's own filesystem, not this machine's
+    workdir = cluster.workdir_root
     stack, workload = f"readme-{uid}", f"house-prices-{uid}"
     local_slurm = "\n".join([
         f"host: {slurm['SLURM_SSH_HOST']}", f"      port: {slurm['SLURM_SSH_PORT']}",
@@ -131,7 +132,8 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
         print((tmp_path / "worker.log").read_text()[-5000:])
         private_worker.remove(prefect["PREFECT_API_URL"], [f"retrain/{workload}", f"sweep/{workload}"], pool)
         _forget(prefect["PREFECT_API_URL"], stack, mlflow_server(), workload)
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_on_cluster(cluster, workdir)
+        cluster.close()
 
 
 def _forget(api_url: str, stack: str, tracking: Any, model: str) -> None:
