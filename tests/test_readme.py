@@ -102,7 +102,8 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
     command_values = [
         ("git+<this repository>", f"git+file://{REPO}@{head}"),
         ("house-prices", workload),
-        ("check hpc ", f"check {stack} "), ("--stack hpc", f"--stack {stack}"),
+        # A busy CI machine may take longer than the 10 s default to answer a check; the rows are what is tested.
+        ("check hpc ", f"check {stack} --timeout 60 "), ("--stack hpc", f"--stack {stack}"),
     ]  # fmt: skip
     pool = f"gpuferry-readme-{uid}"
     # The installed gpuferry is the only one on PATH; uv is the one `make venv` installed, on a PATH of its own.
