@@ -10,8 +10,8 @@ and delete it: nothing is left behind.
 ``check_stack`` runs every backend's checks at once, each group in a thread of its own with its own
 deadline: a backend that does not answer gets a failed row for the check it was on ("no answer within
 N s"), and the others' rows are not held up. The deadline is for answers: work on this machine that a
-group does inside ``probe.local()`` (importing a client library) is not counted against it. The Prefect server, its work pool and an online worker are
-checked alongside (``check_prefect``).
+group does inside ``probe.local()`` (importing a client library) is not counted against it. The Prefect
+server, its work pool and an online worker are checked alongside (``check_prefect``).
 """
 
 from __future__ import annotations
@@ -94,13 +94,14 @@ class Probe:
     def local(self) -> Iterator[None]:
         """Work on this machine (importing a client library): its time does not count against the deadline, which
         is for answers. A busy machine takes seconds to import MLflow, and that is no fault of the server's."""
+        started = time.monotonic()
         with self._lock:
-            self._local_since = time.monotonic()
+            self._local_since = started
         try:
             yield
         finally:
             with self._lock:
-                self._local_s += time.monotonic() - (self._local_since or time.monotonic())
+                self._local_s += time.monotonic() - started
                 self._local_since = None
 
     def remaining(self) -> float:
