@@ -1,9 +1,10 @@
 """SlurmCluster against the real local Slurm (`make slurm-up`) as a remote cluster: over SSH with a checked host
 key, the job directories on the cluster's own filesystem and the jobs run by the cluster's own Python. This
 machine has no such paths: what a job wrote, what the block shipped and what a test plants for a job are read
-and written on the cluster, through the block's SSH session (`remote_text`, `remote_exists`, `remote_write`,
-`remote_copy`). The two local-mode tests run as the flow would on the login node (no SSH), in a directory of
-their own that this machine and the cluster's nodes both see, as the login node shares the cluster's.
+and written on the cluster, through the block's SSH session (`remote_text`, `remote_exists`, `remote_copy`,
+the block's `write_private`). The two local-mode tests run as the flow would on the login node (no SSH), in a
+directory of their own that this machine and the cluster's nodes both see, as the login node shares the
+cluster's.
 """
 
 from __future__ import annotations
@@ -80,11 +81,6 @@ def remote_exists(cluster: SlurmCluster, path: str) -> bool:
     rc, _, err = cluster.run(["test", "-e", path], check=False)
     assert rc in (0, 1), err
     return rc == 0
-
-
-def remote_write(cluster: SlurmCluster, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` on the cluster (its directory created)."""
-    cluster.run(["sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path], stdin=data)
 
 
 def remote_copy(cluster: SlurmCluster, directory: str, into: Path) -> Path:
@@ -434,8 +430,8 @@ def test_the_cluster_stores_the_trained_model_itself(cluster: SlurmCluster, s3_s
     checkpoints = f"{cluster.job_workdir(k)}/checkpoints"
     final = f"{checkpoints}/final"
     mlmodel = b"flavors:\n  python_function: {loader_module: mlflow.sklearn}\n  sklearn: {}\n"
-    remote_write(cluster, f"{final}/MLmodel", mlmodel)
-    remote_write(cluster, f"{final}/model.bin", b"w" * 10_000)
+    cluster.write_private(f"{final}/MLmodel", mlmodel)
+    cluster.write_private(f"{final}/model.bin", b"w" * 10_000)
     info = cluster.inspect_model(final)
     assert info.pyfunc and info.flavors == ["python_function", "sklearn"]
     ref = cluster.store_model(final, s3_store, f"m/{k}")
