@@ -44,7 +44,7 @@ demo-stop: venv
 # Order matters: the k8s node reaches the registry stack (to pull the workload image) only when that
 # stack is up before it.
 STACKS := slurm registry k8s s3 mlflow prefect
-.PHONY: venv demo demo-stop test test-fast bench-overhead lock clean stacks-up stacks-down \
+.PHONY: venv demo demo-stop test test-fast lint docs bench-overhead lock clean stacks-up stacks-down \
   $(addsuffix -up,$(STACKS)) $(addsuffix -down,$(STACKS))
 export GPUFERRY_STACKS ?= $(GPUFERRY_CACHE)/stacks
 # The stacks `make test` starts (those whose scripts exist).
@@ -64,14 +64,31 @@ stacks-down: $(addsuffix -down,$(TEST_STACKS))
 # ---- tests -----------------------------------------------------------------------------------
 PYTEST := PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -p no:cacheprovider --durations=30
 
-# Everything: unit tests, the embedded pipeline and the integration tests against the local stacks
-# (which it starts; an integration test whose stack is down fails instead of skipping).
-test: venv stacks-up
+# The house's checks (pyproject.toml configures each): ruff's formatter and linter, mypy, the import contracts
+# (import-linter), no import circle but a block and its own check (scripts/import_graph.py), and the docs site
+# built strictly (mkdocs.yml: a broken link or a page left out of the nav fails).
+lint: venv
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/python scripts/import_graph.py > /dev/null || $(BIN)/python scripts/import_graph.py
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $$site; \
+	  status=$$?; rm -rf $$site; exit $$status
+
+# Everything: the house's checks, unit tests, the embedded pipeline and the integration tests against the local
+# stacks (which it starts; an integration test whose stack is down fails instead of skipping).
+test: venv lint stacks-up
 	GPUFERRY_REQUIRE_STACKS=1 $(PYTEST) tests
 
-# Unit tests and the embedded pipeline only: no outside servers.
-test-fast: venv
+# The house's checks, unit tests and the embedded pipeline only: no outside servers.
+test-fast: venv lint
 	$(PYTEST) -m "not integration" tests
+
+# The docs site into site/ (docs/reference/ is generated: `python scripts/docs_reference.py` after changing the code
+# it describes; tests/test_docs.py says when it is due).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench-overhead: venv
 	$(BIN)/python bench/pipeline_overhead.py

@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.stacks import stacks_root  # noqa: E402
+from tests.stacks import stacks_root
 
 STACKS = ("slurm", "registry", "s3", "mlflow", "k8s", "prefect")
 
@@ -54,8 +54,10 @@ def main() -> int:
     args = parser.parse_args()
     missing = [n for n in STACKS if not (stacks_root() / n / "env").exists()]
     if missing:
-        print(f"the {', '.join(missing)} stack(s) are not up: `make {' '.join(f'{n}-up' for n in missing)}`",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"the {', '.join(missing)} stack(s) are not up: `make {' '.join(f'{n}-up' for n in missing)}`",
+            file=sys.stderr,
+        )
         return 2
 
     from deployments import skeleton
@@ -71,11 +73,23 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="gpuferry-check-bench-") as tmp:
             path = write(Path(tmp) / "stack.yaml", {"hpc": local_stack(bucket)})
             skeleton.write(Path(tmp) / "house-prices")
-            env = {**os.environ, S3_SECRET_ENV: stack_env("s3")["AWS_SECRET_ACCESS_KEY"],
-                   "PREFECT_API_URL": stack_env("prefect")["PREFECT_API_URL"], "PYTHONPATH": str(REPO),
-                   "PYTHONPYCACHEPREFIX": str(Path(tmp) / "pycache")}  # fmt: skip
+            env = {
+                **os.environ,
+                S3_SECRET_ENV: stack_env("s3")["AWS_SECRET_ACCESS_KEY"],
+                "PREFECT_API_URL": stack_env("prefect")["PREFECT_API_URL"],
+                "PYTHONPATH": str(REPO),
+                "PYTHONPYCACHEPREFIX": str(Path(tmp) / "pycache"),
+            }
             env.pop("PYTHONDONTWRITEBYTECODE", None)
-            command = [str(REPO / ".venv/bin/gpuferry"), "check", "-f", str(path), "--workload", "house-prices", "--json"]
+            command = [
+                str(REPO / ".venv/bin/gpuferry"),
+                "check",
+                "-f",
+                str(path),
+                "--workload",
+                "house-prices",
+                "--json",
+            ]
             for i in range(args.runs + 1):
                 load = os.getloadavg()[0]
                 started = time.monotonic()
@@ -91,8 +105,11 @@ def main() -> int:
                     per_step[row["step"]] = per_step.get(row["step"], 0.0) + row["seconds"]
                 slowest = max(per_step, key=per_step.__getitem__)
                 what = "without a bytecode cache (compiling, not counted)" if i == 0 else f"run {i}"
-                print(f"{what}: {wall:.2f} s wall, {report['seconds']:.2f} s checks, {len(report['rows'])} checks, "
-                      f"slowest {slowest} {per_step[slowest]:.2f} s, load {load:.2f}", flush=True)  # fmt: skip
+                print(
+                    f"{what}: {wall:.2f} s wall, {report['seconds']:.2f} s checks, {len(report['rows'])} checks, "
+                    f"slowest {slowest} {per_step[slowest]:.2f} s, load {load:.2f}",
+                    flush=True,
+                )
                 if i > 0:
                     walls.append(wall)
                     inner.append(float(report["seconds"]))

@@ -37,16 +37,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prefect_docker.credentials import DockerRegistryCredentials  # noqa: E402
-from prefect_docker.host import DockerHost  # noqa: E402
+from prefect_docker.credentials import DockerRegistryCredentials
+from prefect_docker.host import DockerHost
 
-from blocks.docker_compute import DockerCompute  # noqa: E402
-from blocks.docker_image import DockerImageBuilder  # noqa: E402
-from blocks.provision import LocalMachine  # noqa: E402
-from blocks.specs import Resources, TrainingJob  # noqa: E402
-from blocks.workload import load_workload  # noqa: E402
-from bench.image_build import stack_env  # noqa: E402 - `make registry-up`, then the stack's settings
-from tests.fake_gpus import fake_gpus  # noqa: E402
+from bench.image_build import stack_env  # `make registry-up`, then the stack's settings
+from blocks.docker.compute import DockerCompute
+from blocks.docker.image import DockerImageBuilder
+from blocks.local.provider import LocalMachine
+from blocks.records import TrainingJob
+from blocks.specs import Resources
+from blocks.workload.source import load_workload
+from tests.fake_gpus import fake_gpus
 
 COMMAND = ["python", "-c", "print('hello from the job')"]
 
@@ -56,28 +57,40 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="rounds of each side (medians are reported)")
     args = parser.parse_args()
     env = stack_env()
-    creds = DockerRegistryCredentials(username=env["REGISTRY_USER"], password=env["REGISTRY_PASSWORD"],
-                                      registry_url=f"http://{env['REGISTRY_URL']}")  # fmt: skip
+    creds = DockerRegistryCredentials(
+        username=env["REGISTRY_USER"], password=env["REGISTRY_PASSWORD"], registry_url=f"http://{env['REGISTRY_URL']}"
+    )
     host = DockerHost(base_url=env["DOCKER_HOST"])
-    image = DockerImageBuilder(docker_host=host, credentials=creds, repository="gpuferry/workload",
-                               build_args={"BASE_IMAGE": env["BASE_IMAGE"]}).build(load_workload(str(ROOT / "examples/digits")))  # fmt: skip
+    image = DockerImageBuilder(
+        docker_host=host,
+        credentials=creds,
+        repository="gpuferry/workload",
+        build_args={"BASE_IMAGE": env["BASE_IMAGE"]},
+    ).build(load_workload(str(ROOT / "examples/digits")))
     assert image.reference
     cli_env = {**os.environ, "DOCKER_HOST": env["DOCKER_HOST"]}
     root = Path(tempfile.mkdtemp(prefix="gpuferry-bench-docker-"))
     made: list[str] = []
-    figures: dict[str, list[float]] = {k: [] for k in ("ours_start", "ours_e2e", "plain_start", "plain_e2e",
-                                                       "ours_gpu_start", "ours_gpu_e2e")}  # fmt: skip
+    figures: dict[str, list[float]] = {
+        k: [] for k in ("ours_start", "ours_e2e", "plain_start", "plain_e2e", "ours_gpu_start", "ours_gpu_e2e")
+    }
     try:
         with fake_gpus(root / "gpus", count=1) as gpus:
             inventory = LocalMachine(nvidia_smi=gpus.nvidia_smi, nvidia_ctk="/nonexistent").host_inventory()
 
             def ours(gpu: bool) -> tuple[float, float]:
-                block = DockerCompute(docker_host=host, registry_credentials=creds, cdi_kind=gpus.kind,
-                                      workdir_root=str(root / "jobs")).with_inventory(inventory)  # fmt: skip
+                block = DockerCompute(
+                    docker_host=host, registry_credentials=creds, cdi_kind=gpus.kind, workdir_root=str(root / "jobs")
+                ).with_inventory(inventory)
                 key = f"bench-{uuid.uuid4().hex[:8]}"
                 made.append(f"gpuferry-job-{key}")
-                job = TrainingJob(key=key, workdir=block.job_workdir(key), image=image, command=COMMAND,
-                                  resources=Resources(gpus_per_node=1 if gpu else 0))  # fmt: skip
+                job = TrainingJob(
+                    key=key,
+                    workdir=block.job_workdir(key),
+                    image=image,
+                    command=COMMAND,
+                    resources=Resources(gpus_per_node=1 if gpu else 0),
+                )
                 started = time.perf_counter()
                 handle = block.submit(job)
                 running = time.perf_counter() - started
@@ -92,14 +105,20 @@ def main() -> None:
                 name = f"gpuferry-bench-plain-{uuid.uuid4().hex[:8]}"
                 made.append(name)
                 started = time.perf_counter()
-                subprocess.run([*run, "-d", "--name", name, image.reference, *COMMAND], env=cli_env, check=True,
-                               capture_output=True, timeout=300)  # fmt: skip
+                subprocess.run(
+                    [*run, "-d", "--name", name, image.reference, *COMMAND],
+                    env=cli_env,
+                    check=True,
+                    capture_output=True,
+                    timeout=300,
+                )
                 running = time.perf_counter() - started
                 for step in (["wait", name], ["rm", name]):  # after it exited: rm -f racing the exit can fail
                     subprocess.run(["docker", *step], env=cli_env, check=True, capture_output=True, timeout=300)
                 started = time.perf_counter()
-                subprocess.run([*run, "--rm", image.reference, *COMMAND], env=cli_env, check=True,
-                               capture_output=True, timeout=300)  # fmt: skip
+                subprocess.run(
+                    [*run, "--rm", image.reference, *COMMAND], env=cli_env, check=True, capture_output=True, timeout=300
+                )
                 return running, time.perf_counter() - started
 
             ours(False), plain()  # warm-up (image lookups, the CLI's first start), not counted
@@ -120,8 +139,10 @@ def main() -> None:
     print(f"RESULT P9_e2e_ratio {med['ours_e2e'] / med['plain_e2e']:.3f}")
     for key in ("ours_start", "plain_start", "ours_e2e", "plain_e2e", "ours_gpu_start", "ours_gpu_e2e"):
         print(f"RESULT P9_{key}_s {med[key]:.3f}")
-    print(f"# medians of {args.rounds} rounds each, load {load:.1f}; all rounds: "
-          + "; ".join(f"{k} " + ",".join(f"{x:.2f}" for x in v) for k, v in figures.items()))
+    print(
+        f"# medians of {args.rounds} rounds each, load {load:.1f}; all rounds: "
+        + "; ".join(f"{k} " + ",".join(f"{x:.2f}" for x in v) for k, v in figures.items())
+    )
 
 
 if __name__ == "__main__":

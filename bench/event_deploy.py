@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -46,7 +46,7 @@ from urllib.parse import urlparse
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests import private_worker  # noqa: E402
+from tests import private_worker
 
 RUN_DEADLINE_S = 300.0
 
@@ -75,8 +75,12 @@ class Bench:
         self.worker_kind = worker
         self.deployment = ""
         self.serving_dir = tmp / "serving"
-        self.env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "PREFECT_API_URL": api_url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         self.env.pop("PREFECT_HOME", None)
         self.next_version = 1
         self.handed_off = 0  # runs the worker has started
@@ -89,9 +93,12 @@ class Bench:
         self.deployment = names["on-champion"]
         private_worker.deploy(self.tmp / "prefect.yaml", self.env, self.pool)
         worker_env = private_worker.worker_env(self.api_url, self.tmp / "home")
-        self.procs.append(private_worker.start_worker(self.pool, f"bench-{self.uid}", worker_env,
-                                                      self.tmp / "worker.log", kind=self.worker_kind))  # fmt: skip
-        from blocks.serving import LocalServing
+        self.procs.append(
+            private_worker.start_worker(
+                self.pool, f"bench-{self.uid}", worker_env, self.tmp / "worker.log", kind=self.worker_kind
+            )
+        )
+        from blocks.local.serving import LocalServing
         from blocks.stack import Stack
 
         stack = Stack.embedded()
@@ -106,7 +113,7 @@ class Bench:
         import numpy as np
         from sklearn.linear_model import LinearRegression
 
-        from blocks.storage import write_manifest
+        from blocks.base.storage import write_manifest
 
         client = self.tracking.client
         experiment = client.create_experiment(self.model, artifact_location=(self.tmp / "artifacts").as_uri())
@@ -115,8 +122,9 @@ class Bench:
         source = f"{run.info.artifact_uri}/checkpoint"
         path = Path(urlparse(source).path)
         x = np.eye(3)
-        mlflow.sklearn.save_model(LinearRegression().fit(x, x.sum(axis=1)), str(path), input_example=x[:2],
-                                  pip_requirements=["scikit-learn"])  # fmt: skip
+        mlflow.sklearn.save_model(
+            LinearRegression().fit(x, x.sum(axis=1)), str(path), input_example=x[:2], pip_requirements=["scikit-learn"]
+        )
         write_manifest(path)  # the server serves only a checkpoint with a manifest
         for _ in range(count):
             client.create_model_version(self.model, source=source, run_id=run.info.run_id)
@@ -156,12 +164,13 @@ class Bench:
         version = str(self.next_version)
         self.next_version += 1
         client = self.tracking.client
-        set_at = datetime.now(timezone.utc)
+        set_at = datetime.now(UTC)
         client.set_registered_model_alias(self.model, self.alias, version)
-        returned_s = (datetime.now(timezone.utc) - set_at).total_seconds()
+        returned_s = (datetime.now(UTC) - set_at).total_seconds()
 
-        run = wait_for(f"the deploy-model run for v{version}", lambda: self.run_for(version, started=True),
-                       timeout=timeout)  # fmt: skip
+        run = wait_for(
+            f"the deploy-model run for v{version}", lambda: self.run_for(version, started=True), timeout=timeout
+        )
         self.handed_off += 1
         final = wait_for(f"the v{version} run to finish", lambda: self.finished(run.id), timeout=timeout, interval=0.5)
         if not final.state.is_completed():
@@ -185,9 +194,16 @@ class Bench:
 
         with SyncPrefectClient(self.api_url) as client:
             dep = client.read_deployment_by_name(self.deployment)
-            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
-                                         limit=50, sort=FlowRunSort.EXPECTED_START_TIME_DESC)  # fmt: skip
-        mine = [r for r in runs if r.parameters.get("model_name") == self.model and str(r.parameters.get("version")) == version]
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                limit=50,
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            )
+        mine = [
+            r
+            for r in runs
+            if r.parameters.get("model_name") == self.model and str(r.parameters.get("version")) == version
+        ]
         if len(mine) > 1:
             raise SystemExit(f"{len(mine)} deploy-model runs for v{version}: one event, one run expected")
         if not mine or (started and mine[0].start_time is None):
@@ -221,14 +237,28 @@ class Bench:
     def webhook_path(self, n: int) -> list[dict[str, float]]:
         import httpx
 
-        from blocks._proc import free_port
+        from blocks.base.proc import free_port
 
         secret = uuid.uuid4().hex + uuid.uuid4().hex
         port = free_port("127.0.0.1")
-        receiver = self.start("receiver", [
-            sys.executable, "-m", "deployments.webhook", "--port", str(port), "--stack", self.stack,
-            "--register", "--webhook-name", self.stack, "--model", self.model,
-        ], env={**self.env, "GPUFERRY_WEBHOOK_SECRET": secret})  # fmt: skip
+        receiver = self.start(
+            "receiver",
+            [
+                sys.executable,
+                "-m",
+                "deployments.webhook",
+                "--port",
+                str(port),
+                "--stack",
+                self.stack,
+                "--register",
+                "--webhook-name",
+                self.stack,
+                "--model",
+                self.model,
+            ],
+            env={**self.env, "GPUFERRY_WEBHOOK_SECRET": secret},
+        )
 
         def up() -> bool:
             if receiver.poll() is not None:
@@ -248,8 +278,12 @@ class Bench:
             self.next_version += 1
             self.tracking.client.set_registered_model_alias(self.model, self.alias, version)
             try:
-                wait_for("a delivery", lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["emitted"],
-                         timeout=10, interval=0.5)  # fmt: skip
+                wait_for(
+                    "a delivery",
+                    lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()["emitted"],
+                    timeout=10,
+                    interval=0.5,
+                )
                 break
             except SystemExit:
                 if time.monotonic() - warm > 300:
@@ -271,10 +305,24 @@ class Bench:
 
     def poll_path(self, n: int, interval: float) -> list[dict[str, float]]:
         state = self.tmp / "poll-state.json"
-        poller = self.start("poller", [
-            sys.executable, "-m", "deployments.poll_registry", "--stack", self.stack, "--interval", str(interval),
-            "--model", self.model, "--alias", self.alias, "--state-file", str(state),
-        ])  # fmt: skip
+        poller = self.start(
+            "poller",
+            [
+                sys.executable,
+                "-m",
+                "deployments.poll_registry",
+                "--stack",
+                self.stack,
+                "--interval",
+                str(interval),
+                "--model",
+                self.model,
+                "--alias",
+                self.alias,
+                "--state-file",
+                str(state),
+            ],
+        )
         wait_for("the poller's first poll", lambda: poller.poll() is None and state.exists(), timeout=120, interval=0.5)
         results = []
         for i in range(n):
@@ -288,7 +336,7 @@ class Bench:
         for proc in self.procs:
             self.stop(proc)
         try:
-            from blocks.serving import LocalServing
+            from blocks.local.serving import LocalServing
             from deployments.webhook import unregister_webhook
 
             unregister_webhook(self.tracking, self.stack)
@@ -310,8 +358,10 @@ class Bench:
 def summary(name: str, results: list[dict[str, float]]) -> None:
     for hop in results[0]:
         values = [r[hop] for r in results if hop in r]
-        print(f"  {name} {hop}: median {statistics.median(values):.2f} s, p95 {percentile(values, 95):.2f} s, "
-              f"max {max(values):.2f} s")  # fmt: skip
+        print(
+            f"  {name} {hop}: median {statistics.median(values):.2f} s, p95 {percentile(values, 95):.2f} s, "
+            f"max {max(values):.2f} s"
+        )
 
 
 def main() -> int:
@@ -319,8 +369,12 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=20, help="alias changes per path")
     parser.add_argument("--poll-interval", type=float, default=10.0, help="the poller's interval (its default: 10)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
-    parser.add_argument("--worker", choices=["standby", "process"], default="standby",
-                        help="standby: deployments/worker.py (the stack's worker); process: Prefect's process worker")  # fmt: skip
+    parser.add_argument(
+        "--worker",
+        choices=["standby", "process"],
+        default="standby",
+        help="standby: deployments/worker.py (the stack's worker); process: Prefect's process worker",
+    )
     args = parser.parse_args()
 
     subprocess.run(["make", "-s", "prefect-up", "mlflow-up"], cwd=REPO, check=True)

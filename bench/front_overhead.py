@@ -27,7 +27,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from runtime import front  # noqa: E402
+from runtime import front
 
 APP = """
 async def app(scope, receive, send):
@@ -107,11 +107,30 @@ def main() -> None:
     app_dir = REPO / ".bench-front"
     app_dir.mkdir(exist_ok=True)
     (app_dir / "bench_app.py").write_text(APP)
-    version = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--port", str(version_port),
-                                "--log-level", "warning", "bench_app:app"], env=env)  # fmt: skip
-    proxy = subprocess.Popen([sys.executable, "-m", "runtime.front"], env={
-        **env, front.PORT_ENV: str(front_port), front.TARGET_ENV: f"127.0.0.1:{version_port}",
-        front.TARGET_FILE_ENV: str(app_dir / "target")})  # fmt: skip
+    version = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(app_dir),
+            "--port",
+            str(version_port),
+            "--log-level",
+            "warning",
+            "bench_app:app",
+        ],
+        env=env,
+    )
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "runtime.front"],
+        env={
+            **env,
+            front.PORT_ENV: str(front_port),
+            front.TARGET_ENV: f"127.0.0.1:{version_port}",
+            front.TARGET_FILE_ENV: str(app_dir / "target"),
+        },
+    )
     try:
         wait_listening(version_port, version)
         wait_listening(front_port, proxy)
@@ -135,9 +154,11 @@ def main() -> None:
         app_dir.rmdir()
     p50 = statistics.median(through) - statistics.median(straight)
     p99 = pct(through, 99) - pct(straight, 99)
-    print(f"straight: p50 {statistics.median(straight):.3f} ms p99 {pct(straight, 99):.3f} ms, {rate_straight:.0f} req/s "
-          f"(8 clients); through the front: p50 {statistics.median(through):.3f} ms p99 {pct(through, 99):.3f} ms, "
-          f"{rate_through:.0f} req/s")  # fmt: skip
+    print(
+        f"straight: p50 {statistics.median(straight):.3f} ms p99 {pct(straight, 99):.3f} ms, {rate_straight:.0f} req/s "
+        f"(8 clients); through the front: p50 {statistics.median(through):.3f} ms p99 {pct(through, 99):.3f} ms, "
+        f"{rate_through:.0f} req/s"
+    )
     print(f"RESULT front_added_ms_p50 {p50:.3f}")
     print(f"RESULT front_added_ms_p99 {p99:.3f}")
     print(f"RESULT front_cpu_ms_per_request {front_cpu * 1000 / len(through):.3f}")

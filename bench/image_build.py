@@ -28,13 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import docker  # noqa: E402
-import httpx  # noqa: E402
-from prefect_docker.credentials import DockerRegistryCredentials  # noqa: E402
-from prefect_docker.host import DockerHost  # noqa: E402
+import docker
+import httpx
+from prefect_docker.credentials import DockerRegistryCredentials
+from prefect_docker.host import DockerHost
 
-from blocks.docker_image import MANIFEST_TYPES, DockerImageBuilder  # noqa: E402
-from blocks.workload import load_workload  # noqa: E402
+from blocks.docker.image import DockerImageBuilder
+from blocks.docker.registry import MANIFEST_TYPES
+from blocks.workload.source import load_workload
 
 WORKLOAD = ROOT / "examples" / "digits"
 
@@ -71,8 +72,11 @@ def main() -> None:
     workload = load_workload(str(WORKLOAD))
     started = time.monotonic()
     first = builder("gpuferry/workload").build(workload)
-    print(f"# setup: {first.reference} ({'built' if first.built else 'already pushed'}, "
-          f"{time.monotonic() - started:.1f}s)", file=sys.stderr)  # fmt: skip
+    print(
+        f"# setup: {first.reference} ({'built' if first.built else 'already pushed'}, "
+        f"{time.monotonic() - started:.1f}s)",
+        file=sys.stderr,
+    )
 
     hits = []
     for _ in range(args.repeats):

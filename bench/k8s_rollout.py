@@ -7,7 +7,7 @@ the pods. Two services of 2 replicas each, side by side in one namespace, go thr
 - ours: ``KubernetesCluster.deploy`` of v1, then of v2 (rolling update: rollout watch, smoke request through
   the API server), then of a v3 whose smoke request fails (its pods become ready and take traffic, then the
   block rolls back to v2);
-- peer: ``kubectl apply -f`` of the same objects (``blocks/k8s_manifests.py``) + ``kubectl rollout status``
+- peer: ``kubectl apply -f`` of the same objects (``blocks/kubernetes/manifests.py``) + ``kubectl rollout status``
   for v1, v2 and v3, then ``kubectl rollout undo`` + ``kubectl rollout status`` back to v2.
 
 A load from inside the node's network namespace (``tests/k8s_node.ServiceLoad``: 20 requests a second on
@@ -38,21 +38,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prefect_docker.credentials import DockerRegistryCredentials  # noqa: E402
-from prefect_docker.host import DockerHost  # noqa: E402
-from pydantic import SecretStr  # noqa: E402
+from prefect_docker.credentials import DockerRegistryCredentials
+from prefect_docker.host import DockerHost
+from pydantic import SecretStr
 
-from blocks import k8s_manifests as m  # noqa: E402
-from blocks.docker_image import DockerImageBuilder  # noqa: E402
-from blocks.errors import RolledBack  # noqa: E402
-from blocks.kubernetes import KubernetesCluster  # noqa: E402
-from blocks.serving import Release  # noqa: E402
-from blocks.specs import ImageRef, ServingSpec  # noqa: E402
-from blocks.workload import load_workload  # noqa: E402
-from tests.examples import DIGITS  # noqa: E402
-from tests.k8s_node import PULL_SECRET, ServiceLoad, pods, pull_secret, write_test_models  # noqa: E402
-from tests.private_worker import wait_until  # noqa: E402
-from tests.stacks import stack_env  # noqa: E402
+from blocks.base.serving import Release
+from blocks.docker.image import DockerImageBuilder
+from blocks.errors import RolledBack
+from blocks.kubernetes import manifests as m
+from blocks.kubernetes.cluster import KubernetesCluster
+from blocks.records import ImageRef
+from blocks.specs import ServingSpec
+from blocks.workload.source import load_workload
+from tests.examples import DIGITS
+from tests.k8s_node import PULL_SECRET, ServiceLoad, pods, pull_secret, write_test_models
+from tests.private_worker import wait_until
+from tests.stacks import stack_env
 
 HIDDEN = {"1": 16, "2": 24, "3": 32}
 MODELS: dict[str, int] = {}  # each test model's sha256 (what GET / names) -> its hidden width
@@ -79,22 +80,34 @@ class Side:
         self.obj = m.service_object_name(self.spec)
 
     def release(self, version: str) -> Release:
-        return Release(model_name="digits-mlp", version=version, model_uri=uri(version),
-                       image=ImageRef(builder="docker", content_tag=version, reference=self.image, built=True))  # fmt: skip
+        return Release(
+            model_name="digits-mlp",
+            version=version,
+            model_uri=uri(version),
+            image=ImageRef(builder="docker", content_tag=version, reference=self.image, built=True),
+        )
 
     def start_load(self) -> ServiceLoad:
         svc = self.block._api().get(f"/api/v1/namespaces/{self.block.namespace}/services/{self.obj}")
         url = f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
-        load = ServiceLoad(self.k8s["K8S_NODE_NETNS"], url, {"inputs": [[0.5] * 64]}, rate=self.rate,
-                           max_requests=int(self.rate * 600), max_seconds=600).start()  # fmt: skip
+        load = ServiceLoad(
+            self.k8s["K8S_NODE_NETNS"],
+            url,
+            {"inputs": [[0.5] * 64]},
+            rate=self.rate,
+            max_requests=int(self.rate * 600),
+            max_seconds=600,
+        ).start()
         wait_until("the load's first answers", lambda: len(load.answers) >= 10, timeout=120, interval=0.2)
         return load
 
     def settle(self, load: ServiceLoad, version: str) -> None:
         """Wait until no pod of another version is left, then for 20 more answers."""
+
         def only() -> bool:
-            return all(p["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == version
-                       for p in pods(self.block, self.obj))  # fmt: skip
+            return all(
+                p["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == version for p in pods(self.block, self.obj)
+            )
 
         wait_until(f"{self.name}: only v{version} pods", only, timeout=300, interval=0.5)
         count = len(load.answers)
@@ -105,8 +118,14 @@ class Side:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
 
     def peer_apply(self, version: str, workdir: Path) -> None:
-        objects = m.build_manifests(self.spec, model_name="digits-mlp", version=version, model_uri=uri(version),
-                                    image=self.image, opts=self.block._options(**self.block._discover_versions()))  # fmt: skip
+        objects = m.build_manifests(
+            self.spec,
+            model_name="digits-mlp",
+            version=version,
+            model_uri=uri(version),
+            image=self.image,
+            opts=self.block._options(**self.block._discover_versions()),
+        )
         path = workdir / f"{self.obj}-v{version}.json"
         path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects.values())}))
         self.kubectl("apply", "-f", str(path))
@@ -146,11 +165,19 @@ class Side:
         finally:
             answers = load.stop()
         failed = load.failed
-        print(f"# {self.name}: v2 deploy {deploy_s:.1f} s, first v2 answer {serving_s:.1f} s, only v2 from "
-              f"{all_new_s:.1f} s; {len(answers)} requests, {len(failed)} failed {[a.error or a.status for a in failed[:3]]}",
-              file=sys.stderr)  # fmt: skip
-        return {"deploy_s": deploy_s, "serving_s": serving_s, "all_new_s": all_new_s,
-                "requests": len(answers), "failed": len(failed)}  # fmt: skip
+        print(
+            f"# {self.name}: v2 deploy {deploy_s:.1f} s, first v2 answer {serving_s:.1f} s, only v2 from "
+            f"{all_new_s:.1f} s; {len(answers)} requests, {len(failed)} failed "
+            f"{[a.error or a.status for a in failed[:3]]}",
+            file=sys.stderr,
+        )
+        return {
+            "deploy_s": deploy_s,
+            "serving_s": serving_s,
+            "all_new_s": all_new_s,
+            "requests": len(answers),
+            "failed": len(failed),
+        }
 
 
 def main() -> None:
@@ -161,18 +188,26 @@ def main() -> None:
     if not args.stacks_up:
         subprocess.run(["make", "-s", "registry-up", "k8s-up"], cwd=ROOT, check=True, stdout=sys.stderr)
     k8s, reg = stack_env("k8s"), stack_env("registry")
-    image = DockerImageBuilder(
-        docker_host=DockerHost(base_url=reg["DOCKER_HOST"]),
-        credentials=DockerRegistryCredentials(
-            username=reg["REGISTRY_USER"], password=Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
-            registry_url=f"http://{reg['REGISTRY_URL']}",
-        ),
-        repository="gpuferry/workload", build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
-    ).build(load_workload(str(DIGITS))).reference  # fmt: skip
+    image = (
+        DockerImageBuilder(
+            docker_host=DockerHost(base_url=reg["DOCKER_HOST"]),
+            credentials=DockerRegistryCredentials(
+                username=reg["REGISTRY_USER"],
+                password=Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
+                registry_url=f"http://{reg['REGISTRY_URL']}",
+            ),
+            repository="gpuferry/workload",
+            build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
+        )
+        .build(load_workload(str(DIGITS)))
+        .reference
+    )
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     kubeconfig = SecretStr(Path(k8s["KUBECONFIG"]).read_text())
     api = KubernetesCluster(kubeconfig=kubeconfig)._api()
-    api.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    api.request(
+        "POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    )
     with tempfile.TemporaryDirectory(prefix="gpuferry-bench-k8s-") as tmp:
         work = Path(tmp)
         (work / "models").mkdir()
@@ -181,10 +216,15 @@ def main() -> None:
         try:
             api.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body=pull_secret(reg))
             block = KubernetesCluster(
-                kubeconfig=kubeconfig, namespace=namespace, cpu_request="10m", memory_request="64Mi",
-                image_pull_secret=PULL_SECRET, host_path_mounts={str(work / "models"): "/models"},
-                env={"WARMUP_ITERATIONS": "1"}, rollout_timeout_seconds=300,
-            )  # fmt: skip
+                kubeconfig=kubeconfig,
+                namespace=namespace,
+                cpu_request="10m",
+                memory_request="64Mi",
+                image_pull_secret=PULL_SECRET,
+                host_path_mounts={str(work / "models"): "/models"},
+                env={"WARMUP_ITERATIONS": "1"},
+                rollout_timeout_seconds=300,
+            )
             results = {side: Side(side, block, k8s, image, args.rate).run(work) for side in ("ours", "peer")}
         finally:
             api.delete(f"/api/v1/namespaces/{namespace}")

@@ -33,19 +33,39 @@ sys.path.insert(0, str(ROOT))
 # Block methods that do a step's work, grouped as the report shows them.
 WORK = {
     "training": [("blocks.compute", "LocalProcesses", "submit"), ("blocks.compute", "ComputeBackend", "watch")],
-    "checkpoint copy": [("blocks.compute", "ComputeBackend", "store_model"), ("blocks.storage", "LocalCheckpointStore", "put")],
+    "checkpoint copy": [
+        ("blocks.compute", "ComputeBackend", "store_model"),
+        ("blocks.storage", "LocalCheckpointStore", "put"),
+    ],
     "server start": [("blocks.serving", "LocalServing", "deploy"), ("blocks.serving", "LocalServing", "preflight")],
     "mlflow": [
         ("blocks.tracking", "MlflowTracking", name)
-        for name in ("start_run", "log", "run_metrics", "end_run", "register", "version_by_alias",
-                     "version_metric", "set_alias", "tag_version", "record_deploy", "run_url")
-    ],  # fmt: skip
-    "provisioning": [("blocks.provision", "LocalMachine", "acquire"), ("blocks.provision", "NodeProvider", "check"),
-                     ("blocks.provision", "LocalMachine", "release")],  # fmt: skip
+        for name in (
+            "start_run",
+            "log",
+            "run_metrics",
+            "end_run",
+            "register",
+            "version_by_alias",
+            "version_metric",
+            "set_alias",
+            "tag_version",
+            "record_deploy",
+            "run_url",
+        )
+    ],
+    "provisioning": [
+        ("blocks.provision", "LocalMachine", "acquire"),
+        ("blocks.provision", "NodeProvider", "check"),
+        ("blocks.provision", "LocalMachine", "release"),
+    ],
     "image": [("blocks.images", "CurrentEnvironment", "build")],
     # Module functions are timed where the tasks call them.
-    "workload": [("tasks.workload", None, "load_workload"), ("blocks.compute", "ComputeBackend", "inspect_model"),
-                 ("blocks.storage", "CheckpointStore", "read_file")],  # fmt: skip
+    "workload": [
+        ("tasks.workload", None, "load_workload"),
+        ("blocks.compute", "ComputeBackend", "inspect_model"),
+        ("blocks.storage", "CheckpointStore", "read_file"),
+    ],
 }
 # Hyperparameters of each run, per example: each run deploys a better or worse model alike.
 RUNS = {"digits": [{"seed": i} for i in range(10)], "diabetes": [{"alpha": 0.01 * (i + 1)} for i in range(10)]}
@@ -99,7 +119,7 @@ def main() -> int:
 
     from blocks.specs import TrainingSpec
     from blocks.stack import Stack
-    from blocks.workload import load_workload
+    from blocks.workload.source import load_workload
     from flows.retrain import retrain
 
     medians = {}
@@ -117,8 +137,10 @@ def main() -> int:
                 overhead = 100 * (wall - work) / wall
                 overheads.append(overhead)
                 parts = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(_timings.items(), key=lambda kv: -kv[1]))
-                print(f"{name} run {i + 1}: wall {wall:.2f}s, steps' own work {work:.2f}s ({parts}), "
-                      f"overhead {overhead:.1f} %")  # fmt: skip
+                print(
+                    f"{name} run {i + 1}: wall {wall:.2f}s, steps' own work {work:.2f}s ({parts}), "
+                    f"overhead {overhead:.1f} %"
+                )
             Stack.embedded().serving.undeploy(load_workload(workload).definition.service_name)
             medians[name] = statistics.median(overheads)
             print(f"RESULT P5_{name} {medians[name]:.2f}")

@@ -55,15 +55,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")  # S3Bucket logs every upload at INFO
 
-from boto3.s3.transfer import TransferConfig, create_transfer_manager  # noqa: E402
-from botocore.config import Config  # noqa: E402
-from prefect_aws import AwsCredentials, S3Bucket  # noqa: E402
-from prefect_aws.client_parameters import AwsClientParameters  # noqa: E402
+from boto3.s3.transfer import TransferConfig, create_transfer_manager
+from botocore.config import Config
+from prefect_aws import AwsCredentials, S3Bucket
+from prefect_aws.client_parameters import AwsClientParameters
 
-from blocks.s3 import S3CheckpointStore  # noqa: E402
-from blocks.storage import HashCache  # noqa: E402
-from runtime import checkpoint  # noqa: E402
-from tests.stacks import stacks_root  # noqa: E402
+from blocks.base.storage import HashCache
+from blocks.storage.s3 import S3CheckpointStore
+from runtime import checkpoint
+from tests.stacks import stacks_root
 
 MiB = 1 << 20
 
@@ -93,7 +93,7 @@ def make_checkpoint(root: Path, shards: int, total_mib: int) -> int:
                 chunk = (i * 1_000_003 + written).to_bytes(8, "little") + block[8 : min(16 * MiB, per_shard - written)]
                 f.write(chunk)
                 written += len(chunk)
-    (root / "config.json").write_text('{"shards": %d}' % shards)
+    (root / "config.json").write_text(f'{{"shards": {shards}}}')
     return sum(p.stat().st_size for p in root.iterdir())
 
 
@@ -139,10 +139,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three sides (medians reported)")
     parser.add_argument("--endpoint", help="another S3-compatible server (default: the s3 stack, started here)")
     parser.add_argument("--no-stack-up", action="store_true", help="use the s3 stack as it runs (its env file)")
-    parser.add_argument("--also-unsigned", action="store_true",
-                        help="also time boto3 tuned with unsigned payloads and no checksums (the server's ceiling)")
-    parser.add_argument("--also-read-kib", type=int, metavar="KIB",
-                        help="also time ours reading each range's stream KIB at a time (the fetch's own: 256)")
+    parser.add_argument(
+        "--also-unsigned",
+        action="store_true",
+        help="also time boto3 tuned with unsigned payloads and no checksums (the server's ceiling)",
+    )
+    parser.add_argument(
+        "--also-read-kib",
+        type=int,
+        metavar="KIB",
+        help="also time ours reading each range's stream KIB at a time (the fetch's own: 256)",
+    )
     args = parser.parse_args()
 
     if args.endpoint:
@@ -152,10 +159,11 @@ def main() -> None:
     else:
         env = s3_stack(start=not args.no_stack_up)
     credentials = AwsCredentials(
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_DEFAULT_REGION"],
         aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]),
-    )  # fmt: skip
+    )
     bucket_name = f"gpuferry-bench-{uuid.uuid4().hex[:8]}"
     bucket = S3Bucket(bucket_name=bucket_name, credentials=credentials)
     ours = S3CheckpointStore(bucket=bucket)
@@ -179,9 +187,10 @@ def main() -> None:
         # boto3 tuned: a client of its own with the same connection pool as ours, botocore's defaults
         # otherwise; the same part size, threshold and concurrency as ours below.
         tuned_client = credentials.get_boto3_session().client(
-            "s3", endpoint_url=env["S3_ENDPOINT_URL"],
+            "s3",
+            endpoint_url=env["S3_ENDPOINT_URL"],
             config=Config(max_pool_connections=ours.max_concurrency + ours.max_parallel_files + 2),
-        )  # fmt: skip
+        )
 
         def boto3_upload(client: object, prefix: str) -> None:
             """Every shard at once through one TransferManager with ours' part size, threshold and concurrency."""
@@ -223,20 +232,33 @@ def main() -> None:
             results[key].append(timed(label, size, lambda: fn(dest)))
             shutil.rmtree(dest, ignore_errors=True)
 
-        sides = [("s3bucket", "S3Bucket.upload_from_path", s3bucket_defaults, "s3bucket/"),
-                 ("boto3", "boto3 TransferManager tuned", lambda: boto3_upload(tuned_client, "boto3/"), "boto3/"),
-                 ("ours", "ours (S3CheckpointStore)", ours_put, None)]  # fmt: skip
+        sides = [
+            ("s3bucket", "S3Bucket.upload_from_path", s3bucket_defaults, "s3bucket/"),
+            ("boto3", "boto3 TransferManager tuned", lambda: boto3_upload(tuned_client, "boto3/"), "boto3/"),
+            ("ours", "ours (S3CheckpointStore)", ours_put, None),
+        ]
         if args.also_unsigned:  # boto3 tuned's client, with no payload signature and no CRC32
             unsigned_client = credentials.get_boto3_session().client(
-                "s3", endpoint_url=env["S3_ENDPOINT_URL"],
+                "s3",
+                endpoint_url=env["S3_ENDPOINT_URL"],
                 config=tuned_client.meta.config.merge(
-                    Config(request_checksum_calculation="when_required", s3={"payload_signing_enabled": False})),
-            )  # fmt: skip
+                    Config(request_checksum_calculation="when_required", s3={"payload_signing_enabled": False})
+                ),
+            )
             results["unsigned"] = []
-            sides.insert(2, ("unsigned", "boto3 unsigned, no checksum",
-                             lambda: boto3_upload(unsigned_client, "unsigned/"), "unsigned/"))
-        getters = [("get_ours", "ours, verified get", lambda dest: ours.get(refs[-1].uri, dest)),
-                   ("get_boto3", "boto3 download tuned", boto3_download)]  # fmt: skip
+            sides.insert(
+                2,
+                (
+                    "unsigned",
+                    "boto3 unsigned, no checksum",
+                    lambda: boto3_upload(unsigned_client, "unsigned/"),
+                    "unsigned/",
+                ),
+            )
+        getters = [
+            ("get_ours", "ours, verified get", lambda dest: ours.get(refs[-1].uri, dest)),
+            ("get_boto3", "boto3 download tuned", boto3_download),
+        ]
         if args.also_read_kib:
 
             def other_reads(dest: Path) -> None:
@@ -251,7 +273,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}", flush=True)
             # The order turns each round: no side always runs first (or on a server that just worked).
-            for key, label, fn, prefix in sides[round_ % len(sides):] + sides[: round_ % len(sides)]:
+            for key, label, fn, prefix in sides[round_ % len(sides) :] + sides[: round_ % len(sides)]:
                 loads.append(os.getloadavg()[0])
                 results[key].append(timed(label, size, fn))
                 if prefix:
@@ -259,8 +281,11 @@ def main() -> None:
                     continue
                 start = time.perf_counter()
                 again = ours.put(src, "p3/run")
-                print(f"{'ours, unchanged re-upload':<28} {time.perf_counter() - start:7.2f} s  "
-                      f"{again.bytes_uploaded} bytes moved", flush=True)  # fmt: skip
+                print(
+                    f"{'ours, unchanged re-upload':<28} {time.perf_counter() - start:7.2f} s  "
+                    f"{again.bytes_uploaded} bytes moved",
+                    flush=True,
+                )
                 assert refs[-1].bytes_uploaded == size and again.sha256 == refs[-1].sha256
                 turn = round_ % len(getters)
                 for get_key, get_label, get in getters[turn:] + getters[:turn]:
@@ -275,11 +300,15 @@ def main() -> None:
         if args.also_unsigned:
             print(f"RESULT P3_unsigned_vs_s3bucket {median['unsigned'] / median['s3bucket']:.2f}")
         if args.also_read_kib:
-            print(f"RESULT P3_download_{args.also_read_kib}KiB_reads_vs_boto3 "
-                  f"{median['get_other'] / median['get_boto3']:.2f}")  # fmt: skip
+            print(
+                f"RESULT P3_download_{args.also_read_kib}KiB_reads_vs_boto3 "
+                f"{median['get_other'] / median['get_boto3']:.2f}"
+            )
         print(f"RESULT P3_reupload_bytes {again.bytes_uploaded}")
-        print(f"RESULT P3_load1_median {statistics.median(loads):.1f} (min {min(loads):.1f}, max {max(loads):.1f}, "
-              f"{os.cpu_count()} CPUs)")
+        print(
+            f"RESULT P3_load1_median {statistics.median(loads):.1f} (min {min(loads):.1f}, max {max(loads):.1f}, "
+            f"{os.cpu_count()} CPUs)"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         empty_prefix(plain, bucket_name, "")

@@ -94,11 +94,11 @@ def train_example(name: str, workdir: Path) -> Path:
     """Run the example's own training command as a job of the embedded stack's compute backend, with its
     hyperparameters' defaults; the MLflow model it wrote (``final/``), with a manifest."""
     sys.path.insert(0, str(REPO))
-    from blocks.compute import LocalProcesses
+    from blocks.base.storage import write_manifest
+    from blocks.local.compute import LocalProcesses
     from blocks.plan import plan_run
     from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
-    from blocks.storage import write_manifest
-    from blocks.workload import load_workload
+    from blocks.workload.source import load_workload
 
     run = plan_run(load_workload(str(EXAMPLES[name])), TrainingSpec(), ServingSpec(), PromotionPolicy())
     compute = LocalProcesses(workdir_root=str(workdir / "jobs"), python=sys.executable)
@@ -108,8 +108,9 @@ def train_example(name: str, workdir: Path) -> Path:
     result = compute.result(handle, status)  # raises JobFailed with the log's tail
     final = Path(result.checkpoint_dir) / "final"
     write_manifest(final)
-    print(f"trained {name} ({run.workload.name}, {' '.join(job.command)}) in {status.elapsed_seconds:.0f} s",
-          flush=True)  # fmt: skip
+    print(
+        f"trained {name} ({run.workload.name}, {' '.join(job.command)}) in {status.elapsed_seconds:.0f} s", flush=True
+    )
     return final
 
 
@@ -125,7 +126,9 @@ def save_models(workdir: Path) -> dict[str, tuple[Path, Any, bytes]]:
         "regressor": (
             regressor_dir,
             frame,
-            json.dumps({"dataframe_split": {"columns": list(frame.columns), "data": frame.iloc[:1].to_numpy().tolist()}}).encode(),
+            json.dumps(
+                {"dataframe_split": {"columns": list(frame.columns), "data": frame.iloc[:1].to_numpy().tolist()}}
+            ).encode(),
         ),
     }
 
@@ -176,7 +179,9 @@ class PyfuncAPI(ls.LitAPI):
 
 def litserve_main(model_dir: str, model: str, port: int) -> None:
     """LitServe serving the same pyfunc model (run as: bench/serving.py litserve DIR MODEL PORT)."""
-    api = PyfuncAPI(model_dir, model, max_batch_size=MAX_BATCH_SIZE, batch_timeout=BATCH_TIMEOUT_S, api_path="/invocations")
+    api = PyfuncAPI(
+        model_dir, model, max_batch_size=MAX_BATCH_SIZE, batch_timeout=BATCH_TIMEOUT_S, api_path="/invocations"
+    )
     server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1, fast_queue=True)
     server.run(host="127.0.0.1", port=port, num_api_servers=1, generate_client_file=False, log_level="warning")
 
@@ -199,10 +204,27 @@ def server_argv(server: str, model_dir: Path, model: str, port: int) -> tuple[li
         env |= {"MODEL_URI": model_dir.as_uri(), "PORT": str(port), "DRAIN_SECONDS": "0"}
         return [sys.executable, "-m", "runtime.serve"], env, f"{base}/readyz"
     if server == "mlflow":
-        argv = [str(bindir / "mlflow"), "models", "serve", "-m", str(model_dir), "--env-manager", "local",
-                "--workers", "1", "-h", "127.0.0.1", "-p", str(port)]  # fmt: skip
+        argv = [
+            str(bindir / "mlflow"),
+            "models",
+            "serve",
+            "-m",
+            str(model_dir),
+            "--env-manager",
+            "local",
+            "--workers",
+            "1",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ]
         return argv, env, f"{base}/ping"
-    return [sys.executable, str(Path(__file__).resolve()), "litserve", str(model_dir), model, str(port)], env, f"{base}/health"
+    return (
+        [sys.executable, str(Path(__file__).resolve()), "litserve", str(model_dir), model, str(port)],
+        env,
+        f"{base}/health",
+    )
 
 
 @contextlib.contextmanager
@@ -210,9 +232,13 @@ def running(argv: list[str], env: dict[str, str], ready_url: str, log_path: Path
     """Run a server in its own process group until the block ends; wait until ``ready_url`` answers 200."""
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            argv, cwd=REPO, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT,
+            argv,
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             deadline = time.monotonic() + STARTUP_TIMEOUT
             while True:
@@ -345,8 +371,10 @@ def report(runs: list[Run]) -> None:
     def median(model: str, server: str, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in runs if r.model == model and r.server == server)
 
-    print(f"\nP6: 1-row requests, concurrency {CONCURRENCY}, wrk -t1, {SECONDS} s per run, medians of {ROUNDS} rounds, "
-          f"{os.cpu_count()} CPUs\n")  # fmt: skip
+    print(
+        f"\nP6: 1-row requests, concurrency {CONCURRENCY}, wrk -t1, {SECONDS} s per run, medians of {ROUNDS} rounds, "
+        f"{os.cpu_count()} CPUs\n"
+    )
     print("| model | server | requests/s | p50 ms | p99 ms | errors |")
     print("|---|---|---|---|---|---|")
     for model in MODELS:

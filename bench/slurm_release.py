@@ -53,8 +53,9 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
     subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
-    from blocks.slurm_state import index_ranges
-    from blocks.specs import HyperParameters, JobHandle, SweepGrid
+    from blocks.records import JobHandle
+    from blocks.slurm.state import index_ranges
+    from blocks.specs import HyperParameters, SweepGrid
     from tasks.sweep import FIRST_RELEASE, _release_as_runs_come
     from tests.private_worker import wait_until
     from tests.stacks import stack_env
@@ -71,8 +72,11 @@ def main() -> None:
         # Tasks released by index that already ran answer "Job has already finished" (exit 1); any
         # other answer is an error.
         done = subprocess.run(["scontrol", "release", job], env=env, capture_output=True, text=True)
-        other = [line for line in (done.stdout + done.stderr).splitlines()
-                 if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))]  # fmt: skip
+        other = [
+            line
+            for line in (done.stdout + done.stderr).splitlines()
+            if line.strip() and not line.rstrip().endswith(("Job has already finished", "No error"))
+        ]
         if done.returncode != 0 and other:
             raise RuntimeError(f"scontrol release {job}: " + "; ".join(other))
 
@@ -80,22 +84,33 @@ def main() -> None:
         """What the sweep policy asks of the cluster, without the settings files (``echo`` needs none)."""
 
         @staticmethod
-        def release_sweep_tasks(handle: JobHandle, tasks: dict[int, dict[str, str]], *, whole_array: bool = False) -> None:
+        def release_sweep_tasks(
+            handle: JobHandle, tasks: dict[int, dict[str, str]], *, whole_array: bool = False
+        ) -> None:
             if whole_array:
                 release_array(handle.job_id)
             else:
                 sh("scontrol", "release", f"{handle.job_id}_[{index_ranges(tasks)}]")
 
-    configurations = SweepGrid(values={"seed": list(range(args.n))}, max_configurations=args.n).expand(HyperParameters())
+    configurations = SweepGrid(values={"seed": list(range(args.n))}, max_configurations=args.n).expand(
+        HyperParameters()
+    )
 
     def completed(job: str) -> int:
         out = sh("squeue", "--local", "-h", "-t", "all", "-j", job, "-O", "ArrayTaskID:|,State:|")
-        return sum(1 for line in out.splitlines()
-                   if line.split("|")[0].strip().isdigit() and line.split("|")[1].strip() == "COMPLETED")  # fmt: skip
+        return sum(
+            1
+            for line in out.splitlines()
+            if line.split("|")[0].strip().isdigit() and line.split("|")[1].strip() == "COMPLETED"
+        )
 
     def one(mode: str) -> float:
-        wait_until("the previous run's tasks to leave the queue",
-                   lambda: not sh("squeue", "-h", "-t", "PENDING,RUNNING,COMPLETING").strip(), timeout=600, interval=1)  # fmt: skip
+        wait_until(
+            "the previous run's tasks to leave the queue",
+            lambda: not sh("squeue", "-h", "-t", "PENDING,RUNNING,COMPLETING").strip(),
+            timeout=600,
+            interval=1,
+        )
         start = time.perf_counter()
 
         def made() -> int:
@@ -131,8 +146,12 @@ def main() -> None:
             threading.Thread(target=come, daemon=True).start()
             handle = JobHandle(backend="slurm", job_id=job, key=job, workdir="/dev/null", log_path="/dev/null")
             _release_as_runs_come(Scontrol(), handle, {}, runs, configurations)  # type: ignore[arg-type]
-        wait_until(f"all {args.n} tasks of {mode} array {job} COMPLETED", lambda: completed(job) >= args.n,
-                   timeout=900, interval=1)  # fmt: skip
+        wait_until(
+            f"all {args.n} tasks of {mode} array {job} COMPLETED",
+            lambda: completed(job) >= args.n,
+            timeout=900,
+            interval=1,
+        )
         return time.perf_counter() - start
 
     walls: dict[str, list[float]] = {mode: [] for mode in modes}

@@ -37,15 +37,14 @@ P2 ≤ 0.3, P2_per_poll = 1.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import argparse
 import json
+import os
 import re
 import resource
 import sqlite3
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -76,7 +75,9 @@ class Sdiag:
 
     def rpcs(self) -> dict[str, int]:
         out = subprocess.run(["sdiag"], env=self.env, check=True, capture_output=True, text=True).stdout
-        section = out.split("Remote Procedure Call statistics by message type", 1)[1].split("Remote Procedure Call statistics by user", 1)[0]
+        section = out.split("Remote Procedure Call statistics by message type", 1)[1].split(
+            "Remote Procedure Call statistics by user", 1
+        )[0]
         counts = {m[1]: int(m[2]) for m in re.finditer(r"^\s*(\w+)\s*\(\s*\d+\)\s*count:(\d+)", section, re.M)}
         counts.pop("REQUEST_STATS_INFO", None)
         return counts
@@ -122,9 +123,12 @@ class Clock:
 
     def stop(self) -> tuple[float, int, dict[str, int]]:
         wall = time.perf_counter() - self.t0
-        busy, total = (b - a for a, b in zip(self.cpu0, machine_cpu()))
-        self.cpu = {"machine_busy_cpu_s": round(busy, 1), "machine_busy_pct": round(100 * busy / max(total, 1e-9)),
-                    "bench_process_cpu_s": round(own_cpu() - self.own0, 1)}  # fmt: skip
+        busy, total = (b - a for a, b in zip(self.cpu0, machine_cpu(), strict=True))
+        self.cpu = {
+            "machine_busy_cpu_s": round(busy, 1),
+            "machine_busy_pct": round(100 * busy / max(total, 1e-9)),
+            "bench_process_cpu_s": round(own_cpu() - self.own0, 1),
+        }
         counts = self.sdiag.rpcs()
         return wall, sum(counts.values()), counts
 
@@ -150,8 +154,12 @@ def wait_idle(cluster: Any) -> None:
     from tests.private_worker import wait_until
 
     busy = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "SUSPENDED")
-    wait_until("the queue to empty", lambda: not any(r["job_state"] in busy for r in cluster._squeue()),
-               timeout=600, interval=1)  # fmt: skip
+    wait_until(
+        "the queue to empty",
+        lambda: not any(r["job_state"] in busy for r in cluster._squeue()),
+        timeout=600,
+        interval=1,
+    )
 
 
 # ---- the three sides -------------------------------------------------------------------------------
@@ -160,24 +168,31 @@ def wait_idle(cluster: Any) -> None:
 def run_ours(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any]:
     from prefect import flow
 
-    from blocks.specs import Resources, TrainingJob
-    from blocks.tracking import MlflowTracking
-    from blocks.workload import code_archive
+    from blocks.records import TrainingJob
+    from blocks.specs import Resources
+    from blocks.tracking.mlflow import MlflowTracking
+    from blocks.workload.source import code_archive
     from runtime import contract
     from tasks.sweep import train_sweep
 
-    tracking = MlflowTracking(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}",
-                              artifact_location=(workdir / "artifacts").as_uri())  # fmt: skip
+    tracking = MlflowTracking(
+        tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}", artifact_location=(workdir / "artifacts").as_uri()
+    )
     experiment = tracking.experiment_id("bench-sweep")  # creating the store is not part of the sweep
-    # The store itself puts its SQLite file in write-ahead-log mode (blocks/tracking.py).
+    # The store itself puts its SQLite file in write-ahead-log mode (blocks/tracking/mlflow.py).
     with sqlite3.connect(workdir / "mlflow.db") as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     configurations = [{"seed": seed} for seed in range(n)]
     key = f"bench-{uuid.uuid4().hex[:8]}-sweep"
     # The trivial work of one configuration: `sh sweep_task.sh` echoes its HPARAMS.
-    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), command=["sh", "sweep_task.sh"],
-                      code=code_archive(TASK_DIR), resources=Resources(time_limit_minutes=5),
-                      env={contract.MLFLOW_TRACKING_URI: tracking.tracking_uri})  # fmt: skip
+    job = TrainingJob(
+        key=key,
+        workdir=cluster.job_workdir(key),
+        command=["sh", "sweep_task.sh"],
+        code=code_archive(TASK_DIR),
+        resources=Resources(time_limit_minutes=5),
+        env={contract.MLFLOW_TRACKING_URI: tracking.tracking_uri},
+    )
     marks: dict[str, float] = {}
 
     @flow(name="bench-sweep")
@@ -225,10 +240,11 @@ def run_ours(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any
         object.__delattr__(cluster, "watch")
         object.__delattr__(cluster, "release_sweep_tasks")
     assert len(result.completed) == n, f"{len(result.completed)} of {n} tasks completed"
-    line = cluster.read_log(result.handle.model_copy(update={"log_path": result.handle.log_path.replace("%a", str(n - 1))}))[0]
+    line = cluster.read_log(
+        result.handle.model_copy(update={"log_path": result.handle.log_path.replace("%a", str(n - 1))})
+    )[0]
     assert json.loads(line)["seed"] == n - 1, line  # the last task got ITS configuration
-    return {"polls": polls[0], "releases": releases[0],
-            **{k: round(v, 2) for k, v in marks.items() if k != "t0"}}  # fmt: skip
+    return {"polls": polls[0], "releases": releases[0], **{k: round(v, 2) for k, v in marks.items() if k != "t0"}}
 
 
 def run_submitit(clock: Clock, env: dict[str, str], n: int, workdir: Path) -> dict[str, Any]:
@@ -238,8 +254,9 @@ def run_submitit(clock: Clock, env: dict[str, str], n: int, workdir: Path) -> di
     # One folder for the whole array: with "%j" in it submitit makes each task's folder only after sbatch
     # returns, and a task that starts first cannot open its log there (FAILED, exit 0:53).
     executor = submitit.AutoExecutor(folder=str(workdir / "submitit"), cluster="slurm")
-    executor.update_parameters(slurm_partition=env["SLURM_PARTITION"], timeout_min=5, cpus_per_task=1,
-                               slurm_array_parallelism=n)  # fmt: skip
+    executor.update_parameters(
+        slurm_partition=env["SLURM_PARTITION"], timeout_min=5, cpus_per_task=1, slurm_array_parallelism=n
+    )
     configurations = [{"seed": i} for i in range(n)]
     jobs = executor.map_array(_trivial, configurations)
     results = [job.result() for job in jobs]
@@ -254,15 +271,29 @@ def _trivial(configuration: dict[str, int]) -> dict[str, int]:
 def run_plain(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, Any]:
     name = f"bench-plain-{uuid.uuid4().hex[:8]}"
     clock.start()
-    _, out, _ = cluster.run(["sbatch", "--parsable", f"--array=0-{n - 1}", f"--job-name={name}", "--time=5",
-                             f"--output={workdir}/plain-%a.log", "--wrap", "echo $SLURM_ARRAY_TASK_ID"])  # fmt: skip
+    _, out, _ = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--array=0-{n - 1}",
+            f"--job-name={name}",
+            "--time=5",
+            f"--output={workdir}/plain-%a.log",
+            "--wrap",
+            "echo $SLURM_ARRAY_TASK_ID",
+        ]
+    )
     job_id = out.strip().split(";")[0]
     polls = 0
     while True:
         polls += 1
-        done = {r["array_task_id"] for r in cluster._squeue([job_id])
-                if str(r.get("array_job_id")) == job_id and r.get("job_state") == "COMPLETED"
-                and r.get("array_task_id") is not None}  # fmt: skip
+        done = {
+            r["array_task_id"]
+            for r in cluster._squeue([job_id])
+            if str(r.get("array_job_id")) == job_id
+            and r.get("job_state") == "COMPLETED"
+            and r.get("array_task_id") is not None
+        }
         if len(done) >= n:
             return {"polls": polls}
         time.sleep(1.0)
@@ -272,15 +303,28 @@ def run_plain(clock: Clock, cluster: Any, n: int, workdir: Path) -> dict[str, An
 
 
 def per_poll(cluster: Any, sdiag: Sdiag, env: dict[str, str], count: int) -> list[int]:
-    from blocks.specs import JobHandle
+    from blocks.records import JobHandle
 
     name = f"bench-poll-{uuid.uuid4().hex[:8]}"
     local = {**os.environ, "SLURM_CONF": env["SLURM_CONF"]}
     ids = []
     for _ in range(count):  # held: they stay in the controller's memory, none runs
-        out = subprocess.run(["sbatch", "--parsable", "--hold", f"--job-name={name}", "--time=1",
-                              "--output=/dev/null", "--wrap", "true"], env=local, check=True,
-                             capture_output=True, text=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--hold",
+                f"--job-name={name}",
+                "--time=1",
+                "--output=/dev/null",
+                "--wrap",
+                "true",
+            ],
+            env=local,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         ids.append(out.strip().split(";")[0])
     try:
         handles = [JobHandle(backend="slurm", job_id=i, key=name, workdir="/tmp", log_path="/dev/null") for i in ids]
@@ -305,21 +349,28 @@ def main() -> None:
     os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # submitit runs sbatch/sacct on this machine
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # its background writes lock the SQLite store
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # so do the harness server's
-    from pydantic import SecretStr
     from prefect.testing.utilities import prefect_test_harness
+    from pydantic import SecretStr
 
-    from blocks.slurm import SlurmCluster
-    from blocks.ssh_credentials import SshCredentials
+    from blocks.slurm.cluster import SlurmCluster
+    from blocks.ssh.credentials import SshCredentials
 
     root = Path(tempfile.mkdtemp(prefix="bench-sweep-", dir=env["SLURM_SHARED_DIR"]))
     os.environ["GPUFERRY_HOME"] = str(root / "home")
     cluster = SlurmCluster(
-        host=env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), slurm_conf=env["SLURM_CONF"],
-        credentials=SshCredentials(user=env["SLURM_SSH_USER"], known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(),
-                                   private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text())),
-        workdir_root=str(root / "jobs"), partition=env["SLURM_PARTITION"],
-        poll_interval_start=0.5, poll_interval_max=1.0,  # the floor polls once a second too
-    )  # fmt: skip
+        host=env["SLURM_SSH_HOST"],
+        port=int(env["SLURM_SSH_PORT"]),
+        slurm_conf=env["SLURM_CONF"],
+        credentials=SshCredentials(
+            user=env["SLURM_SSH_USER"],
+            known_hosts=Path(env["SLURM_KNOWN_HOSTS"]).read_text(),
+            private_key=SecretStr(Path(env["SLURM_SSH_KEY"]).read_text()),
+        ),
+        workdir_root=str(root / "jobs"),
+        partition=env["SLURM_PARTITION"],
+        poll_interval_start=0.5,
+        poll_interval_max=1.0,  # the floor polls once a second too
+    )
     sdiag = Sdiag(env["SLURM_CONF"])
     results: dict[str, list[dict[str, Any]]] = {"plain": [], "ours": [], "submitit": []}
     with prefect_test_harness(server_startup_timeout=180):
@@ -331,15 +382,18 @@ def main() -> None:
         }
         # (side, whether it starts on a controller with no job record)
         order = [] if args.skip_submitit else [("submitit", True)]
-        order += [(side, k == 0) for _ in range(args.blocks) for k, side in enumerate(("plain", "ours", "ours", "plain"))]
+        order += [
+            (side, k == 0) for _ in range(args.blocks) for k, side in enumerate(("plain", "ours", "ours", "plain"))
+        ]
         for side, settle in order:
             settled = wait_quiet(cluster) if settle else (wait_idle(cluster) or 0.0)
             extra = {**(sides[side]() or {}), "settle_wait_s": round(settled)}
             wall, rpcs, counts = clock.stop()
             top = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
             results[side].append({"wall": wall, "rpcs": rpcs, **extra})
-            print(f"{side:9s} N={args.n}: {wall:7.1f} s, {rpcs} slurmctld RPCs ({top}); {extra}; {clock.cpu}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{side:9s} N={args.n}: {wall:7.1f} s, {rpcs} slurmctld RPCs ({top}); {extra}; {clock.cpu}", flush=True
+            )
         one = per_poll(cluster, sdiag, env, 1)
         many = per_poll(cluster, sdiag, env, 1000)
     print(f"ours, one poll: {one} slurmctld RPCs with 1 job watched, {many} with 1000")
@@ -350,8 +404,11 @@ def main() -> None:
 
     ours_wall, ours_rpcs = total("ours", "wall") / len(results["ours"]), total("ours", "rpcs") / len(results["ours"])
     for b in range(args.blocks):
-        block = {side: sum(r["wall"] for r in results[side][2 * b:2 * b + 2]) for side in ("plain", "ours")}
-        print(f"block {b + 1}: ours {block['ours']:.1f} s / plain {block['plain']:.1f} s = {block['ours'] / block['plain']:.3f}")
+        block = {side: sum(r["wall"] for r in results[side][2 * b : 2 * b + 2]) for side in ("plain", "ours")}
+        print(
+            f"block {b + 1}: ours {block['ours']:.1f} s / plain {block['plain']:.1f} s = "
+            f"{block['ours'] / block['plain']:.3f}"
+        )
     if results["submitit"]:
         print(f"RESULT P1 {ours_wall / results['submitit'][0]['wall']:.3f}")
     print(f"RESULT P1_vs_floor {total('ours', 'wall') / total('plain', 'wall'):.3f}")

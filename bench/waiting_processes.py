@@ -24,6 +24,7 @@ their memory (``P4_waiting_rss_mib_*``) and the time from release until all runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -38,16 +39,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from prefect import flow  # noqa: E402
+from prefect import flow
 
-from tests.private_worker import wait_until  # noqa: E402
+from tests.private_worker import wait_until
 
 POOL = "gpuferry-bench-waiting"
 DEPLOYMENT = "waiting-bench"
 FLOW = "wait-for-training"
 STACK_BLOCK = "gpuferry-bench-waiting"
 RELEASE_ENV = "GPUFERRY_BENCH_RELEASE"
-JOB_MARKERS = ("blocks._job_runner", "sleep_job.py")
+JOB_MARKERS = ("blocks.local.job_runner", "sleep_job.py")
 # The job: sleeps until the release file exists (a stand-in for hours of training), or its directory is gone.
 STARTED: list[Any] = []  # every flow run this benchmark started (cancelled at the end if not finished)
 SLEEP_JOB = f"""import os, time
@@ -60,14 +61,19 @@ while not os.path.exists(release) and os.path.isdir(os.path.dirname(release)):
 @flow(name=FLOW)
 def wait_for_training(stack: str, key: str, release_file: str, wait: str = "block") -> str:
     """Submit one job on ``stack`` and wait for it the way ``wait`` says (the retrain flow's train step)."""
-    from blocks.specs import TrainingJob
-    from blocks.workload import code_archive
+    from blocks.records import TrainingJob
+    from blocks.workload.source import code_archive
     from flows.retrain import load_stack
     from tasks.train import train, train_suspending
 
     compute = load_stack(stack).compute
-    job = TrainingJob(key=key, workdir=compute.job_workdir(key), command=["python", "sleep_job.py"],
-                      code=code_archive(Path(release_file).parent / "code"), env={RELEASE_ENV: release_file})  # fmt: skip
+    job = TrainingJob(
+        key=key,
+        workdir=compute.job_workdir(key),
+        command=["python", "sleep_job.py"],
+        code=code_archive(Path(release_file).parent / "code"),
+        env={RELEASE_ENV: release_file},
+    )
     if wait == "suspend":
         result = train_suspending(compute, job, stack=stack, timeout_seconds=3600)
     else:
@@ -123,8 +129,6 @@ def held(worker_pid: int, watcher_pid: int | None) -> dict[str, Any]:
 # ---- the Prefect side ----------------------------------------------------------------------------
 
 
-
-
 def run_states(ids: list[Any]) -> list[tuple[str, str]]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -154,7 +158,7 @@ def setup(tmp: Path) -> None:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
 
-    from blocks.compute import LocalProcesses
+    from blocks.local.compute import LocalProcesses
     from blocks.stack import Stack
 
     code = tmp / "code"
@@ -163,11 +167,8 @@ def setup(tmp: Path) -> None:
     stack = Stack.embedded()
     stack.compute = LocalProcesses(workdir_root=str(tmp / "jobs"))
     stack.save(STACK_BLOCK, overwrite=True)
-    with get_client(sync_client=True) as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
-        except ObjectAlreadyExists:
-            pass
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
+        client.create_work_pool(WorkPoolCreate(name=POOL, type="process"))
     wait_for_training.from_source(source=str(REPO), entrypoint="bench/waiting_processes.py:wait_for_training").deploy(
         name=DEPLOYMENT, work_pool_name=POOL, print_next_steps=False, ignore_warnings=True
     )
@@ -205,10 +206,15 @@ def measure(mode: str, n: int, tmp: Path, env: dict[str, str], worker: subproces
     t0 = time.monotonic()
     for i in range(n):
         run = run_deployment(
-            f"{FLOW}/{DEPLOYMENT}", timeout=0,
-            parameters={"stack": STACK_BLOCK, "key": f"bench-{uid}-{mode}-{i:03d}", "release_file": str(release),
-                        "wait": "block" if mode == "blocking" else "suspend"},
-        )  # fmt: skip
+            f"{FLOW}/{DEPLOYMENT}",
+            timeout=0,
+            parameters={
+                "stack": STACK_BLOCK,
+                "key": f"bench-{uid}-{mode}-{i:03d}",
+                "release_file": str(release),
+                "wait": "block" if mode == "blocking" else "suspend",
+            },
+        )
         ids.append(run.id)
         STARTED.append(run.id)
     want = ("RUNNING", "Running") if mode == "blocking" else ("PAUSED", "Suspended")
@@ -220,8 +226,11 @@ def measure(mode: str, n: int, tmp: Path, env: dict[str, str], worker: subproces
             raise SystemExit(f"{mode}: {len(failed)} runs failed before waiting: {failed[:3]} (see {tmp})")
         jobs_up = len(list((tmp / "jobs").glob(f"bench-{uid}-*/job.json")))
         now = held(worker.pid, watcher.pid if watcher else None)
-        print(f"  {mode}: {sum(s == want for s in states)}/{n} {want[1]}, {jobs_up} jobs started, "
-              f"{now['flow_run_processes']} flow-run processes", flush=True)  # fmt: skip
+        print(
+            f"  {mode}: {sum(s == want for s in states)}/{n} {want[1]}, {jobs_up} jobs started, "
+            f"{now['flow_run_processes']} flow-run processes",
+            flush=True,
+        )
         if jobs_up < n or sum(s == want for s in states) < n:
             return False
         # Suspended runs' processes exit right after suspending; blocking ones stay.
@@ -258,9 +267,9 @@ def main() -> int:
     args = parser.parse_args()
 
     subprocess.run(["make", "-s", "prefect-up"], cwd=REPO, check=True)
-    from tests.stacks import stack_env
-
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.stacks import stack_env
 
     api_url = stack_env("prefect")["PREFECT_API_URL"]
     with temporary_settings({PREFECT_API_URL: api_url}):
@@ -269,23 +278,45 @@ def main() -> int:
 
 def run(args: argparse.Namespace, api_url: str) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpuferry-waiting-"))
-    env = {**os.environ, "PREFECT_API_URL": api_url, "GPUFERRY_HOME": str(tmp / "home"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": api_url,
+        "GPUFERRY_HOME": str(tmp / "home"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     env.pop("PREFECT_HOME", None)
     worker = None
     try:
         setup(tmp)
-        worker = start([str(REPO / ".venv/bin/prefect"), "worker", "start", "--pool", POOL, "--type", "process",
-                        "--name", f"bench-waiting-{uuid.uuid4().hex[:6]}"], env, tmp / "worker.log")  # fmt: skip
+        worker = start(
+            [
+                str(REPO / ".venv/bin/prefect"),
+                "worker",
+                "start",
+                "--pool",
+                POOL,
+                "--type",
+                "process",
+                "--name",
+                f"bench-waiting-{uuid.uuid4().hex[:6]}",
+            ],
+            env,
+            tmp / "worker.log",
+        )
         results = {}
         for mode in ("suspend", "blocking"):
             print(f"{mode}: {args.jobs} flow runs, each waiting on its own job", flush=True)
             results[mode] = measure(mode, args.jobs, tmp, env, worker)
             r = results[mode]
-            print(f"{mode}: {r['processes']} processes held ({r['flow_run_processes']} flow-run processes), "
-                  f"{r['rss_mib']:.0f} MiB; {r['job_processes']} job processes; all waiting after {r['settled_s']:.0f} s; "
-                  f"release → all completed {r['release_to_completed_s']:.1f} s", flush=True)  # fmt: skip
+            print(
+                f"{mode}: {r['processes']} processes held ({r['flow_run_processes']} flow-run processes), "
+                f"{r['rss_mib']:.0f} MiB; {r['job_processes']} job processes; "
+                f"all waiting after {r['settled_s']:.0f} s; "
+                f"release → all completed {r['release_to_completed_s']:.1f} s",
+                flush=True,
+            )
         for mode, r in results.items():
             print(f"RESULT P4_waiting_processes_{mode} {r['processes']}")
             print(f"RESULT P4_waiting_rss_mib_{mode} {r['rss_mib']:.0f}")

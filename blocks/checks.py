@@ -1,17 +1,17 @@
 """Checks of a stack against the systems it names: each backend says what works, what does not, and the fix.
 
-Every block of a stack has a ``self_check(probe)`` method (a default on each step's interface, the real
-ones next to the clients they use: ``blocks/check_*.py``). It runs its checks one after the other through
-``probe.step(what, fn, fix)``, which turns each into a ``CheckRow``: ``fn`` returns what it found, or raises
-(the row fails with the error and ``fix``), or returns ``Warn(...)``. A check that needs an earlier one (the
-Slurm version needs the SSH login) is not run when that one failed. Checks read, or write a probe object
-and delete it: nothing is left behind.
+Every block of a stack has a ``self_check(probe)`` method (each step's interface declares it; each backend's checks
+sit in its system's folder, next to the client they use: ``blocks/<system>/check.py``). It runs its checks one after
+the other through ``probe.step(what, fn, fix)``, which turns each into a ``CheckRow``: ``fn`` returns what it found,
+or raises (the row fails with the error and ``fix``), or returns ``Warn(...)``. A check that needs an earlier one
+(the Slurm version needs the SSH login) is not run when that one failed. Checks read, or write a probe object and
+delete it: nothing is left behind.
 
-``check_stack`` runs every backend's checks at once, each group in a thread of its own with its own
-deadline: a backend that does not answer gets a failed row for the check it was on ("no answer within
-N s"), and the others' rows are not held up. The deadline is for answers: work on this machine that a
-group does inside ``probe.local()`` (importing a client library) is not counted against it. The Prefect
-server, its work pool and an online worker are checked alongside (``check_prefect``).
+``Stack.check`` (``run_groups`` here) runs every backend's checks at once, each group in a thread of its own with
+its own deadline: a backend that does not answer gets a failed row for the check it was on ("no answer within N s"),
+and the others' rows are not held up. The deadline is for answers: work on this machine that a group does inside
+``probe.local()`` (importing a client library) is not counted against it. The Prefect server, its work pool and an
+online worker are checked alongside (``deployments/prefect_check.py``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field
 
 from blocks.errors import GpuferryError
-
-if TYPE_CHECKING:
-    from blocks.stack import Stack
 
 Status = Literal["ok", "warn", "failed", "skipped"]
 DEFAULT_TIMEOUT_S = 10.0
@@ -43,7 +41,9 @@ PROBE_PREFIX = ".gpuferry-check-"  # probe objects and files: written, read back
 class CheckRow(BaseModel):
     """One thing checked: which step and backend, what, how it went, and what to do about a failure."""
 
-    step: str = Field(description="The stack's step (provider, images, compute, storage, tracking, serving) or prefect.")
+    step: str = Field(
+        description="The stack's step (provider, images, compute, storage, tracking, serving) or prefect."
+    )
     backend: str = Field(description="The block's type, e.g. SlurmCluster.")
     check: str = Field(description="What was checked, e.g. 'SSH host key'.")
     status: Status
@@ -75,12 +75,23 @@ class CheckFailed(GpuferryError):
 class Probe:
     """Runs one backend's checks in order and records them as rows (read while it runs: ``rows``, ``current``)."""
 
-    def __init__(self, step: str, backend: str, *, timeout: float = DEFAULT_TIMEOUT_S, needs_image: bool = False,
-                 probe_id: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        step: str,
+        backend: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        needs_image: bool = False,
+        probe_id: str | None = None,
+        store: Any = None,
+    ) -> None:
         self.step_name = step
         self.backend = backend
         self.timeout = timeout
         self.needs_image = needs_image  # the stack builds an image: compute must run containers, serving pull it
+        # The stack's checkpoint store: a compute backend whose jobs store their model from the cluster checks that
+        # the cluster can (blocks/slurm/check.py). None outside a stack's check.
+        self.store: Any = store
         self.probe_id = probe_id or uuid.uuid4().hex[:12]
         self.rows: list[CheckRow] = []
         self.current: str | None = None
@@ -117,8 +128,15 @@ class Probe:
         return max(1.0, self.remaining())
 
     def add(self, check: str, status: Status, detail: str = "", fix: str = "", seconds: float = 0.0) -> CheckRow:
-        row = CheckRow(step=self.step_name, backend=self.backend, check=check, status=status, detail=detail,
-                       fix=fix if status in ("failed", "warn") else "", seconds=round(seconds, 3))  # fmt: skip
+        row = CheckRow(
+            step=self.step_name,
+            backend=self.backend,
+            check=check,
+            status=status,
+            detail=detail,
+            fix=fix if status in ("failed", "warn") else "",
+            seconds=round(seconds, 3),
+        )
         with self._lock:
             if not self.closed:
                 self.rows.append(row)
@@ -164,8 +182,13 @@ def tcp_reach(host: str, port: int, timeout: float) -> str:
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except OSError as exc:
-        reason = "nothing listens there (connection refused)" if isinstance(exc, ConnectionRefusedError) else \
-            f"no answer within {timeout:.0f} s" if isinstance(exc, TimeoutError | socket.timeout) else str(exc)  # fmt: skip
+        reason = (
+            "nothing listens there (connection refused)"
+            if isinstance(exc, ConnectionRefusedError)
+            else f"no answer within {timeout:.0f} s"
+            if isinstance(exc, TimeoutError | socket.timeout)
+            else str(exc)
+        )
         raise CheckFailed(f"{host}:{port}: {reason}") from None
     return f"{host}:{port} answers ({(time.monotonic() - started) * 1000:.0f} ms)"
 
@@ -187,10 +210,6 @@ def executable(name: str) -> str:
     if found is None:
         raise CheckFailed(f"{name}: no such executable here")
     return found
-
-
-def backend_name(block: Any) -> str:
-    return type(block).__name__
 
 
 # ---- the whole stack, at once ------------------------------------------------------------------------
@@ -219,7 +238,7 @@ def run_groups(groups: Iterable[tuple[Probe, Callable[[Probe], Any]]]) -> list[C
     groups = list(groups)
     threads = [_group(probe, run) for probe, run in groups]
     out: list[CheckRow] = []
-    for (probe, _), thread in zip(groups, threads):
+    for (probe, _), thread in zip(groups, threads, strict=True):
         while thread.is_alive() and (left := probe.remaining()) > 0:
             thread.join(min(left, 0.25))  # the deadline moves while the group works locally: look again soon
         if thread.is_alive():
@@ -227,98 +246,26 @@ def run_groups(groups: Iterable[tuple[Probe, Callable[[Probe], Any]]]) -> list[C
                 probe.closed = True
                 current = probe.current or "next check"
                 rows = list(probe.rows)
-            rows.append(CheckRow(
-                step=probe.step_name, backend=probe.backend, check=current, status="failed",
-                detail=f"no answer within {probe.timeout:.0f} s", seconds=round(probe.timeout, 3),
-                fix=f"{probe.backend} does not answer: is it up and reachable from here (firewall, VPN, address)? "
-                "`gpuferry check --timeout` waits longer",
-            ))  # fmt: skip
+            rows.append(
+                CheckRow(
+                    step=probe.step_name,
+                    backend=probe.backend,
+                    check=current,
+                    status="failed",
+                    detail=f"no answer within {probe.timeout:.0f} s",
+                    seconds=round(probe.timeout, 3),
+                    fix=f"{probe.backend} does not answer: is it up and reachable from here (firewall, VPN, address)? "
+                    "`gpuferry check --timeout` waits longer",
+                )
+            )
         else:
             rows = list(probe.rows)
         out.extend(rows)
     return out
 
 
-def _no_checks(probe: Probe) -> None:
-    probe.skip("checks", f"{probe.backend} has no checks of its own yet")
-
-
-STEPS = ("provider", "images", "compute", "storage", "tracking", "serving")
-
-
-def check_stack(stack: Stack, *, timeout: float = DEFAULT_TIMEOUT_S, prefect: bool = True, work_pool: str | None = None,
-                more: Iterable[tuple[Probe, Callable[[Probe], Any]]] = ()) -> list[CheckRow]:  # fmt: skip
-    """Every backend of ``stack`` checked at once (and the Prefect server, its pool and a worker, and the groups
-    ``more`` adds, e.g. a workload's: their rows come last)."""
-    probe_id = uuid.uuid4().hex[:12]
-    needs_image = bool(stack.images.produces_image)
-    groups: list[tuple[Probe, Callable[[Probe], Any]]] = []
-    for step in STEPS:
-        block = getattr(stack, step)
-        probe = Probe(step, backend_name(block), timeout=timeout, needs_image=needs_image, probe_id=probe_id)
-        groups.append((probe, getattr(block, "self_check", _no_checks)))
-    if prefect:
-        probe = Probe("prefect", "Prefect server", timeout=timeout, probe_id=probe_id)
-        groups.append((probe, lambda p: check_prefect(p, work_pool)))
-    return run_groups([*groups, *more])
-
-
-# ---- the Prefect side ----------------------------------------------------------------------------------
-
-
-def check_prefect(probe: Probe, work_pool: str | None) -> None:
-    """The Prefect server the CLI talks to (PREFECT_API_URL), the work pool and an online worker on it."""
-    import httpx
-    from prefect.settings import PREFECT_API_URL
-
-    api = PREFECT_API_URL.value()
-    if not api:
-        probe.add("server", "warn", "PREFECT_API_URL is not set: runs use a temporary local server",
-                  "for deployments, a UI and workers: `prefect config set PREFECT_API_URL=http://HOST:4200/api`")  # fmt: skip
-        return
-
-    def server() -> str:
-        try:
-            response = httpx.get(f"{api.rstrip('/')}/health", timeout=probe.left)
-        except httpx.HTTPError as exc:
-            raise CheckFailed(f"{api}: {_one_line(exc)}") from None
-        if response.status_code != 200:
-            raise CheckFailed(f"{api}/health answered HTTP {response.status_code}")
-        version = httpx.get(f"{api.rstrip('/')}/admin/version", timeout=probe.left).json()
-        return f"{api} (Prefect {version})"
-
-    if not probe.step("server", server, "start the Prefect server, or point PREFECT_API_URL at the one you use"):
-        return
-    if work_pool is None:
-        probe.skip("work pool", "no work pool given (--pool)")
-        return
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-
-        def pool() -> str:
-            try:
-                found = client.read_work_pool(work_pool)
-            except ObjectNotFound:
-                raise CheckFailed(
-                    f"the server has no work pool {work_pool!r}",
-                    f"create it: `prefect work-pool create {work_pool} --type process` (or pass --pool)",
-                ) from None
-            return f"{work_pool} ({found.type}{', paused' if found.is_paused else ''})"
-
-        if not probe.step("work pool", pool):
-            return
-
-        def worker() -> Any:
-            workers = client.read_workers_for_work_pool(work_pool)
-            online = [w.name for w in workers if str(getattr(w.status, "value", w.status)).upper() == "ONLINE"]
-            if not online:
-                raise CheckFailed(
-                    f"no worker of pool {work_pool!r} is online ({len(workers)} known, none polling)",
-                    f"start one where the flows should run: `python -m deployments.worker --pool {work_pool}` "
-                    f"(or `prefect worker start --pool {work_pool}`)",
-                )
-            return f"{len(online)} online: {', '.join(sorted(online)[:5])}"
-
-        probe.step("online worker", worker)
+def reach_url(probe: Probe, url: str, fix: str) -> bool:
+    """The row ``reach``: a TCP connection to the host and port of ``url`` (``fix`` when it fails)."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return probe.step("reach", lambda: tcp_reach(parsed.hostname or "", port, probe.left), fix)

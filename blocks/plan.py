@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from blocks.mlflow_model import ModelInfo, NoModel
-from blocks.secrets import check_job_secrets
-from blocks.specs import ImageRef, PromotionPolicy, Resources, ServerSpec, ServingSpec, TrainingJob, TrainingSpec
-from blocks.workload import Workload
+from blocks.base.mlflow_model import ModelInfo, NoModel
+from blocks.base.secrets import check_job_secrets
+from blocks.errors import ConfigurationError
+from blocks.records import ImageRef, ServerSpec, TrainingJob
+from blocks.specs import PromotionPolicy, Resources, ServingSpec, TrainingSpec
+from blocks.workload.source import Workload
 from runtime import contract
+
+if TYPE_CHECKING:
+    from blocks.stack import Stack
 
 # Model version tags that say how a version is served (deploy-model reads them back).
 TAG_PREFIX = "gpuferry."
@@ -27,6 +32,7 @@ SERVICE_TAG = "gpuferry.service"
 SERVER_TAG = "gpuferry.server"
 IMAGE_TAG = "gpuferry.image"
 IMAGE_WORKDIR_TAG = "gpuferry.image.workdir"
+SERVING_TAG = "gpuferry.serving"  # the service's shape (ServingShape as JSON): replicas, GPUs, CPU, memory, URL
 INPUT_EXAMPLE_TAG = "gpuferry.input_example"
 MAX_TAG_CHARS = 4000  # a model version tag holds 5000 characters
 
@@ -46,19 +52,34 @@ class RunPlan(BaseModel):
     serving: ServingSpec
     server: ServerSpec
 
-    def job(self, key: str, workdir: str, image: ImageRef | None, env: dict[str, str],
-            secret_env: Mapping[str, SecretStr] | None = None) -> TrainingJob:  # fmt: skip
+    def job(
+        self,
+        key: str,
+        workdir: str,
+        image: ImageRef | None,
+        env: dict[str, str],
+        secret_env: Mapping[str, SecretStr] | None = None,
+    ) -> TrainingJob:
         """The training job of this plan (``env``: what the pipeline adds, e.g. the MLflow run; ``secret_env``:
         the secrets it adds, e.g. the tracking server's login)."""
         train = self.workload.definition.train
         job = TrainingJob(
-            key=key, workdir=workdir, command=list(train.command),
-            env={**train.env, contract.HPARAMS: json.dumps(self.hyperparameters),
-                 contract.CHECKPOINT_EVERY: str(self.checkpoint_every), **env},
-            secrets=dict(train.secrets), secret_env=dict(secret_env or {}), resources=self.resources,
-            image=image if image and image.reference else None, code=self.workload.code,
+            key=key,
+            workdir=workdir,
+            command=list(train.command),
+            env={
+                **train.env,
+                contract.HPARAMS: json.dumps(self.hyperparameters),
+                contract.CHECKPOINT_EVERY: str(self.checkpoint_every),
+                **env,
+            },
+            secrets=dict(train.secrets),
+            secret_env=dict(secret_env or {}),
+            resources=self.resources,
+            image=image if image and image.reference else None,
+            code=self.workload.code,
             python=self.workload.definition.environment.python,
-        )  # fmt: skip
+        )
         check_job_secrets(job)
         return job
 
@@ -78,8 +99,11 @@ class RunPlan(BaseModel):
                 "gpuferry's model server cannot load it: save it with a flavour that has one (mlflow.sklearn, "
                 "mlflow.pytorch, mlflow.pyfunc, ...), or serve it with your own server (serve.command)"
             )
-        if info.serving_example is None and self.serving.smoke_request is None and \
-                self.workload.definition.serve.input_example is None:  # fmt: skip
+        if (
+            info.serving_example is None
+            and self.serving.smoke_request is None
+            and self.workload.definition.serve.input_example is None
+        ):
             raise NoModel(
                 f"the MLflow model in {where} has no serving input example, and nothing else says what request a new "
                 "version must answer before it serves: save the model with input_example=<a few rows>, or declare "
@@ -93,6 +117,7 @@ class RunPlan(BaseModel):
             SERVICE_TAG: self.serving.service,
             SERVER_TAG: self.server.model_dump_json(exclude={"workdir"}),
             IMAGE_TAG: image.reference or "",
+            SERVING_TAG: self.serving.shape().model_dump_json(exclude_defaults=True),
         }
         if image.workdir:
             tags[IMAGE_WORKDIR_TAG] = image.workdir
@@ -110,10 +135,14 @@ def server_of(workload: Workload, image: ImageRef | None = None) -> ServerSpec:
         return ServerSpec(env=dict(serve.env))
     workdir = image.workdir if image is not None and image.reference else workload.root
     return ServerSpec(
-        command=list(serve.command or []), port=serve.port, health_path=serve.health_path,
-        readiness_path=serve.readiness_path, prediction_path=serve.prediction_path, env=dict(serve.env),
+        command=list(serve.command or []),
+        port=serve.port,
+        health_path=serve.health_path,
+        readiness_path=serve.readiness_path,
+        prediction_path=serve.prediction_path,
+        env=dict(serve.env),
         workdir=workdir,
-    )  # fmt: skip
+    )
 
 
 def plan_run(workload: Workload, training: TrainingSpec, serving: ServingSpec, promotion: PromotionPolicy) -> RunPlan:
@@ -121,11 +150,15 @@ def plan_run(workload: Workload, training: TrainingSpec, serving: ServingSpec, p
     every hyperparameter that does not match the workload's schema."""
     definition = workload.definition
     hyperparameters = definition.schema.validate(training.hyperparameters, what="training.hyperparameters")
-    filled_promotion = promotion.model_copy(update={
-        "metric": promotion.metric or definition.promotion.metric,
-        "direction": promotion.direction or definition.promotion.direction,
-    })  # fmt: skip
-    filled_serving = serving.model_copy(update={"service_name": serving.service_name or definition.service_name})
+    filled_promotion = promotion.model_copy(
+        update={
+            "metric": promotion.metric or definition.promotion.metric,
+            "direction": promotion.direction or definition.promotion.direction,
+        }
+    )
+    # The workload's declared shape, and over it, field by field, what this run's serving sets.
+    filled_serving = serving.over(definition.serve.shape())
+    filled_serving = filled_serving.model_copy(update={"service_name": serving.service_name or definition.service_name})
     return RunPlan(
         workload=workload,
         experiment=training.experiment or definition.name,
@@ -136,4 +169,50 @@ def plan_run(workload: Workload, training: TrainingSpec, serving: ServingSpec, p
         promotion=filled_promotion,
         serving=filled_serving,
         server=server_of(workload),
+    )
+
+
+# ---- the run against the stack, before anything is acquired or submitted ----------------------------
+
+
+def preflight(blocks: Stack, run: RunPlan) -> None:
+    """Every check of the stack and the run before anything is acquired or submitted: first those that need no
+    outside call, so that a mistake in the stack is reported before any host is contacted; then the compute
+    backend's check of the job, which may ask its cluster (a Slurm partition, the container runtime). The
+    serving backend's checks against its cluster follow (``serving_preflight``)."""
+    image = preflight_image(blocks, run)
+    blocks.compute.check_store(blocks.storage)  # a model the cluster writes must reach the stack's store
+    blocks.compute.check_tracking(blocks.tracking.tracking_uri)  # and its jobs must reach the tracking server
+    check_images_for_serving(blocks)
+    if blocks.images.produces_image and run.workload.definition.image is None:
+        raise ConfigurationError(
+            f"stack.images ({type(blocks.images).__name__}) builds the workload's image, but {run.workload.root}/"
+            "gpuferry.yaml has no image section: add one (dockerfile, base + requirements, or prebuilt)"
+        )
+    blocks.serving.validate(run.serving)
+    blocks.compute.validate_job(
+        run.job("preflight", "/nonexistent", image, env={}, secret_env=blocks.tracking.job_secrets())
+    )
+
+
+def check_images_for_serving(blocks: Stack) -> None:
+    """A serving backend that runs containers needs a stack that builds the image it runs."""
+    if blocks.serving.needs_image and not blocks.images.produces_image:
+        raise ConfigurationError(
+            f"stack.serving ({type(blocks.serving).__name__}) runs the workload's container image, but "
+            f"stack.images ({type(blocks.images).__name__}) builds none: choose an image builder that pushes "
+            "one (DockerImageBuilder) in the stack"
+        )
+
+
+def preflight_image(blocks: Stack, run: RunPlan) -> ImageRef | None:
+    """A stand-in for the image the build step will pin, when the stack builds one: the job then runs
+    inside it, so that path is checked (a container runtime, not shipped code, is needed)."""
+    if not blocks.images.produces_image:
+        return None
+    return ImageRef(
+        builder="preflight",
+        content_tag="preflight",
+        reference=f"preflight/image@sha256:{'0' * 64}",
+        workdir=run.workload.image_workdir(),
     )

@@ -1,8 +1,8 @@
-"""Typed inputs and outputs of the pipeline's steps.
+"""Typed inputs of the pipeline's steps.
 
-The inputs (``TrainingSpec``, ``ServingSpec``, ``PromotionPolicy``) are flow parameters: Prefect
-renders them as forms in the UI, and pydantic rejects a bad value before anything runs, naming the
-field and what it allows. The outputs are the small records the steps hand to each other.
+They (``TrainingSpec``, ``ServingSpec``, ``PromotionPolicy``) are flow parameters: Prefect renders them as
+forms in the UI, and pydantic rejects a bad value before anything runs, naming the field and what it allows.
+The outputs, the small records the steps hand to each other, are ``blocks/records.py``'s.
 """
 
 from __future__ import annotations
@@ -10,20 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_NAME_HELP = "1-63 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
-
+from blocks.values import check_name, check_quantity
 
 _GPU_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
-
-
-def check_name(value: str, field: str) -> str:
-    """Validate a name that ends up in paths, job names and labels (no shell metacharacters)."""
-    if not _NAME.match(value):
-        raise ValueError(f"{field}={value!r} is not allowed: use {_NAME_HELP}")
-    return value
 
 
 def check_gpu_devices(values: list[str], field: str) -> list[str]:
@@ -45,8 +36,10 @@ def _gpus_from_devices(data: Any, count_field: str) -> Any:
     if not count:
         return {**data, count_field: len(devices)}
     if isinstance(devices, list) and count != len(devices):
-        raise ValueError(f"{count_field}={count} but gpu_devices names {len(devices)} GPU(s): give one of the two, "
-                         "or make them agree")
+        raise ValueError(
+            f"{count_field}={count} but gpu_devices names {len(devices)} GPU(s): give one of the two, "
+            "or make them agree"
+        )
     return data
 
 
@@ -59,9 +52,7 @@ class Resources(_Spec):
     """What one training job asks of the cluster."""
 
     nodes: int = Field(1, ge=1, le=1024, description="Nodes for one job (more than one: multi-node torchrun).")
-    processes_per_node: int = Field(
-        1, ge=1, le=64, description="Training processes per node; usually one per GPU."
-    )
+    processes_per_node: int = Field(1, ge=1, le=64, description="Training processes per node; usually one per GPU.")
     gpus_per_node: int = Field(0, ge=0, le=16, description="GPUs per node (0: CPU only).")
     cpus_per_task: int = Field(1, ge=1, le=1024, description="CPU cores per training process.")
     mem_gb: float | None = Field(None, gt=0, description="Memory per node in GiB (None: the cluster default).")
@@ -76,7 +67,8 @@ class Resources(_Spec):
         "(gpus_per_node of them). Schedulers (Slurm, Kubernetes) choose GPUs themselves and refuse this.",
     )
     share_gpus: bool = Field(
-        False, description="On a Docker host: the job may use GPUs that other sharing jobs or servers use too (no "
+        False,
+        description="On a Docker host: the job may use GPUs that other sharing jobs or servers use too (no "
         "isolation between them); off: its GPUs are its own.",
     )
 
@@ -103,8 +95,12 @@ class Resources(_Spec):
 class TrainingSpec(_Spec):
     """One training run of a workload; what is left empty comes from the workload's definition."""
 
-    experiment: str | None = Field(None, description="MLflow experiment the run is logged to (None: the workload's name).")
-    model_name: str | None = Field(None, description="Registered model name in the MLflow registry (None: the workload's name).")
+    experiment: str | None = Field(
+        None, description="MLflow experiment the run is logged to (None: the workload's name)."
+    )
+    model_name: str | None = Field(
+        None, description="Registered model name in the MLflow registry (None: the workload's name)."
+    )
     hyperparameters: dict[str, Any] = Field(
         default_factory=dict,
         description="Hyperparameters, checked against the workload's JSON Schema; what is left out takes its default.",
@@ -163,30 +159,141 @@ class SweepGrid(_Spec):
 
 
 MIG_PROFILES = (
-    "1g.5gb", "1g.10gb", "1g.12gb", "1g.18gb", "1g.20gb", "1g.23gb", "1g.24gb", "1g.45gb",
-    "2g.10gb", "2g.20gb", "2g.24gb", "2g.35gb", "2g.45gb", "3g.20gb", "3g.40gb", "3g.47gb",
-    "3g.71gb", "3g.90gb", "4g.20gb", "4g.40gb", "4g.47gb", "4g.71gb", "4g.90gb", "7g.40gb",
-    "7g.80gb", "7g.94gb", "7g.141gb", "7g.180gb",
-)  # fmt: skip
+    "1g.5gb",
+    "1g.10gb",
+    "1g.12gb",
+    "1g.18gb",
+    "1g.20gb",
+    "1g.23gb",
+    "1g.24gb",
+    "1g.45gb",
+    "2g.10gb",
+    "2g.20gb",
+    "2g.24gb",
+    "2g.35gb",
+    "2g.45gb",
+    "3g.20gb",
+    "3g.40gb",
+    "3g.47gb",
+    "3g.71gb",
+    "3g.90gb",
+    "4g.20gb",
+    "4g.40gb",
+    "4g.47gb",
+    "4g.71gb",
+    "4g.90gb",
+    "7g.40gb",
+    "7g.80gb",
+    "7g.94gb",
+    "7g.141gb",
+    "7g.180gb",
+)
 
 
-class ServingSpec(_Spec):
-    """How the inference service runs."""
+class ServingShape(_Spec):
+    """How many replicas of a service run, what each one gets and where clients reach it.
 
-    service_name: str | None = Field(
-        None, description="Name of the service (Kubernetes Deployment, local process); None: the workload's."
+    A workload declares it (``gpuferry.yaml``'s ``serve:``), the model version records it when it is registered,
+    and a deploy of that version serves it so; a run's own ``serving`` overrides it field by field (the fields
+    the run sets). The stack's serving block gives what the shape leaves out (its CPU and memory, its URL).
+    """
+
+    replicas: int = Field(1, ge=1, le=1000, description="Serving replicas (the least, when autoscaling).")
+    max_replicas: int | None = Field(
+        None, ge=1, le=1000, description="Autoscale up to this many replicas (None: the stack's autoscaling)."
     )
-    replicas: int = Field(1, ge=1, le=1000, description="Serving replicas (Kubernetes).")
+    autoscale_cpu_percent: int | None = Field(
+        None, ge=1, le=100, description="Autoscaling's target CPU utilization (None: the stack's)."
+    )
     gpus: int = Field(0, ge=0, le=16, description="Whole GPUs per replica (0: CPU).")
     gpu_devices: list[str] = Field(
         default_factory=list,
         description="Particular GPUs of a Docker host, by index ('0') or UUID ('GPU-...'); empty: any free ones.",
     )
     share_gpus: bool = Field(
-        False, description="On a Docker host: the server may use GPUs that other sharing jobs or servers use too.",
+        False,
+        description="A time-sliced share of a GPU: on a Docker host, GPUs other sharing servers use too; on "
+        "Kubernetes, the device plugin's time-sliced resource (the stack's gpu_resource with '.shared').",
     )
-    mig_profile: str | None = Field(
-        None, description="A MIG slice per replica instead of whole GPUs, e.g. '1g.10gb'."
+    mig_profile: str | None = Field(None, description="A MIG slice per replica instead of whole GPUs, e.g. '1g.10gb'.")
+    cpu_request: str | None = Field(None, description="CPU request per replica, e.g. '2' (None: the stack's).")
+    memory_request: str | None = Field(None, description="Memory request per replica, e.g. '4Gi' (None: the stack's).")
+    cpu_limit: str | None = Field(None, description="CPU limit per replica (None: the stack's).")
+    memory_limit: str | None = Field(
+        None, description="Memory limit per replica; a server above it is OOMKilled (None: the stack's)."
+    )
+    url: str | None = Field(
+        None, description="The URL clients use for this service, e.g. its Ingress (None: what the backend reports)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_count(cls, data: Any) -> Any:
+        return _gpus_from_devices(data, "gpus")
+
+    @field_validator("gpu_devices")
+    @classmethod
+    def _gpu_devices(cls, value: list[str]) -> list[str]:
+        return check_gpu_devices(value, "gpu_devices")
+
+    @field_validator("mig_profile")
+    @classmethod
+    def _mig(cls, value: str | None) -> str | None:
+        if value is not None and value not in MIG_PROFILES:
+            raise ValueError(f"mig_profile={value!r} is not a MIG profile; use one of: {', '.join(MIG_PROFILES)}")
+        return value
+
+    @field_validator("cpu_request", "memory_request", "cpu_limit", "memory_limit")
+    @classmethod
+    def _quantity(cls, value: str | None, info: Any) -> str | None:
+        return None if value is None else check_quantity(value, info.field_name)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError(f"url={value!r} is not an http(s) URL")
+        return value
+
+    @model_validator(mode="after")
+    def _gpu_or_mig(self) -> Any:
+        if self.mig_profile and (self.gpus or self.share_gpus):
+            raise ValueError(
+                "set either gpus or mig_profile, not both (a MIG slice is a fraction of one GPU), nor share_gpus "
+                "with a MIG slice"
+            )
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas={self.max_replicas} is below replicas={self.replicas}")
+        return self
+
+    def shape(self) -> ServingShape:
+        """The shape alone (a ``ServingSpec``'s, without the rest)."""
+        return ServingShape.model_validate(self.model_dump(include=set(SHAPE_FIELDS)))
+
+
+# The shape's fields, and those that say what a replica's GPUs are: a run that sets one of them sets them all.
+SHAPE_FIELDS = (
+    "replicas",
+    "max_replicas",
+    "autoscale_cpu_percent",
+    "gpus",
+    "gpu_devices",
+    "share_gpus",
+    "mig_profile",
+    "cpu_request",
+    "memory_request",
+    "cpu_limit",
+    "memory_limit",
+    "url",
+)
+GPU_FIELDS = ("gpus", "gpu_devices", "share_gpus", "mig_profile")
+
+
+class ServingSpec(ServingShape):
+    """How the inference service runs."""
+
+    service_name: str | None = Field(
+        None, description="Name of the service (Kubernetes Deployment, local process); None: the workload's."
     )
     max_batch_size: int = Field(64, ge=1, le=65_536, description="Dynamic batching: most rows per forward pass.")
     max_batch_wait_ms: float = Field(2.0, ge=0, le=10_000, description="Dynamic batching: longest wait for a batch.")
@@ -206,16 +313,6 @@ class ServingSpec(_Spec):
     def _service_name(cls, value: str | None) -> str | None:
         return None if value is None else check_name(value, "service_name")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _gpu_count(cls, data: Any) -> Any:
-        return _gpus_from_devices(data, "gpus")
-
-    @field_validator("gpu_devices")
-    @classmethod
-    def _gpu_devices(cls, value: list[str]) -> list[str]:
-        return check_gpu_devices(value, "gpu_devices")
-
     @property
     def service(self) -> str:
         """The service's name; set by the flow (from the workload) before a backend sees the spec."""
@@ -223,18 +320,26 @@ class ServingSpec(_Spec):
             raise ValueError("service_name is not set: the flow fills it in from the workload before deploying")
         return self.service_name
 
-    @field_validator("mig_profile")
-    @classmethod
-    def _mig(cls, value: str | None) -> str | None:
-        if value is not None and value not in MIG_PROFILES:
-            raise ValueError(f"mig_profile={value!r} is not a MIG profile; use one of: {', '.join(MIG_PROFILES)}")
-        return value
+    @property
+    def device(self) -> str:
+        """Where gpuferry's model server runs the model (``MODEL_DEVICE``): ``cuda`` when the replica is given a
+        GPU (whole, shared or a MIG slice), else ``cpu``."""
+        return "cuda" if self.gpus or self.share_gpus or self.mig_profile else "cpu"
 
-    @model_validator(mode="after")
-    def _gpu_or_mig(self) -> ServingSpec:
-        if self.mig_profile and self.gpus:
-            raise ValueError("set either gpus or mig_profile, not both (a MIG slice is a fraction of one GPU)")
-        return self
+    def over(self, declared: ServingShape | None) -> ServingSpec:
+        """This run's spec over the ``declared`` shape (the workload's, or the one a model version recorded): each
+        shape field the run set (``model_fields_set``) is the run's, every other the declared one's. The GPU
+        fields go together: a run that sets one of them sets what a replica's GPUs are."""
+        if declared is None:
+            return self
+        data = self.model_dump()
+        taken = set(self.model_fields_set)
+        if taken & set(GPU_FIELDS):
+            taken |= set(GPU_FIELDS)
+        for field in SHAPE_FIELDS:
+            if field not in taken:
+                data[field] = getattr(declared, field)
+        return ServingSpec.model_validate(data)
 
 
 class PromotionPolicy(_Spec):
@@ -263,205 +368,3 @@ class PromotionPolicy(_Spec):
 
 
 # ---- records handed from step to step -------------------------------------------------------
-
-
-class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class GpuInfo(_Record):
-    index: int
-    name: str
-    memory_mib: int
-    driver_version: str
-    cuda_version: str | None = None
-    uuid: str | None = Field(None, description="nvidia-smi's GPU UUID (GPU-...), which stays when indices move.")
-
-
-class Node(_Record):
-    """A machine a provider handed us."""
-
-    name: str
-    provider: str
-    gpus: list[GpuInfo] = Field(default_factory=list)
-    cpus: int = 0
-    memory_mib: int = 0
-    state: str = "ready"
-    labels: dict[str, str] = Field(default_factory=dict)
-
-
-class ImageRef(_Record):
-    """What the training job and the server run in."""
-
-    builder: str
-    content_tag: str = Field(description="Hash of the build context, Dockerfile and build args.")
-    reference: str | None = Field(None, description="image@sha256:... pinned by digest; None: no image.")
-    workdir: str | None = Field(None, description="Where the workload's code is inside the image (None: its WORKDIR).")
-    built: bool = False
-    note: str = ""
-
-
-class CodeRef(_Record):
-    """A workload's code: its directory here and the same files as one content-addressed archive."""
-
-    root: str = Field(description="The workload's directory on this machine (holds gpuferry.yaml).")
-    archive: str = Field(description="A .tar.gz of the workload's files, named by its sha256.")
-    sha256: str = Field(description="sha256 of the archive: the code's identity.")
-    files: int = 0
-    size_bytes: int = 0
-
-
-class TrainingJob(_Record):
-    """A training job as a compute backend receives it."""
-
-    key: str = Field(description="Deterministic key (flow run + step): a resubmit adopts the job that has it.")
-    workdir: str = Field(description="Directory the job owns: checkpoints, progress, logs.")
-    command: list[str] = Field(description="argv of the job, run from the workload's directory (no shell).")
-    env: dict[str, str] = Field(default_factory=dict)
-    secrets: dict[str, str] = Field(
-        default_factory=dict, description="Variable -> Prefect Secret block name; the backend delivers the values."
-    )
-    secret_env: dict[str, SecretStr] = Field(
-        default_factory=dict, exclude=True,
-        description="Variable -> value the pipeline itself hands the job (the tracking server's login); the backend "
-        "delivers them like secrets. Never serialized: a job recorded to disk or in a state carries none.",
-    )  # fmt: skip
-    resources: Resources = Field(default_factory=Resources)
-    image: ImageRef | None = None
-    code: CodeRef | None = Field(None, description="The workload's code (runs without an image need it).")
-    python: str | None = Field(None, description="Interpreter for a leading `python` without an image (None: the backend's).")
-
-
-class JobHandle(_Record):
-    backend: str
-    job_id: str
-    key: str
-    workdir: str
-    log_path: str
-
-
-JobStateName = Literal["PENDING", "RUNNING", "PREEMPTED", "REQUEUED", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"]
-TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"})
-
-
-class JobStatus(_Record):
-    job_id: str
-    state: JobStateName
-    exit_code: int | None = None
-    reason: str = ""
-    elapsed_seconds: float = 0.0
-    visible: bool = Field(
-        True, description="False: the backend has no record of the job at all (not queued, not running, not in its "
-        "accounting); one that stays so for the backend's lost_job_grace_seconds is lost.",
-    )
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-
-class JobResult(_Record):
-    handle: JobHandle
-    status: JobStatus
-    checkpoint_dir: str = Field(description="CHECKPOINT_DIR of the job; the trained model is in its final/.")
-    requeues: int = 0
-    wall_seconds: float = 0.0
-    gpu_hours: float = 0.0
-    cpu_hours: float = 0.0
-
-
-class SweepTaskResult(_Record):
-    """One configuration of a sweep (one array task) once the array is done."""
-
-    index: int
-    status: JobStatus
-    checkpoint_dir: str = Field(description="CHECKPOINT_DIR of the task; a trained model is in its final/.")
-    requeues: int = 0
-    wall_seconds: float = 0.0
-    gpu_hours: float = 0.0
-    cpu_hours: float = 0.0
-
-
-class SweepJobResult(_Record):
-    """A sweep's job array once every task has ended (some may have failed)."""
-
-    handle: JobHandle
-    tasks: list[SweepTaskResult]
-    gpu_hours: float = 0.0
-    cpu_hours: float = 0.0
-
-    @property
-    def completed(self) -> list[SweepTaskResult]:
-        return [t for t in self.tasks if t.status.state == "COMPLETED"]
-
-
-class CheckpointRef(_Record):
-    """A checkpoint in storage: its manifest (path, size, sha256 of each file) was written last."""
-
-    uri: str
-    sha256: str = Field(description="sha256 of the manifest, which lists every file's sha256.")
-    size_bytes: int
-    files: int
-    bytes_uploaded: int = 0
-
-
-class ModelVersionRef(_Record):
-    name: str
-    version: str
-    run_id: str
-    source: str
-    metric: str
-    value: float
-    promoted: bool
-    champion_before: str | None = None
-    champion_value: float | None = None
-
-
-class ServerSpec(_Record):
-    """The process that serves a model: gpuferry's MLflow model server (``command`` None) or the workload's own."""
-
-    command: list[str] | None = Field(None, description="argv of the workload's own server (None: runtime/serve.py).")
-    port: int = Field(8080, description="Port the server listens on inside its container (PORT).")
-    health_path: str = "/healthz"
-    readiness_path: str = "/readyz"
-    prediction_path: str = "/invocations"
-    env: dict[str, str] = Field(default_factory=dict)
-    workdir: str | None = Field(None, description="Where the command runs: the workload's directory (local) or in the image.")
-
-    @property
-    def mlflow_server(self) -> bool:
-        return self.command is None
-
-
-class Endpoint(_Record):
-    service: str
-    url: str
-    model_version: str
-    backend: str
-    previous_version: str | None = None
-    detail: dict[str, Any] = Field(default_factory=dict)
-
-
-class PipelineResult(_Record):
-    run_id: str
-    run_url: str
-    image: ImageRef
-    checkpoint: CheckpointRef
-    model_version: ModelVersionRef
-    metrics: dict[str, float]
-    endpoint: Endpoint | None = None
-    deployed: bool = False
-
-
-class SweepResult(_Record):
-    """What a sweep produced: the best configuration, carried through the pipeline."""
-
-    parent_run_id: str
-    child_run_ids: list[str]
-    best_index: int
-    best_hyperparameters: dict[str, Any]
-    completed: int
-    failed: int
-    gpu_hours: float
-    cpu_hours: float
-    pipeline: PipelineResult

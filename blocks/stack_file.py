@@ -45,15 +45,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from blocks.config_file import Loc, explain, parse_yaml
 from blocks.errors import ConfigurationError
-from blocks.stack import Stack
+from blocks.stack import STEPS, Stack
 
-STEPS = ("provider", "images", "compute", "storage", "tracking", "serving")
 REFERENCE_KINDS = ("env", "file", "secret")
 STACK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 MASK = "********"
@@ -106,7 +105,7 @@ class _Reader:
 
     def reference(self, loc: Loc, ref: dict[str, Any]) -> str | None:
         """The value ``{env|file|secret: ...}`` points at."""
-        (kind, target), = ref.items()
+        ((kind, target),) = ref.items()
         if not isinstance(target, str) or not target:
             self.problem(loc, f"{{{kind}: ...}} needs a name")
             return None
@@ -126,12 +125,15 @@ class _Reader:
         from prefect.blocks.system import Secret
 
         try:
-            value = Secret.load(target).get()
+            value = cast(Secret, Secret.load(target)).get()  # sync here: Prefect types it as a coroutine too
         except ValueError as exc:
             if "Unable to find block document" not in str(exc) and "not found" not in str(exc).lower():
                 raise
-            self.problem(loc, f"the Prefect Secret block {target!r} does not exist: create it (Prefect UI → "
-                         "Blocks → Secret, or `prefect block create secret`)")  # fmt: skip
+            self.problem(
+                loc,
+                f"the Prefect Secret block {target!r} does not exist: create it (Prefect UI → "
+                "Blocks → Secret, or `prefect block create secret`)",
+            )
             return None
         return value if isinstance(value, str) else str(value)
 
@@ -149,7 +151,9 @@ class _Reader:
             if info is None and isinstance(key, str):
                 info = _alias_field(model, key)
             if info is None:
-                self.problem((*loc, key), f"unknown field of {model.__name__}; valid fields: {', '.join(model.model_fields)}")
+                self.problem(
+                    (*loc, key), f"unknown field of {model.__name__}; valid fields: {', '.join(model.model_fields)}"
+                )
                 ok = False
                 continue
             built = self.value(info.annotation, value, (*loc, key))
@@ -182,8 +186,11 @@ class _Reader:
             resolved = self.reference(loc, value)
             return _FAILED if resolved is None else resolved
         if _is_secret(annotation) and isinstance(value, str | int) and value != "":
-            self.problem(loc, "is a secret: reference it ({env: NAME}, {file: PATH} or {secret: PREFECT_SECRET_BLOCK}), "
-                         "never write its value in the file")  # fmt: skip
+            self.problem(
+                loc,
+                "is a secret: reference it ({env: NAME}, {file: PATH} or {secret: PREFECT_SECRET_BLOCK}), "
+                "never write its value in the file",
+            )
             return _FAILED
         return value
 
@@ -241,7 +248,9 @@ def read_stack_file(text: str, where: str, base: Path | None = None) -> dict[str
     data, lines = parse_yaml(text, where)
     reader = _Reader(where=where, base=base or Path.cwd(), lines=lines)
     if not isinstance(data, dict) or not isinstance(data.get("stacks"), dict) or not data["stacks"]:
-        raise ConfigurationError(f"{where}: expected `stacks:` with one or more named stacks (see `gpuferry stack --help`)")
+        raise ConfigurationError(
+            f"{where}: expected `stacks:` with one or more named stacks (see `gpuferry stack --help`)"
+        )
     for key in data:
         if key != "stacks":
             reader.problem((key,), "unknown top-level field; valid fields: stacks")
@@ -302,8 +311,10 @@ def flatten(model: BaseModel, prefix: str = "") -> dict[str, tuple[Any, bool]]:
         elif isinstance(value, SecretStr):
             out[path] = (value.get_secret_value(), True)
         else:
-            out[path] = (value.model_dump(mode="json") if hasattr(value, "model_dump") else value,
-                         _is_secret(info.annotation))  # fmt: skip
+            out[path] = (
+                value.model_dump(mode="json") if hasattr(value, "model_dump") else value,
+                _is_secret(info.annotation),
+            )
     return out
 
 
@@ -328,8 +339,9 @@ def changes(before: Stack | None, after: Stack) -> list[Change]:
     old = flatten(before) if before is not None else {}
     new = flatten(after)
     out = []
-    for path in sorted(set(old) | set(new), key=lambda p: (STEPS.index(p.split(".")[0]) if p.split(".")[0] in STEPS
-                                                          else 99, p)):  # fmt: skip
+    for path in sorted(
+        set(old) | set(new), key=lambda p: (STEPS.index(p.split(".")[0]) if p.split(".")[0] in STEPS else 99, p)
+    ):
         a, b = old.get(path, (None, False)), new.get(path, (None, False))
         if a[0] != b[0]:
             out.append(Change(path, a[0], b[0], a[1] or b[1]))
@@ -346,7 +358,7 @@ class Applied:
 def saved_stack(name: str) -> Stack | None:
     """The saved Stack block ``name``, or None."""
     try:
-        return Stack.load(name)
+        return cast(Stack, Stack.load(name))  # sync here: Prefect types it as a coroutine too
     except ValueError as exc:
         if "Unable to find block document" in str(exc) or "not found" in str(exc).lower():
             return None

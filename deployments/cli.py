@@ -6,6 +6,8 @@
     gpuferry check [STACK] [--workload DIR]     contact every backend of the stack; one table, exit 1 on a failure
     gpuferry deploy [--workload DIR]            register the deployments (each workload with its own form)
     gpuferry run retrain|sweep|deploy ...       a run through its deployment (or --local), followed to its end
+    gpuferry services | rollback SERVICE        what serves where; an earlier version again (cli_operate.py)
+    gpuferry worker | watch | events ...        the long-running services (deployments/cli_services.py)
 
 The checks live in the blocks (``blocks/checks.py`` and each block's ``self_check``); this module renders
 them. Exit codes: 0 done, 1 a check or run failed, 2 bad input (the message names the field and the fix).
@@ -13,7 +15,6 @@ them. Exit codes: 0 done, 1 a check or run failed, 2 bad input (the message name
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -26,41 +27,48 @@ import typer
 import yaml
 
 from blocks.errors import ConfigurationError, GpuferryError
+from deployments.cli_common import DEBUG, DEFAULT_POOL, PoolOption, console, explained, unreachable
 
-app = typer.Typer(name="gpuferry", help="From your training code to a served model: stacks, checks, runs.", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_enable=False)  # fmt: skip
-stack_app = typer.Typer(help="Stacks declared in a YAML file, saved as Prefect blocks.", no_args_is_help=True)
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(
+    name="gpuferry",
+    help="From your training code to a served model: stacks, checks, runs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings=HELP_OPTIONS,
+)
+stack_app = typer.Typer(
+    help="Stacks declared in a YAML file, saved as Prefect blocks.", no_args_is_help=True, context_settings=HELP_OPTIONS
+)
 app.add_typer(stack_app, name="stack")
 
-# The work pool the deployments run on (prefect.yaml's); GPUFERRY_WORK_POOL or --pool chooses another.
-DEFAULT_POOL = "gpuferry"
-PoolOption = Annotated[str, typer.Option("--pool", envvar="GPUFERRY_WORK_POOL", help="Work pool of the deployments.")]
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
 
-def fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
-def explained(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A command whose errors the blocks explain ends with the message (exit 2 for bad input, else 1), no
-    traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
-        except GpuferryError as exc:
-            raise fail(str(exc), 2 if isinstance(exc, ConfigurationError) else 1) from None
+            typer.echo(f"gpuferry {version('gpuferry')}")
+        except PackageNotFoundError:  # a checkout run without installing it
+            typer.echo("gpuferry (not installed: a checkout)")
+        raise typer.Exit()
 
-    return wrapper
 
+@app.callback()
+def root(
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="GPUFERRY_DEBUG", help="Show a failure's traceback too.")
+    ] = False,
+) -> None:
+    """From your training code to a served model: stacks, checks, runs.
 
-def console() -> Any:
-    from rich.console import Console
-
-    # Piped output (CI, a test) gets wide lines instead of rich's 80 columns.
-    return Console(width=None if sys.stdout.isatty() else 220, highlight=False, soft_wrap=False)
+    Examples: `gpuferry init house-prices`, `gpuferry stack apply stack.yaml`, `gpuferry check hpc --workload
+    house-prices`, `gpuferry run retrain --workload house-prices --stack hpc`.
+    """
+    DEBUG["on"] = debug or DEBUG["on"]
 
 
 # ---- stack -----------------------------------------------------------------------------------------------
@@ -72,7 +80,10 @@ def stack_apply(
     file: Annotated[Path, typer.Argument(help="The stack file (YAML).")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would change; save nothing.")] = False,
 ) -> None:
-    """Save each stack FILE declares, with its nested blocks; only a stack that changed is saved."""
+    """Save each stack FILE declares, with its nested blocks; only a stack that changed is saved.
+
+    Example: `gpuferry stack apply stack.yaml --dry-run`, then without --dry-run.
+    """
     from blocks.stack_file import apply, load_stack_file
 
     results = apply(load_stack_file(file), dry_run=dry_run)
@@ -83,7 +94,9 @@ def stack_apply(
         elif result.action == "created":
             typer.echo(f"{result.name}: {would}created")
         else:
-            typer.echo(f"{result.name}: {would}updated ({len(result.changes)} change{'s' * (len(result.changes) != 1)})")
+            typer.echo(
+                f"{result.name}: {would}updated ({len(result.changes)} change{'s' * (len(result.changes) != 1)})"
+            )
             for change in result.changes:
                 typer.echo(f"  {change}")
     if dry_run:
@@ -93,11 +106,13 @@ def stack_apply(
 @stack_app.command("list")
 @explained
 def stack_list() -> None:
-    """The saved stacks and the backend of each step."""
+    """The saved stacks and the backend of each step.
+
+    Example: `gpuferry stack list`.
+    """
     from rich.table import Table
 
-    from blocks.stack import Stack
-    from blocks.stack_file import STEPS
+    from blocks.stack import STEPS, Stack
 
     names = Stack.saved_names()
     if not names:
@@ -113,7 +128,10 @@ def stack_list() -> None:
 @stack_app.command("show")
 @explained
 def stack_show(name: Annotated[str, typer.Argument(help="A saved stack.")]) -> None:
-    """The saved stack NAME as a stack file declares it (fields not at their default; secrets masked)."""
+    """The saved stack NAME as a stack file declares it (fields not at their default; secrets masked).
+
+    Example: `gpuferry stack show hpc > hpc.yaml`.
+    """
     from blocks.stack import Stack
     from blocks.stack_file import describe
 
@@ -143,16 +161,15 @@ def resolve_stack(name: str | None, file: Path | None) -> tuple[str, Any]:
 
 
 def workload_group(stack: Any, source: str, timeout: float) -> tuple[Any, Callable[[Any], None]]:
-    """The checks of a workload, as a group ``check_stack`` runs beside the backends': its file loads, and a run
+    """The checks of a workload, as a group ``Stack.check`` runs beside the backends': its file loads, and a run
     of it with its defaults is planned and checked against the stack (every check that needs no outside call, as
     retrain does before it acquires anything)."""
     # Imported before the group's deadline starts: on a cold start (no bytecode cache, a busy machine) importing
     # the flows alone can take longer than a backend is given to answer.
     from blocks.checks import Probe
-    from blocks.plan import plan_run
+    from blocks.plan import plan_run, preflight
     from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
-    from blocks.workload import load_workload
-    from flows.retrain import preflight
+    from blocks.workload.source import load_workload
 
     def checks(probe: Probe) -> None:
         found: list[Any] = []
@@ -160,8 +177,10 @@ def workload_group(stack: Any, source: str, timeout: float) -> tuple[Any, Callab
         def load() -> str:
             found.append(load_workload(source))
             work = found[0]
-            return f"{work.name} from {work.root} ({work.code.files} files, {len(work.definition.schema.names)} " \
-                "hyperparameters)"  # fmt: skip
+            return (
+                f"{work.name} from {work.root} ({work.code.files} files, {len(work.definition.schema.names)} "
+                "hyperparameters)"
+            )
 
         if not probe.step("gpuferry.yaml", load, "fix what the message names in the workload's gpuferry.yaml"):
             return
@@ -169,8 +188,10 @@ def workload_group(stack: Any, source: str, timeout: float) -> tuple[Any, Callab
         def plan() -> str:
             run = plan_run(found[0], TrainingSpec(), ServingSpec(), PromotionPolicy())
             preflight(stack, run)
-            return f"a run with the defaults fits the stack ({run.resources.nodes} node(s), " \
-                f"{run.resources.gpus_per_node} GPU(s) per node)"  # fmt: skip
+            return (
+                f"a run with the defaults fits the stack ({run.resources.nodes} node(s), "
+                f"{run.resources.gpus_per_node} GPU(s) per node)"
+            )
 
         probe.step("run plan", plan, "change the workload's resources or image, or the stack's backends")
 
@@ -198,18 +219,32 @@ def check(
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON.")] = False,
     prefect: Annotated[bool, typer.Option(help="Check the Prefect server, the pool and a worker.")] = True,
 ) -> None:
-    """Contact every backend of STACK, all at once, and print what works, what does not, and the fix."""
-    from blocks.checks import check_stack
+    """Contact every backend of STACK, all at once, and print what works, what does not, and the fix.
+
+    Example: `gpuferry check hpc --workload . --timeout 30`.
+    """
+    from deployments.prefect_check import prefect_group
 
     started = time.monotonic()
     label, chosen = resolve_stack(stack, file)
-    more = [workload_group(chosen, workload, timeout)] if workload is not None else []
-    rows = check_stack(chosen, timeout=timeout, prefect=prefect, work_pool=pool, more=more)
+    more = [prefect_group(pool, timeout)] if prefect else []
+    if workload is not None:
+        more.append(workload_group(chosen, workload, timeout))
+    rows = chosen.check(timeout=timeout, more=more)
     seconds = time.monotonic() - started
     failed = [r for r in rows if r.failed]
     if as_json:
-        typer.echo(json.dumps({"stack": label, "ok": not failed, "seconds": round(seconds, 2),
-                               "rows": [r.model_dump() for r in rows]}, indent=2))  # fmt: skip
+        typer.echo(
+            json.dumps(
+                {
+                    "stack": label,
+                    "ok": not failed,
+                    "seconds": round(seconds, 2),
+                    "rows": [r.model_dump() for r in rows],
+                },
+                indent=2,
+            )
+        )
     else:
         render_rows(rows)
         verdict = f"{len(failed)} check(s) failed" if failed else "all checks passed"
@@ -222,11 +257,13 @@ def check(
 
 
 def _register() -> None:
-    from deployments import cli_run, skeleton
+    from deployments import cli_operate, cli_run, cli_services, skeleton
 
     app.command("init")(explained(skeleton.init))
     app.command("deploy")(explained(cli_run.deploy))
     app.add_typer(cli_run.run_app, name="run")
+    cli_services.register(app)
+    cli_operate.register(app)
 
 
 _register()
@@ -239,8 +276,16 @@ def main() -> None:
     try:
         app()
     except GpuferryError as exc:  # a problem the blocks explain: say it, without a traceback
+        if DEBUG["on"]:
+            raise
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2 if isinstance(exc, ConfigurationError) else 1)
+    except Exception as exc:
+        message = unreachable(exc)
+        if message is None or DEBUG["on"]:
+            raise
+        typer.echo(f"error: {message}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

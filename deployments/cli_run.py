@@ -19,23 +19,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 import yaml
 
 from blocks.errors import ConfigurationError
-from deployments.cli import DEFAULT_POOL, PoolOption, explained, fail
+from deployments.cli_common import DEFAULT_POOL, PoolOption, StackOption, explained, fail
 
 # The directory holding gpuferry's packages (the checkout, or site-packages when installed): prefect.yaml's
 # entrypoints (flows/retrain.py) are relative to it.
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_FILE = Path(__file__).with_name("prefect.yaml")  # the checkout's prefect.yaml, also in an installed package
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-run_app = typer.Typer(help="Start a run through its deployment (or --local) and follow it to its end.",
-                      no_args_is_help=True)  # fmt: skip
+run_app = typer.Typer(
+    help="Start a run through its deployment (or --local) and follow it to its end.",
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 
 
 # ---- gpuferry deploy ------------------------------------------------------------------------------------
@@ -48,18 +51,22 @@ def workload_source(path_or_url: str) -> str:
 
 def workload_deployments(config: dict[str, Any], sources: list[str], pool: str) -> list[dict[str, Any]]:
     """A retrain and a sweep deployment of each workload, named after it, from prefect.yaml's entrypoints."""
-    from blocks.workload import load_workload
+    from blocks.workload.source import load_workload
 
     entry = {d["entrypoint"].rsplit(":", 1)[1]: d["entrypoint"] for d in config["deployments"]}
     out = []
     for source in sources:
         work = load_workload(source)
         for flow in ("retrain", "sweep"):
-            out.append({
-                "name": work.name, "entrypoint": entry[flow], "work_pool": {"name": pool},
-                "description": f"{flow.capitalize()} {work.name} ({source}) on the stack given in `stack`.",
-                "parameters": {"workload": source, "stack": None},
-            })  # fmt: skip
+            out.append(
+                {
+                    "name": work.name,
+                    "entrypoint": entry[flow],
+                    "work_pool": {"name": pool},
+                    "description": f"{flow.capitalize()} {work.name} ({source}) on the stack given in `stack`.",
+                    "parameters": {"workload": source, "stack": None},
+                }
+            )
     return out
 
 
@@ -76,9 +83,12 @@ def ensure_pool(pool: str) -> None:
             return
         except ObjectNotFound:
             pass
-        client.create_work_pool(WorkPoolCreate(name=pool, type="process",
-                                               base_job_template=ProcessWorker.get_default_base_job_template()))
-    typer.echo(f"created work pool {pool} (process): start a worker on it, `python -m deployments.worker --pool {pool}`")
+        client.create_work_pool(
+            WorkPoolCreate(name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template())
+        )
+    typer.echo(
+        f"created work pool {pool} (process): start a worker on it, `python -m deployments.worker --pool {pool}`"
+    )
 
 
 def register(sources: list[str], pool: str) -> list[str]:
@@ -94,8 +104,13 @@ def register(sources: list[str], pool: str) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="gpuferry-deploy-") as tmp:
         prefect_file = Path(tmp) / "prefect.yaml"
         prefect_file.write_text(yaml.safe_dump(config, sort_keys=False))
-        done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
-                               str(prefect_file)], cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     if done.returncode != 0:
         raise ConfigurationError(f"prefect deploy failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return [f"{_flow_of(d['entrypoint'])}/{d['name']}" for d in config["deployments"]]
@@ -110,18 +125,30 @@ def _flow_of(entrypoint: str) -> str:
 
 
 def deploy(
-    workload: Annotated[list[str] | None, typer.Option("--workload", "-w", help="Register this workload's own "
-                        "retrain and sweep deployments (a path or git+URL@REF#subdirectory=PATH); repeatable.")] = None,
+    workload: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--workload",
+            "-w",
+            help="Register this workload's own "
+            "retrain and sweep deployments (a path or git+URL@REF#subdirectory=PATH); repeatable.",
+        ),
+    ] = None,
     pool: PoolOption = DEFAULT_POOL,
 ) -> None:
-    """Register the deployments with the Prefect server, each workload's with its own parameter form."""
+    """Register the deployments with the Prefect server, each workload's with its own parameter form.
+
+    Example: `gpuferry deploy --workload ./house-prices --pool gpuferry`.
+    """
     from deployments.forms import apply_forms
 
     sources = [workload_source(w) for w in workload or []]
     if not sources and not (REPO / "examples").is_dir():
-        raise ConfigurationError("gpuferry deploy without --workload registers prefect.yaml's deployments, whose "
-                                 "workloads are the examples of a clone of gpuferry: run it in a clone, or name "
-                                 "your workload with --workload DIR")  # fmt: skip
+        raise ConfigurationError(
+            "gpuferry deploy without --workload registers prefect.yaml's deployments, whose "
+            "workloads are the examples of a clone of gpuferry: run it in a clone, or name "
+            "your workload with --workload DIR"
+        )
     names = register(sources, pool)
     if sources:
         formed = apply_forms([n for n in names if n.split("/")[0] in ("retrain", "sweep")])
@@ -196,19 +223,23 @@ def follow(flow_run_id: Any, poll: float = 1.0) -> Any:
             run = client.read_flow_run(flow_run_id)
             state = run.state.name if run.state else "?"
             if state != last_state:
-                typer.echo(f"-- {datetime.now(timezone.utc):%H:%M:%S} {run.name}: {state}")
+                typer.echo(f"-- {datetime.now(UTC):%H:%M:%S} {run.name}: {state}")
                 last_state = state
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), offset=seen,
-                                    sort=LogSort.TIMESTAMP_ASC, limit=200)  # fmt: skip
+            logs = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])),
+                offset=seen,
+                sort=LogSort.TIMESTAMP_ASC,
+                limit=200,
+            )
             for log in logs:
-                typer.echo(f"{log.timestamp:%H:%M:%S} {_level(log.level)} {log.message}")
+                typer.echo(f"{log.timestamp:%H:%M:%S} {level_name(log.level)} {log.message}")
             seen += len(logs)
             if run.state and run.state.type.value in FINAL and len(logs) < 200:
                 return run
             time.sleep(poll)
 
 
-def _level(number: int) -> str:
+def level_name(number: int) -> str:
     import logging
 
     return logging.getLevelName(number)
@@ -220,8 +251,9 @@ def summary(flow_run_id: Any) -> list[str]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-            any_=[flow_run_id])))  # fmt: skip
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     lines = []
     for artifact in artifacts:
         if artifact.key == "retrain-summary" and isinstance(artifact.data, str):
@@ -244,8 +276,16 @@ def deployment_exists(name: str) -> bool:
     return True
 
 
-def start(flow: str, deployment: str | None, default_name: str, parameters: dict[str, Any], *, local: bool,
-          follow_run: bool, pool: str = DEFAULT_POOL) -> None:  # fmt: skip
+def start(
+    flow: str,
+    deployment: str | None,
+    default_name: str,
+    parameters: dict[str, Any],
+    *,
+    local: bool,
+    follow_run: bool,
+    pool: str = DEFAULT_POOL,
+) -> None:
     """Run ``flow`` with ``parameters``: through the deployment (``flow/name``), or in this process.
 
     Without ``deployment``, the workload's own (``flow/<workload name>``) is used, and registered first (with
@@ -253,6 +293,7 @@ def start(flow: str, deployment: str | None, default_name: str, parameters: dict
     if local:
         run_local(flow, parameters)
         return
+    from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment
 
     name = deployment or f"{flow}/{default_name}"
@@ -260,14 +301,18 @@ def start(flow: str, deployment: str | None, default_name: str, parameters: dict
         name = f"{flow}/{name}"
     if not deployment_exists(name):
         if deployment is not None or "workload" not in parameters:
-            raise ConfigurationError(f"no deployment {name!r} on the server: register it (`gpuferry deploy`), or "
-                                     "name another with --deployment")  # fmt: skip
+            raise ConfigurationError(
+                f"no deployment {name!r} on the server: register it (`gpuferry deploy`), or "
+                "name another with --deployment"
+            )
         from deployments.forms import apply_forms
 
         names = register([parameters["workload"]], pool)
         apply_forms(names)
         typer.echo(f"registered {', '.join(names)} on work pool {pool} (`gpuferry deploy --workload` refreshes them)")
-    run = run_deployment(name, parameters=parameters, timeout=0)
+    run = cast(
+        FlowRun, run_deployment(name, parameters=parameters, timeout=0)
+    )  # sync here: Prefect types it as a coroutine too
     typer.echo(f"{run.name}: {ui_link(run.id)}")
     if not follow_run:
         return
@@ -285,39 +330,57 @@ def run_local(flow: str, parameters: dict[str, Any]) -> None:
     from flows.retrain import retrain
     from flows.sweep import sweep
 
-    fn = {"retrain": retrain, "sweep": sweep, "deploy-model": deploy_model}[flow]
+    fn: Any = {"retrain": retrain, "sweep": sweep, "deploy-model": deploy_model}[flow]
     state = fn(**parameters, return_state=True)
     typer.echo(f"{flow}: {ui_link(state.state_details.flow_run_id)}")
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise fail(f"{flow} failed: {result}", 1)
-    from blocks.specs import Endpoint, PipelineResult, SweepResult
+    from blocks.records import Endpoint, PipelineResult, SweepResult
 
     if isinstance(result, SweepResult | PipelineResult):
         pipeline = result.pipeline if isinstance(result, SweepResult) else result
         version = pipeline.model_version
         typer.echo(f"MLflow run: {pipeline.run_url}")
-        typer.echo(f"model version: {version.name} v{version.version} ({version.metric}={version.value:.4g}, "
-                   f"{'promoted' if version.promoted else 'not promoted'})")  # fmt: skip
+        typer.echo(
+            f"model version: {version.name} v{version.version} ({version.metric}={version.value:.4g}, "
+            f"{'promoted' if version.promoted else 'not promoted'})"
+        )
         result = pipeline.endpoint
     typer.echo(f"endpoint: {result.url if isinstance(result, Endpoint) else 'not deployed'}")
 
 
-WorkloadOption = Annotated[str, typer.Option("--workload", "-w", help="The workload (a directory with gpuferry.yaml, "
-                                             "or git+URL@REF#subdirectory=PATH).")]  # fmt: skip
-StackOption = Annotated[str | None, typer.Option("--stack", "-s", help="A saved stack (none: embedded).")]
-DeploymentOption = Annotated[str | None, typer.Option("--deployment", "-d", help="flow/name of the deployment "
-                             "(default: the workload's own, from `gpuferry deploy --workload`).")]  # fmt: skip
+WorkloadOption = Annotated[
+    str,
+    typer.Option(
+        "--workload", "-w", help="The workload (a directory with gpuferry.yaml, or git+URL@REF#subdirectory=PATH)."
+    ),
+]
+DeploymentOption = Annotated[
+    str | None,
+    typer.Option(
+        "--deployment",
+        "-d",
+        help="flow/name of the deployment (default: the workload's own, from `gpuferry deploy --workload`).",
+    ),
+]
 LocalOption = Annotated[bool, typer.Option("--local", help="Run in this process, not through the deployment.")]
 FollowOption = Annotated[bool, typer.Option("--follow/--no-follow", help="Follow the run to its end.")]
 HpOption = Annotated[list[str] | None, typer.Option("--hp", help="A hyperparameter, NAME=VALUE (JSON); repeatable.")]
-ParamOption = Annotated[list[str] | None, typer.Option("--param", "-p", help="Any flow parameter, dotted.path=VALUE "
-                        "(JSON), e.g. training.resources.gpus_per_node=1; repeatable.")]  # fmt: skip
+ParamOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--param",
+        "-p",
+        help="Any flow parameter, dotted.path=VALUE (JSON), e.g. training.resources.gpus_per_node=1; repeatable.",
+    ),
+]
 
 
-def _training_parameters(workload: str, stack: str | None, hp: list[str] | None, param: list[str] | None,
-                         force_deploy: bool) -> tuple[str, dict[str, Any]]:  # fmt: skip
-    from blocks.workload import load_workload
+def _training_parameters(
+    workload: str, stack: str | None, hp: list[str] | None, param: list[str] | None, force_deploy: bool
+) -> tuple[str, dict[str, Any]]:
+    from blocks.workload.source import load_workload
 
     check_stack_name(stack)
     source = workload_source(workload)
@@ -332,25 +395,47 @@ def _training_parameters(workload: str, stack: str | None, hp: list[str] | None,
 
 @run_app.command("retrain")
 @explained
-def run_retrain(workload: WorkloadOption = ".", stack: StackOption = None, deployment: DeploymentOption = None,
-                hp: HpOption = None, param: ParamOption = None, local: LocalOption = False,
-                follow_run: FollowOption = True, pool: PoolOption = DEFAULT_POOL,
-                force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False) -> None:
-    """Train the workload on the stack, register the model, and serve it when it beats the champion."""
+def run_retrain(
+    workload: WorkloadOption = ".",
+    stack: StackOption = None,
+    deployment: DeploymentOption = None,
+    hp: HpOption = None,
+    param: ParamOption = None,
+    local: LocalOption = False,
+    follow_run: FollowOption = True,
+    pool: PoolOption = DEFAULT_POOL,
+    force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False,
+) -> None:
+    """Train the workload on the stack, register the model, and serve it when it beats the champion.
+
+    Example: `gpuferry run retrain --workload . --stack hpc --hp lr=0.01` (add --local to run it here).
+    """
     name, parameters = _training_parameters(workload, stack, hp, param, force_deploy)
     start("retrain", deployment, name, parameters, local=local, follow_run=follow_run, pool=pool)
 
 
 @run_app.command("sweep")
 @explained
-def run_sweep(workload: WorkloadOption = ".", stack: StackOption = None, deployment: DeploymentOption = None,
-              grid: Annotated[list[str] | None, typer.Option("--grid", "-g", help="NAME=V1,V2,... (JSON values); "
-                                                             "repeatable: the grid is their product.")] = None,
-              hp: HpOption = None, param: ParamOption = None, local: LocalOption = False,
-              follow_run: FollowOption = True, pool: PoolOption = DEFAULT_POOL,
-              parallelism: Annotated[int | None, typer.Option(help="Configurations running at once.")] = None,
-              force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False) -> None:
-    """Train every configuration of the grid as one job array and ship the best one."""
+def run_sweep(
+    workload: WorkloadOption = ".",
+    stack: StackOption = None,
+    deployment: DeploymentOption = None,
+    grid: Annotated[
+        list[str] | None,
+        typer.Option("--grid", "-g", help="NAME=V1,V2,... (JSON values); repeatable: the grid is their product."),
+    ] = None,
+    hp: HpOption = None,
+    param: ParamOption = None,
+    local: LocalOption = False,
+    follow_run: FollowOption = True,
+    pool: PoolOption = DEFAULT_POOL,
+    parallelism: Annotated[int | None, typer.Option(help="Configurations running at once.")] = None,
+    force_deploy: Annotated[bool, typer.Option(help="Deploy even when not promoted.")] = False,
+) -> None:
+    """Train every configuration of the grid as one job array and ship the best one.
+
+    Example: `gpuferry run sweep --workload . --stack hpc --grid lr=0.01,0.1 --grid hidden=64,128`.
+    """
     name, parameters = _training_parameters(workload, stack, hp, param, force_deploy)
     values = {}
     for item in grid or []:
@@ -385,13 +470,22 @@ def grid_values(raw: str) -> list[Any]:
 
 @run_app.command("deploy")
 @explained
-def run_deploy(model: Annotated[str, typer.Option("--model", "-m", help="The registered model.")],
-               version: Annotated[str | None, typer.Option(help="The version (default: the alias's).")] = None,
-               alias: Annotated[str, typer.Option(help="The alias used when no version is given.")] = "champion",
-               stack: StackOption = None, local: LocalOption = False, follow_run: FollowOption = True,
-               deployment: Annotated[str, typer.Option("--deployment", "-d", help="flow/name of the deployment.")]
-               = "deploy-model/on-champion") -> None:  # fmt: skip
-    """Serve a registered model version on the stack's serving backend."""
+def run_deploy(
+    model: Annotated[str, typer.Option("--model", "-m", help="The registered model.")],
+    version: Annotated[str | None, typer.Option(help="The version (default: the alias's).")] = None,
+    alias: Annotated[str, typer.Option(help="The alias used when no version is given.")] = "champion",
+    stack: StackOption = None,
+    local: LocalOption = False,
+    follow_run: FollowOption = True,
+    deployment: Annotated[
+        str, typer.Option("--deployment", "-d", help="flow/name of the deployment.")
+    ] = "deploy-model/on-champion",
+) -> None:
+    """Serve a registered model version on the stack's serving backend.
+
+    Example: `gpuferry run deploy --model house-prices --version 3 --stack hpc` (a rollback by hand: the version
+    serves with the shape it recorded).
+    """
     check_stack_name(stack)
     parameters = {"model_name": model, "version": version, "alias": alias, "stack": stack or None}
     start("deploy-model", deployment, "on-champion", parameters, local=local, follow_run=follow_run)
@@ -401,5 +495,7 @@ def run_deploy(model: Annotated[str, typer.Option("--model", "-m", help="The reg
         tracking = load_stack(stack).tracking
         resolved, _ = tracking.resolve_version(model, version, None if version else alias)
         tags = tracking.version_tags(model, resolved)
-        typer.echo(f"model version: {model} v{resolved}: {tags.get('deploy.status', 'no deploy recorded')}, "
-                   f"endpoint {tags.get('deploy.endpoint', '-')}")  # fmt: skip
+        typer.echo(
+            f"model version: {model} v{resolved}: {tags.get('deploy.status', 'no deploy recorded')}, "
+            f"endpoint {tags.get('deploy.endpoint', '-')}"
+        )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 DEFAULT_NAME = "gpuferry: crash flow runs whose heartbeat stopped"
 DEFAULT_WITHIN_S = 360
@@ -30,8 +30,9 @@ DEFAULT_WITHIN_S = 360
 QUIET_STATES = ("Completed", "Failed", "Cancelled", "Crashed", "Paused", "Suspended")
 
 
-def automation(name: str = DEFAULT_NAME, within_s: int = DEFAULT_WITHIN_S,
-               deployment_ids: list[str] | None = None) -> Any:  # fmt: skip
+def automation(
+    name: str = DEFAULT_NAME, within_s: int = DEFAULT_WITHIN_S, deployment_ids: list[str] | None = None
+) -> Any:
     """The automation (not yet registered)."""
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
@@ -43,13 +44,15 @@ def automation(name: str = DEFAULT_NAME, within_s: int = DEFAULT_WITHIN_S,
         raise ValueError(f"within={within_s}: give at least 60 s (runs beat at most every 30 s)")
     related: Any = {}
     if deployment_ids:
-        related = ResourceSpecification({
-            "prefect.resource.id": [f"prefect.deployment.{d}" for d in deployment_ids],
-            "prefect.resource.role": "deployment",
-        })  # fmt: skip
+        related = ResourceSpecification(
+            {
+                "prefect.resource.id": [f"prefect.deployment.{d}" for d in deployment_ids],
+                "prefect.resource.role": "deployment",
+            }
+        )
     return Automation(
         name=name,
-        description="A flow run that stopped sending heartbeats without ending is marked Crashed (its process is gone).",
+        description="A flow run that stopped sending heartbeats without ending is marked Crashed (its process ended).",
         trigger=EventTrigger(
             after={"prefect.flow-run.heartbeat"},
             expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in QUIET_STATES)},
@@ -75,9 +78,9 @@ def ensure(name: str = DEFAULT_NAME, within_s: int = DEFAULT_WITHIN_S, deploymen
 
     wanted = automation(name, within_s, deployment_ids)
     try:
-        existing = Automation.read(name=name)
+        existing = cast(Automation, Automation.read(name=name))  # sync here: Prefect types it as a coroutine too
     except ValueError:  # not registered yet
-        return wanted.create()
+        return cast(Automation, wanted.create())
     wanted.id = existing.id
     wanted.update()
     return wanted
@@ -86,8 +89,12 @@ def ensure(name: str = DEFAULT_NAME, within_s: int = DEFAULT_WITHIN_S, deploymen
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default=DEFAULT_NAME, help="the automation's name (it is updated if it exists)")
-    parser.add_argument("--within", type=int, default=DEFAULT_WITHIN_S,
-                        help="seconds without a heartbeat before a run is crashed (> the runs' heartbeat interval)")  # fmt: skip
+    parser.add_argument(
+        "--within",
+        type=int,
+        default=DEFAULT_WITHIN_S,
+        help="seconds without a heartbeat before a run is crashed (> the runs' heartbeat interval)",
+    )
     parser.add_argument("--deployment", action="append", default=None, help="only this deployment's runs (id)")
     args = parser.parse_args(argv)
     try:

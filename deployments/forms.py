@@ -26,8 +26,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from blocks.hparams import closed
-from blocks.workload import Workload, load_workload
+from blocks.workload.hparams import closed
+from blocks.workload.source import Workload, load_workload
 
 log = logging.getLogger("gpuferry.forms")
 
@@ -93,8 +93,9 @@ def _hyperparameters(workload: Workload) -> tuple[dict[str, Any], dict[str, Any]
     for node in (schema, *definitions.values()):
         _for_the_form(node)
     schema["title"] = f"Hyperparameters of {workload.name}"
-    schema["description"] = (workload.definition.description + " " if workload.definition.description else "") + \
-        "Declared in the workload's gpuferry.yaml; left out: its default."  # fmt: skip
+    schema["description"] = (
+        workload.definition.description + " " if workload.definition.description else ""
+    ) + "Declared in the workload's gpuferry.yaml; left out: its default."
     schema["default"] = workload.definition.schema.defaults
     return schema, definitions
 
@@ -119,15 +120,20 @@ def workload_schema(flow_schema: dict[str, Any], workload: Workload, source: str
         grid["properties"]["values"]["propertyNames"] = {"enum": names}
         declared = closed(workload.definition.schema.schema.get("properties", {}))
         configuration = {
-            "type": "object", "properties": _rewrite_refs(copy.deepcopy(declared), "$defs"), "additionalProperties": False,
-        }  # fmt: skip
+            "type": "object",
+            "properties": _rewrite_refs(copy.deepcopy(declared), "$defs"),
+            "additionalProperties": False,
+        }
         _for_the_form(configuration)
         grid["properties"]["configurations"]["items"] = configuration
     properties["workload"] = {
-        **properties.get("workload", {}), "type": "string", "enum": [source], "default": source,
+        **properties.get("workload", {}),
+        "type": "string",
+        "enum": [source],
+        "default": source,
         "description": f"This deployment trains {workload.name} ({source}); its form follows that workload's "
         "gpuferry.yaml. Another workload gets a deployment of its own.",
-    }  # fmt: skip
+    }
     # The deployment supplies it: not required of the run form, so the UI's Quick run starts a run at once
     # (the UI opens the parameters dialog for a schema with required fields).
     out["required"] = [name for name in out.get("required", []) if name != "workload"]
@@ -172,11 +178,17 @@ def apply_forms(deployments: Iterable[str] = ()) -> list[str]:
             workload = load_workload(source)
             flow_schema = schemas.setdefault(flow_name, _flow_schema(flow_name))
             schema = workload_schema(flow_schema, workload, source)
-            client.update_deployment(deployment.id, DeploymentUpdate(parameter_openapi_schema=schema,
-                                                                     enforce_parameter_schema=True))  # fmt: skip
+            client.update_deployment(
+                deployment.id, DeploymentUpdate(parameter_openapi_schema=schema, enforce_parameter_schema=True)
+            )
             updated.append(f"{flow_name}/{deployment.name}")
-            log.info("%s/%s: the form of %s (%d hyperparameters)", flow_name, deployment.name, workload.name,
-                     len(workload.definition.schema.names))  # fmt: skip
+            log.info(
+                "%s/%s: the form of %s (%d hyperparameters)",
+                flow_name,
+                deployment.name,
+                workload.name,
+                len(workload.definition.schema.names),
+            )
     return updated
 
 
@@ -187,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.print_schema:
-        print(json.dumps(workload_schema(_flow_schema("retrain"), load_workload(args.print_schema), args.print_schema),
-                         indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                workload_schema(_flow_schema("retrain"), load_workload(args.print_schema), args.print_schema), indent=2
+            )
+        )
         return 0
     updated = apply_forms(args.deployment)
     print(f"{len(updated)} deployment(s) now have their workload's form: {', '.join(updated) or 'none'}")

@@ -6,7 +6,7 @@ runs, for hours or days. This watcher finds those runs through the Prefect API (
 label ``gpuferry.wait.job``), polls their jobs with one batched ``ComputeBackend.poll`` per stack,
 and, for each job that ended, emits ``gpuferry.training_job.ended`` and resumes the run. The resumed
 run reads the job's result and goes on. Time in the queue and requeues never end a wait. What does
-besides the job's end (``blocks/watchdog.py``): a job the backend has lost (no record of it for the
+besides the job's end (``blocks/base/watchdog.py``): a job the backend has lost (no record of it for the
 stack's ``lost_job_grace_seconds``), and an attempt that ran past the job's time limit on a backend that
 does not enforce it itself (the job is cancelled). Then the watcher labels the run with the reason
 (``gpuferry.wait.verdict``) and resumes it, and the run fails with that reason.
@@ -28,13 +28,18 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from blocks.compute import ComputeBackend
+from blocks.base.compute import ComputeBackend
+from blocks.base.watchdog import Watchdog
 from blocks.errors import JobFailed
-from blocks.specs import JobStatus
-from blocks.watchdog import Watchdog
-from tasks.waiting import (  # noqa: F401 (re-exported)
-    JOB_LABEL, STACK_LABEL, Waiting, record_verdict, register_wait, waiting_from,
-)  # fmt: skip
+from blocks.records import JobStatus
+from tasks.waiting import (  # noqa: F401 - re-exported
+    JOB_LABEL,
+    STACK_LABEL,
+    Waiting,
+    record_verdict,
+    register_wait,
+    waiting_from,
+)
 
 log = logging.getLogger("gpuferry.job_watcher")
 
@@ -53,9 +58,12 @@ def read_waiting(page_size: int = 200) -> list[Waiting]:
     )
     from prefect.client.schemas.objects import StateType
 
-    flt = FlowRunFilter(state=FlowRunFilterState(
-        type=FlowRunFilterStateType(any_=[StateType.PAUSED]), name=FlowRunFilterStateName(any_=[SUSPENDED]),
-    ))  # fmt: skip
+    flt = FlowRunFilter(
+        state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.PAUSED]),
+            name=FlowRunFilterStateName(any_=[SUSPENDED]),
+        )
+    )
     found: list[Waiting] = []
     with get_client(sync_client=True) as client:
         offset = 0
@@ -74,10 +82,18 @@ def resume(waiting: Waiting, status: JobStatus) -> bool:
 
     emit_event(
         event=ENDED_EVENT,
-        resource={"prefect.resource.id": f"gpuferry.training-job.{waiting.handle.job_id}",
-                  "backend": waiting.handle.backend, "state": status.state},  # fmt: skip
-        related=[{"prefect.resource.id": f"prefect.flow-run.{waiting.flow_run_id}", "prefect.resource.role": "flow-run",
-                  "prefect.resource.name": waiting.flow_run_name}],  # fmt: skip
+        resource={
+            "prefect.resource.id": f"gpuferry.training-job.{waiting.handle.job_id}",
+            "backend": waiting.handle.backend,
+            "state": status.state,
+        },
+        related=[
+            {
+                "prefect.resource.id": f"prefect.flow-run.{waiting.flow_run_id}",
+                "prefect.resource.role": "flow-run",
+                "prefect.resource.name": waiting.flow_run_name,
+            }
+        ],
         payload={"exit_code": status.exit_code, "reason": status.reason, "stack": waiting.stack},
     )
     with get_client(sync_client=True) as client:
@@ -93,7 +109,7 @@ def give_up(waiting: Waiting, failure: JobFailed) -> bool:
     which its resumed train step raises, then resume it as for an ended job."""
     record_verdict(waiting.flow_run_id, waiting.handle, failure)
     state = failure.state if failure.state in ("FAILED", "TIMEOUT") else "FAILED"
-    return resume(waiting, JobStatus(job_id=waiting.handle.job_id, state=state, reason=str(failure)[:2000]))  # type: ignore[arg-type]
+    return resume(waiting, JobStatus(job_id=waiting.handle.job_id, state=state, reason=str(failure)[:2000]))
 
 
 class JobWatcher:
@@ -133,8 +149,10 @@ class JobWatcher:
             try:
                 compute = self.compute(stack)
                 statuses = compute.poll([w.handle for w in group])
-            except Exception:  # noqa: BLE001 - one stack's outage must not stop the others; retried next round
-                log.exception("polling %d jobs of stack %r failed; retrying next round", len(group), stack or "embedded")
+            except Exception:  # one stack's outage must not stop the others; retried next round
+                log.exception(
+                    "polling %d jobs of stack %r failed; retrying next round", len(group), stack or "embedded"
+                )
                 self._computes.pop(stack, None)
                 watching.update((w.flow_run_id, w.handle.job_id) for w in group)  # their clocks go on
                 continue
@@ -144,8 +162,9 @@ class JobWatcher:
                 if status is None:
                     continue
                 if status.terminal:
-                    log.info("job %s of %s ended %s: resuming it", waiting.handle.job_id, waiting.flow_run_name,
-                             status.state)  # fmt: skip
+                    log.info(
+                        "job %s of %s ended %s: resuming it", waiting.handle.job_id, waiting.flow_run_name, status.state
+                    )
                     self.on_ended(waiting, status)
                     ended.append(waiting)
                     continue
@@ -170,13 +189,13 @@ class JobWatcher:
             started = time.monotonic()
             try:
                 self.poll_once()
-            except Exception:  # noqa: BLE001 - the Prefect API hiccuped; the next round retries
+            except Exception:  # the Prefect API hiccuped; the next round retries
                 log.exception("watch round failed; retrying in %.0f s", interval_seconds)
             time.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
 
 
 def _stack_compute(stack: str) -> ComputeBackend:
-    from flows.retrain import load_stack
+    from blocks.stack import load_stack
 
     return load_stack(stack or None).compute
 

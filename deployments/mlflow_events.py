@@ -17,7 +17,7 @@ observed transition), so the Prefect server drops a resent copy of the same even
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 ALIAS_SET = "mlflow.model_version.alias_set"
@@ -53,8 +53,9 @@ def alias_set_event(
     }
 
 
-def version_created_event(model: str, version: str, *, stack: str, via: str, id_parts: tuple[str, ...],
-                          **payload: Any) -> dict[str, Any]:  # fmt: skip
+def version_created_event(
+    model: str, version: str, *, stack: str, via: str, id_parts: tuple[str, ...], **payload: Any
+) -> dict[str, Any]:
     return {
         "event": VERSION_CREATED,
         "resource": {
@@ -95,7 +96,7 @@ def recently_emitted(model: str, version: str, alias: str, within: timedelta) ->
     )
     from prefect.events.schemas.events import ResourceSpecification
 
-    since = datetime.now(timezone.utc) - within
+    since = datetime.now(UTC) - within
     flt = EventFilter(
         occurred=EventOccurredFilter(since=since),
         event=EventNameFilter(name=[ALIAS_SET]),

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,9 @@ from deployments.webhook import model_selected
 log = logging.getLogger("gpuferry.poll_registry")
 
 
-def changes(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]]) -> list[tuple[str, str, str, str | None]]:
+def changes(
+    before: dict[str, dict[str, str]], after: dict[str, dict[str, str]]
+) -> list[tuple[str, str, str, str | None]]:
     """``(model, alias, version, previous_version)`` for every alias that is new or moved (pure)."""
     out = []
     for model, aliases in sorted(after.items()):
@@ -78,8 +80,12 @@ class RegistryPoller:
             return None
         state = json.loads(self.state_file.read_text())
         if state.get("tracking_uri") != self.tracking_uri:
-            log.warning("%s was written for %s, not %s: starting afresh", self.state_file, state.get("tracking_uri"),
-                        self.tracking_uri)  # fmt: skip
+            log.warning(
+                "%s was written for %s, not %s: starting afresh",
+                self.state_file,
+                state.get("tracking_uri"),
+                self.tracking_uri,
+            )
             return None
         return state["aliases"]
 
@@ -93,7 +99,7 @@ class RegistryPoller:
 
     def poll_once(self) -> list[dict[str, Any]]:
         """Read the registry once; emit an event for every alias that moved. Returns the emitted events."""
-        started = datetime.now(timezone.utc)
+        started = datetime.now(UTC)
         now = {m: a for m, a in self.read_aliases().items() if model_selected(m, self.models)}
         if self.aliases is not None:
             now = {m: {a: v for a, v in al.items() if a in self.aliases} for m, al in now.items()}
@@ -109,10 +115,14 @@ class RegistryPoller:
                 log.info("%s %s → v%s was already reported (webhook): not emitted again", model, alias, version)
                 continue
             spec = mlflow_events.alias_set_event(
-                model, version, alias, stack=self.stack, via="poll",
+                model,
+                version,
+                alias,
+                stack=self.stack,
+                via="poll",
                 id_parts=("mlflow-poll", self.tracking_uri, model, alias, version, previous or ""),
                 previous_version=previous,
-            )  # fmt: skip
+            )
             self.emit(spec)
             emitted.append(spec)
             log.info("%s %s: v%s → v%s, emitted %s", model, alias, previous, version, spec["event"])
@@ -135,14 +145,14 @@ class RegistryPoller:
             started = time.monotonic()
             try:
                 self.poll_once()
-            except Exception:  # noqa: BLE001 - the registry or Prefect hiccuped; the next poll retries
+            except Exception:  # the registry or Prefect hiccuped; the next poll retries
                 log.exception("poll failed; retrying in %.0f s", interval_seconds)
             time.sleep(max(0.0, interval_seconds - (time.monotonic() - started)))
 
 
 def for_stack(stack: str = "", **kwargs: Any) -> RegistryPoller:
     """A poller of the MLflow registry of the saved Stack block ``stack`` ('' = the embedded stack)."""
-    from flows.retrain import load_stack
+    from blocks.stack import load_stack
 
     tracking = load_stack(stack or None).tracking
     return RegistryPoller(tracking.alias_map, tracking_uri=tracking.tracking_uri, stack=stack, **kwargs)
@@ -156,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", help="only models matching this pattern (repeatable; default all)")
     parser.add_argument("--alias", action="append", help="only these aliases (repeatable; default all)")
     parser.add_argument("--emit-initial", action="store_true", help="also emit what the first poll sees")
-    parser.add_argument("--dedupe-seconds", type=float, default=300,
-                        help="skip a change the webhook reported this recently (0: never skip)")  # fmt: skip
+    parser.add_argument(
+        "--dedupe-seconds",
+        type=float,
+        default=300,
+        help="skip a change the webhook reported this recently (0: never skip)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -165,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
 
     state = args.state_file or gpuferry_home() / "poll-registry" / f"{args.stack or 'embedded'}.json"
     poller = for_stack(
-        args.stack, state_file=state, aliases=set(args.alias) if args.alias else None, models=args.model,
+        args.stack,
+        state_file=state,
+        aliases=set(args.alias) if args.alias else None,
+        models=args.model,
         emit_initial=args.emit_initial,
         dedupe_window=timedelta(seconds=args.dedupe_seconds) if args.dedupe_seconds else None,
-    )  # fmt: skip
+    )
     try:
         poller.run(args.interval)
     except KeyboardInterrupt:

@@ -41,12 +41,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from deployments import mlflow_events
 
 if TYPE_CHECKING:
-    from blocks.tracking import MlflowTracking
+    from blocks.tracking.mlflow import MlflowTracking
 
 log = logging.getLogger("gpuferry.webhook")
 
@@ -93,8 +93,11 @@ def verify(
     delivery_id = headers.get(DELIVERY_HEADER)
     timestamp = headers.get(TIMESTAMP_HEADER)
     if not signature or not delivery_id or not timestamp:
-        missing = [h for h, v in ((SIGNATURE_HEADER, signature), (DELIVERY_HEADER, delivery_id),
-                                  (TIMESTAMP_HEADER, timestamp)) if not v]  # fmt: skip
+        missing = [
+            h
+            for h, v in ((SIGNATURE_HEADER, signature), (DELIVERY_HEADER, delivery_id), (TIMESTAMP_HEADER, timestamp))
+            if not v
+        ]
         raise Rejected(401, f"unsigned request: missing {', '.join(missing)}")
     if not timestamp.isdigit():
         raise Rejected(400, f"{TIMESTAMP_HEADER} is not a unix timestamp")
@@ -141,9 +144,15 @@ def event_for(
         if not (name and version):
             raise Rejected(400, "model_version payload needs name and version")
         return mlflow_events.version_created_event(
-            str(name), str(version), stack=stack, via="webhook", id_parts=ids, delivery_id=delivery_id,
-            source=data.get("source"), run_id=data.get("run_id"),
-        )  # fmt: skip
+            str(name),
+            str(version),
+            stack=stack,
+            via="webhook",
+            id_parts=ids,
+            delivery_id=delivery_id,
+            source=data.get("source"),
+            run_id=data.get("run_id"),
+        )
     return None
 
 
@@ -240,7 +249,7 @@ def load_secret(block: str | None = None, file: str | None = None, env: str = SE
     if block:
         from prefect.blocks.system import Secret
 
-        value = Secret.load(block).get()
+        value = cast(Secret, Secret.load(block)).get()  # sync here: Prefect types it as a coroutine too
     elif file:
         value = Path(file).read_text().strip()
     else:
@@ -289,8 +298,8 @@ def unregister_webhook(tracking: MlflowTracking, name: str = DEFAULT_WEBHOOK_NAM
 def stack_tracking(stack: str, tracking_uri: str | None = None) -> MlflowTracking:
     """The tracking block of the saved Stack block ``stack`` ('' = the embedded stack), at ``tracking_uri``
     when given (another address of the same server: the block's login goes with it)."""
-    from blocks.tracking import is_server
-    from flows.retrain import load_stack
+    from blocks.stack import load_stack
+    from blocks.tracking.uris import is_server
 
     tracking = load_stack(stack or None).tracking
     if tracking_uri:
@@ -314,9 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", help="only models matching this pattern (repeatable; default all)")
     parser.add_argument("--webhook-name", default=DEFAULT_WEBHOOK_NAME, help="name of the webhook in MLflow")
     parser.add_argument("--tolerance-seconds", type=float, default=300)
-    parser.add_argument("--register", metavar="TRACKING_URI", nargs="?", const="",
-                        help="create/update the webhook first, in the MLflow of --stack's tracking block and with its "
-                        "login (TRACKING_URI: another address of that server)")
+    parser.add_argument(
+        "--register",
+        metavar="TRACKING_URI",
+        nargs="?",
+        const="",
+        help="create/update the webhook first, in the MLflow of --stack's tracking block and with its "
+        "login (TRACKING_URI: another address of that server)",
+    )
     parser.add_argument("--public-url", help="URL MLflow calls (default http://HOST:PORT/mlflow)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -331,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
 
     uvicorn.run(
         build_app(secret, stack=args.stack, models=args.model, tolerance_seconds=args.tolerance_seconds),
-        host=args.host, port=args.port, log_level="warning",
-    )  # fmt: skip
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+    )
     mlflow_events.flush()
     return 0
 

@@ -70,8 +70,9 @@ def standby(preload: list[str]) -> None:
     sys.path.insert(0, str(root))
     failed: BaseException | None = None
     try:
-        import prefect.engine  # noqa: F401 - the engine's own imports
-        import prefect.flow_engine  # noqa: F401
+        # Prefect's engine and its own imports, loaded before the order comes (that is the standby's head start).
+        import prefect.engine
+        import prefect.flow_engine  # noqa: F401 - imported for what it loads
 
         for name in preload:
             importlib.import_module(name)
@@ -79,7 +80,9 @@ def standby(preload: list[str]) -> None:
         failed = exc
     files = _project_files(root)
     if failed is None:
-        print(f"standby process {os.getpid()}: ready ({len(files)} project modules imported)", file=sys.stderr, flush=True)
+        print(
+            f"standby process {os.getpid()}: ready ({len(files)} project modules imported)", file=sys.stderr, flush=True
+        )
 
     line = sys.stdin.readline()
     if not line:
@@ -101,10 +104,9 @@ def standby(preload: list[str]) -> None:
     os.environ.update(env)
     sys.argv = [sys.argv[0]]
     # Settings read from the environment again, as Prefect's own in-process starter does.
-    with SettingsContext(profile=get_settings_context().profile, settings=Settings()):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*found in sys.modules.*")
-            runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+    with SettingsContext(profile=get_settings_context().profile, settings=Settings()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*found in sys.modules.*")
+        runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 
 
 # ---- the worker ----
@@ -130,8 +132,9 @@ def _worker_classes() -> tuple[type, type]:
 
         async def spawn(self) -> anyio.abc.Process:
             argv = [sys.executable, "-m", "deployments.worker", STANDBY_FLAG, *self.preload]
-            return await anyio.open_process(argv, stdin=subprocess.PIPE, stdout=None, stderr=None, cwd=self.cwd,
-                                            start_new_session=False)  # fmt: skip
+            return await anyio.open_process(
+                argv, stdin=subprocess.PIPE, stdout=None, stderr=None, cwd=self.cwd, start_new_session=False
+            )
 
         async def take(self, task_group: anyio.abc.TaskGroup) -> anyio.abc.Process:
             process, self.ready = self.ready, None
@@ -158,8 +161,14 @@ def _worker_classes() -> tuple[type, type]:
     class StandbyStarter:
         """A ProcessStarter (as Prefect's EngineCommandStarter) whose process is a standby."""
 
-        def __init__(self, standbys: Standbys, task_group: anyio.abc.TaskGroup, cwd: Path,
-                     env: dict[str, str | None], control_channel: Any) -> None:  # fmt: skip
+        def __init__(
+            self,
+            standbys: Standbys,
+            task_group: anyio.abc.TaskGroup,
+            cwd: Path,
+            env: dict[str, str | None],
+            control_channel: Any,
+        ) -> None:
             self.standbys = standbys
             self.task_group = task_group
             self.cwd = cwd
@@ -178,17 +187,20 @@ def _worker_classes() -> tuple[type, type]:
                     pass  # no loopback listener: cancellation falls back to killing the process
             env: dict[str, str | None] = {**os.environ, **self.env}
             env.update(get_current_settings().to_environment_variables(exclude_unset=True))
-            env.update({
-                "PREFECT__FLOW_RUN_ID": str(flow_run.id),
-                "PREFECT__ENABLE_CANCELLATION_AND_CRASHED_HOOKS": "false",
-                "PREFECT__DEPLOYMENT_NAME": self.env.get("PREFECT__DEPLOYMENT_NAME"),
-                **control,
-            })  # fmt: skip
+            env.update(
+                {
+                    "PREFECT__FLOW_RUN_ID": str(flow_run.id),
+                    "PREFECT__ENABLE_CANCELLATION_AND_CRASHED_HOOKS": "false",
+                    "PREFECT__DEPLOYMENT_NAME": self.env.get("PREFECT__DEPLOYMENT_NAME"),
+                    **control,
+                }
+            )
             order = json.dumps({"env": sanitize_subprocess_env(env), "cwd": str(self.cwd)}) + "\n"
             handed_off = False
             try:
                 process = await self.standbys.take(self.task_group)
                 async with process:
+                    assert process.stdin is not None  # the standby was started with a pipe for its order
                     await process.stdin.send(order.encode())
                     await process.stdin.aclose()
                     handed_off = True
@@ -202,8 +214,9 @@ def _worker_classes() -> tuple[type, type]:
     class StandbyProcessWorker(ProcessWorker):
         _description = "Process worker whose flow-run processes are started, and their imports done, ahead of the run."
 
-        def __init__(self, *args: Any, preload: list[str], code_dir: Path, respawn_delay: float = 3.0,
-                     **kwargs: Any) -> None:  # fmt: skip
+        def __init__(
+            self, *args: Any, preload: list[str], code_dir: Path, respawn_delay: float = 3.0, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
             self._standbys = Standbys(preload, code_dir, respawn_delay)
             self._standby_group: anyio.abc.TaskGroup | None = None
@@ -223,8 +236,9 @@ def _worker_classes() -> tuple[type, type]:
             finally:
                 await super().teardown(*exc_info)
 
-        async def run(self, flow_run: Any, configuration: ProcessJobConfiguration,
-                      task_status: Any = None) -> ProcessWorkerResult:  # fmt: skip
+        async def run(
+            self, flow_run: Any, configuration: ProcessJobConfiguration, task_status: Any = None
+        ) -> ProcessWorkerResult:
             if configuration._command_configured or self._standby_group is None:
                 return await super().run(flow_run, configuration, task_status)
             if task_status is None:
@@ -237,8 +251,13 @@ def _worker_classes() -> tuple[type, type]:
             execution = None
             with working_dir_ctx as working_dir:
                 async with FlowRunExecutorContext() as ctx:
-                    starter = StandbyStarter(self._standbys, self._standby_group, Path(working_dir).resolve(),
-                                             configuration.env, ctx.control_channel)  # fmt: skip
+                    starter = StandbyStarter(
+                        self._standbys,
+                        self._standby_group,
+                        Path(working_dir).resolve(),
+                        configuration.env,
+                        ctx.control_channel,
+                    )
                     executor = ctx.create_executor(
                         flow_run, starter, resolve_flow=load_flow_from_flow_run, propose_submitting=False
                     )
@@ -274,13 +293,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pool", required=True, help="the process work pool to serve (created when missing)")
     parser.add_argument("--name", default=None, help="the worker's name (default: Prefect's)")
-    parser.add_argument("--preload", nargs="*", default=list(DEFAULT_PRELOAD),
-                        help="modules the standby process imports ahead of a run (default: the project's flows)")  # fmt: skip
-    parser.add_argument("--code-dir", default=os.environ.get("GPUFERRY_CODE_DIR") or os.getcwd(),
-                        help="directory the preload modules are imported from (default: $GPUFERRY_CODE_DIR, else cwd)")  # fmt: skip
+    parser.add_argument(
+        "--preload",
+        nargs="*",
+        default=list(DEFAULT_PRELOAD),
+        help="modules the standby process imports ahead of a run (default: the project's flows)",
+    )
+    parser.add_argument(
+        "--code-dir",
+        default=os.environ.get("GPUFERRY_CODE_DIR") or os.getcwd(),
+        help="directory the preload modules are imported from (default: $GPUFERRY_CODE_DIR, else cwd)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="most flow runs at once")
-    parser.add_argument("--respawn-delay", type=float, default=3.0,
-                        help="seconds after a hand-off before the next standby starts importing")  # fmt: skip
+    parser.add_argument(
+        "--respawn-delay",
+        type=float,
+        default=3.0,
+        help="seconds after a hand-off before the next standby starts importing",
+    )
     args = parser.parse_args(argv)
     code_dir = Path(args.code_dir).resolve()
     if not code_dir.is_dir():
@@ -291,8 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     worker_class = _standby_worker_class()
 
     async def serve() -> None:
-        worker = worker_class(work_pool_name=args.pool, name=args.name, limit=args.limit,
-                              preload=args.preload, code_dir=code_dir, respawn_delay=args.respawn_delay)  # fmt: skip
+        worker = worker_class(
+            work_pool_name=args.pool,
+            name=args.name,
+            limit=args.limit,
+            preload=args.preload,
+            code_dir=code_dir,
+            respawn_delay=args.respawn_delay,
+        )
         await worker.start()
 
     anyio.run(serve)

@@ -1,7 +1,7 @@
 """``make demo``: the whole pipeline on the embedded stack for one workload, then a request to its endpoint.
 
-    python -m flows.demo WORKLOAD        # train, store, register and serve WORKLOAD (a directory with gpuferry.yaml)
-    python -m flows.demo stop WORKLOAD   # stop the server it left running
+python -m flows.demo WORKLOAD        # train, store, register and serve WORKLOAD (a directory with gpuferry.yaml)
+python -m flows.demo stop WORKLOAD   # stop the server it left running
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import sys
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-import httpx  # noqa: E402
+import httpx
 
-from blocks.home import gpuferry_home  # noqa: E402
-from blocks.workload import load_workload  # noqa: E402
-from flows.retrain import load_stack, retrain  # noqa: E402
+from blocks.home import gpuferry_home
+from blocks.stack import load_stack
+from blocks.workload.source import load_workload
+from flows.retrain import retrain
 
 USAGE = "usage: python -m flows.demo [stop] WORKLOAD"
 

@@ -14,17 +14,27 @@ from urllib.parse import urlparse
 
 from prefect import flow, get_run_logger
 
+from blocks.base.serving import Release
 from blocks.errors import ConfigurationError
-from blocks.plan import IMAGE_TAG, IMAGE_WORKDIR_TAG, INPUT_EXAMPLE_TAG, SERVER_TAG, SERVICE_TAG, server_of
-from blocks.serving import Release
-from blocks.specs import Endpoint, ImageRef, ServerSpec, ServingSpec
-from blocks.stack import Stack
-from flows.retrain import check_images_for_serving, load_stack
+from blocks.plan import (
+    IMAGE_TAG,
+    IMAGE_WORKDIR_TAG,
+    INPUT_EXAMPLE_TAG,
+    SERVER_TAG,
+    SERVICE_TAG,
+    SERVING_TAG,
+    check_images_for_serving,
+    server_of,
+)
+from blocks.records import Endpoint, ImageRef, ServerSpec
+from blocks.specs import ServingShape, ServingSpec
+from blocks.stack import Stack, load_stack, saved_name
 from flows.ship import deploy_and_record
 from tasks.build import build_image
 from tasks.provision import with_host_gpus
 from tasks.registry import resolve_version, version_tags
 from tasks.upload import model_serving_example
+from tasks.waiting import RUN_STACK_LABEL, label_run
 from tasks.workload import load
 
 # What the serving backends can load (runtime/contract.py: MODEL_URI).
@@ -44,14 +54,16 @@ def deploy_model(
     """Deploy ``model_name`` at ``version`` (or the version ``alias`` points at) on the stack's serving backend.
 
     A version that gpuferry registered says how it is served (service name, server, the image it was
-    trained in); the smoke request is the model's own serving input example.
+    trained in, the service's shape: replicas, GPUs, CPU and memory); the smoke request is the model's own
+    serving input example.
 
     Args:
         model_name: registered model name in the stack's MLflow registry.
         version: the version to deploy; empty: the version ``alias`` points at.
         alias: registry alias used when ``version`` is empty.
         stack: a saved ``Stack`` block, or its name (empty: embedded).
-        serving: how the inference service runs (service name, smoke request: empty means the version's own).
+        serving: how the inference service runs; each field it sets overrides what the version recorded (a
+            rollback by hand serves the older version as it was registered unless this says otherwise).
         skip_if_moved: with both ``version`` and ``alias`` given, deploy nothing when the alias no
             longer points at ``version`` (an event that arrives after a newer one is stale).
         workload: the workload to take the server and the image from, for a version registered without
@@ -62,6 +74,7 @@ def deploy_model(
     if not version and not alias:
         raise ConfigurationError("version and alias are both empty: give one of them")
     blocks = load_stack(stack)
+    label_run({RUN_STACK_LABEL: saved_name(stack)})
     check_images_for_serving(blocks)
     blocks = with_host_gpus(blocks)  # a Docker host chooses the server's GPUs from its provider's inventory
 
@@ -70,8 +83,11 @@ def deploy_model(
         if current != str(version):
             get_run_logger().info(
                 "%s: alias %r now points at v%s, not v%s: this event is stale, nothing deployed",
-                model_name, alias, current, version,
-            )  # fmt: skip
+                model_name,
+                alias,
+                current,
+                version,
+            )
             return None
     resolved, source = resolve_version(blocks.tracking, model_name, version or None, alias or None)
     check_source(model_name, resolved, source)
@@ -87,9 +103,16 @@ def deploy_model(
     else:
         image = ImageRef(builder="none", content_tag="", note="no image recorded on the version")
     server = _server(tags, work, image)
-    service = serving.service_name or tags.get(SERVICE_TAG) or (work.definition.service_name if work else None) \
-        or model_name  # fmt: skip
-    spec = serving.model_copy(update={"service_name": service})
+    service = (
+        serving.service_name or tags.get(SERVICE_TAG) or (work.definition.service_name if work else None) or model_name
+    )
+    # The shape the version recorded (else its workload's), and over it what this run's serving sets.
+    declared = (
+        ServingShape.model_validate_json(tags[SERVING_TAG])
+        if tags.get(SERVING_TAG)
+        else (work.definition.serve.shape() if work else None)
+    )
+    spec = serving.over(declared).model_copy(update={"service_name": service})
     blocks.serving.validate(spec)
     smoke = spec.smoke_request or model_serving_example(blocks.storage, source)
     if smoke is None and INPUT_EXAMPLE_TAG in tags:
@@ -102,9 +125,14 @@ def deploy_model(
             "request the new version must answer; pass serving.smoke_request"
         )
     release = Release(
-        model_name=model_name, version=resolved, model_uri=source, image=image if image.reference else None,
-        server=server, checkpoint_sha256=tags.get("checkpoint_sha256"), store_env=blocks.storage.reader_env(),
-    )  # fmt: skip
+        model_name=model_name,
+        version=resolved,
+        model_uri=source,
+        image=image if image.reference else None,
+        server=server,
+        checkpoint_sha256=tags.get("checkpoint_sha256"),
+        store_env=blocks.storage.reader_env(),
+    )
     endpoint = deploy_and_record(blocks, spec.model_copy(update={"smoke_request": smoke}), release)
     if endpoint.detail.get("changed") is False:
         get_run_logger().info("%s v%s already serves at %s: nothing changed", model_name, resolved, endpoint.url)
@@ -121,7 +149,7 @@ def _needs_workload(tags: dict[str, str], image: str | None) -> bool:
 
 def _server(tags: dict[str, str], work: object, image: ImageRef) -> ServerSpec:
     """What serves the version: as recorded on it, else its workload's, else gpuferry's MLflow model server."""
-    from blocks.workload import Workload
+    from blocks.workload.source import Workload
 
     if isinstance(work, Workload):
         return server_of(work, image)

@@ -10,11 +10,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.runtime import flow_run
 
+from blocks.base.provider import NodeRequirements
 from blocks.errors import ConfigurationError
-from blocks.provision import NodeRequirements
-from blocks.specs import Node
-from blocks.stack import Stack
-from flows.retrain import load_stack
+from blocks.records import Node
+from blocks.stack import Stack, load_stack
 from tasks.provision import provision_nodes, release_nodes
 
 

@@ -9,20 +9,34 @@ reason) or ``failed`` (the error). A deploy that did not serve the new version s
 
 from __future__ import annotations
 
+import json
 import posixpath
+import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from blocks.base.serving import DeployOutcome, Release
 from blocks.plan import RunPlan, server_of
-from blocks.serving import DeployOutcome, Release
-from blocks.specs import CheckpointRef, Endpoint, ImageRef, JobResult, ModelVersionRef, ServingSpec, SweepTaskResult
+from blocks.records import (
+    CheckpointRef,
+    Endpoint,
+    ImageRef,
+    JobResult,
+    ModelVersionRef,
+    PipelineResult,
+    SweepTaskResult,
+)
+from blocks.specs import ServingSpec
 from blocks.stack import Stack
 from runtime import contract
 from tasks.deploy import deploy
 from tasks.track import log_run, record_deploy, register_model
 from tasks.upload import inspect_model, serving_example, store_model
+from tasks.waiting import RUN_MODEL_LABEL, label_run
 
 
 class Shipped(NamedTuple):
@@ -52,24 +66,39 @@ def ship(
     run.check_model(model, final_dir)  # before anything is stored or registered
     checkpoint = store_model(blocks.compute, blocks.storage, final_dir, f"{run.model_name}/{run_id}")
     log_run(
-        blocks.tracking, run_id,
-        metrics={"gpu_hours": trained.gpu_hours, "cpu_hours": trained.cpu_hours, "requeues": trained.requeues,
-                 "train_wall_seconds": trained.wall_seconds},
-        tags={"checkpoint_uri": checkpoint.uri, "checkpoint_sha256": checkpoint.sha256,
-              "checkpoint_size_bytes": str(checkpoint.size_bytes), "mlflow_model.flavors": ",".join(model.flavors)},
-    )  # fmt: skip
-    version = register_model(blocks.tracking, run_id, run.model_name, checkpoint, run.promotion, value,
-                             run.version_tags(image))  # fmt: skip
+        blocks.tracking,
+        run_id,
+        metrics={
+            "gpu_hours": trained.gpu_hours,
+            "cpu_hours": trained.cpu_hours,
+            "requeues": trained.requeues,
+            "train_wall_seconds": trained.wall_seconds,
+        },
+        tags={
+            "checkpoint_uri": checkpoint.uri,
+            "checkpoint_sha256": checkpoint.sha256,
+            "checkpoint_size_bytes": str(checkpoint.size_bytes),
+            "mlflow_model.flavors": ",".join(model.flavors),
+        },
+    )
+    version = register_model(
+        blocks.tracking, run_id, run.model_name, checkpoint, run.promotion, value, run.version_tags(image)
+    )
+    label_run({RUN_MODEL_LABEL: f"{version.name} v{version.version} {version.metric}={value:.4g}"})
     endpoint = None
     if version.promoted or force_deploy:
         smoke = run.serving.smoke_request
         if smoke is None and model.serving_example:
             smoke = serving_example(blocks.storage, checkpoint.uri, model.serving_example)
         release = Release(
-            model_name=version.name, version=version.version, model_uri=checkpoint.uri,
-            image=image if image.reference else None, server=server_of(run.workload, image),
-            checkpoint_sha256=checkpoint.sha256, store_env=blocks.storage.reader_env(),
-        )  # fmt: skip
+            model_name=version.name,
+            version=version.version,
+            model_uri=checkpoint.uri,
+            image=image if image.reference else None,
+            server=server_of(run.workload, image),
+            checkpoint_sha256=checkpoint.sha256,
+            store_env=blocks.storage.reader_env(),
+        )
         spec = run.serving.model_copy(update={"smoke_request": smoke or run.workload.definition.serve.input_example})
         endpoint = deploy_and_record(blocks, spec, release, runs)
     else:
@@ -85,15 +114,96 @@ def deploy_and_record(blocks: Stack, serving: ServingSpec, release: Release, run
     """
     try:
         endpoint = deploy(blocks.serving, serving, release)
-    except Exception as exc:
+    except Exception as exc:  # every failure of a deploy is recorded as its outcome, then raised
         outcome = DeployOutcome.from_error(release, exc)
         try:
             record_deploy(blocks.tracking, outcome, list(runs))
-        except Exception as record_error:
+        except Exception as record_error:  # noqa: BLE001 - the deploy's own error is raised below; this one is logged
             get_run_logger().error(
-                "the deploy's outcome (%s: %s) could not be recorded in MLflow: %s", outcome.status, outcome.reason,
+                "the deploy's outcome (%s: %s) could not be recorded in MLflow: %s",
+                outcome.status,
+                outcome.reason,
                 record_error,
-            )  # fmt: skip
+            )
         raise
     record_deploy(blocks.tracking, DeployOutcome.deployed(release, endpoint), list(runs))
     return endpoint
+
+
+# ---- what every training flow tags its run with, and reports --------------------------------------------
+
+
+def run_tags(blocks: Stack, image: ImageRef, run_key: str, run: RunPlan) -> dict[str, str]:
+    tags = {f"backend.{step}": slug for step, slug in blocks.backends().items()}
+    tags.update(run.workload.run_tags())
+    tags.update(
+        {
+            "gpuferry.git_sha": git_sha(),
+            "prefect.flow_run_id": run_key,
+            "image": image.reference or image.note,
+            "image.content_tag": image.content_tag,
+            "image.built": str(image.built).lower(),
+            "image.note": image.note,
+        }
+    )
+    return tags
+
+
+def git_sha() -> str:
+    """The commit of gpuferry itself (the workload's own commit is tagged separately): the checkout's, or, for a
+    package installed from a git URL (``uv tool install git+...``), the commit the installer recorded."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        top, sha = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.split()
+        if Path(top).resolve() == root:
+            return sha
+    except (subprocess.SubprocessError, OSError, ValueError):
+        pass
+    try:
+        from importlib.metadata import distribution
+
+        direct_url = json.loads(distribution("gpuferry").read_text("direct_url.json") or "{}")
+        return direct_url.get("vcs_info", {}).get("commit_id") or "unknown"
+    except (ImportError, OSError, ValueError):
+        return "unknown"
+
+
+def ended_as(exc: BaseException) -> str:
+    """The MLflow status of a run its flow left by ``exc``: KILLED when the flow run was cancelled or stopped,
+    FAILED otherwise."""
+    from prefect.exceptions import Abort, TerminationSignal
+
+    return "KILLED" if isinstance(exc, (Abort, TerminationSignal, KeyboardInterrupt)) else "FAILED"
+
+
+def report(outcome: PipelineResult) -> None:
+    v = outcome.model_version
+    endpoint = outcome.endpoint.url if outcome.endpoint else "not deployed (not promoted)"
+    champion = f"v{v.champion_before} ({v.champion_value:.4f})" if v.champion_value is not None else "none"
+    create_markdown_artifact(
+        key="retrain-summary",
+        markdown=(
+            f"# Retrain: {v.name} v{v.version}\n\n"
+            f"| | |\n|---|---|\n"
+            f"| MLflow run | {outcome.run_url} |\n"
+            f"| checkpoint | `{outcome.checkpoint.uri}` |\n"
+            f"| checkpoint sha256 | `{outcome.checkpoint.sha256}` |\n"
+            f"| image | {outcome.image.reference or outcome.image.note} |\n"
+            f"| {v.metric} | {v.value:.4f} (champion before: {champion}) |\n"
+            f"| promoted | {'yes' if v.promoted else 'no'} |\n"
+            f"| endpoint | {endpoint} |\n"
+        ),
+        description="What this retrain produced and where to look",
+    )
+    create_table_artifact(
+        key="final-metrics",
+        table=[{"metric": k, "value": f"{val:.6g}"} for k, val in sorted(outcome.metrics.items())],
+        description="Final metrics of the training run",
+    )

@@ -1,4 +1,4 @@
-"""``python -m runtime.check``: does this environment have what gpuferry's model server needs?
+"""``python /opt/gpuferry/runtime/check.py``: does this environment have what gpuferry's model server needs?
 
 Run as the last step of a workload image's build when the workload serves with gpuferry's server, so that
 a missing package fails the build (naming it) instead of the deploy. Exits 0 when everything imports, 1
@@ -10,6 +10,9 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: nothing of the working directory (a workload's runtime.py) first
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 NEEDED = {"mlflow.pyfunc": "mlflow-skinny", "numpy": "numpy", "pandas": "pandas", "uvicorn": "uvicorn[standard]"}
 

@@ -123,7 +123,13 @@ def _fetch_s3(bucket: str, prefix: str, target: Path, expected_sha256: str | Non
 
 
 def fetch_s3(
-    client: Any, bucket: str, prefix: str, dest: str | Path, *, chunk_size: int = _RANGE, max_concurrency: int = 10,
+    client: Any,
+    bucket: str,
+    prefix: str,
+    dest: str | Path,
+    *,
+    chunk_size: int = _RANGE,
+    max_concurrency: int = 10,
     expected_sha256: str | None = None,
 ) -> tuple[bytes, list[dict[str, Any]]]:
     """Fetch the files of the checkpoint at ``s3://bucket/prefix`` into ``dest`` with ``client`` (boto3), each checked;
@@ -197,7 +203,8 @@ class _RangePool:
     first file's every range in flight before the second file's first."""
 
     def __init__(self, threads: int) -> None:
-        self._max, self._threads, self._idle = max(1, threads), [], 0
+        self._max, self._idle = max(1, threads), 0
+        self._threads: list[threading.Thread] = []
         self._queue: list[tuple[int, int, Future, Any, tuple]] = []
         self._order = itertools.count()
         self._cond = threading.Condition()
@@ -349,8 +356,14 @@ def _object_size(response: dict[str, Any]) -> int | None:
 def _stream_errors() -> tuple[type[BaseException], ...]:
     from botocore.exceptions import ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
-    return (socket.timeout, ConnectionError, ReadTimeoutError, IncompleteReadError, ResponseStreamingError,
-            ConnectionClosedError)  # fmt: skip
+    return (
+        socket.timeout,
+        ConnectionError,
+        ReadTimeoutError,
+        IncompleteReadError,
+        ResponseStreamingError,
+        ConnectionClosedError,
+    )
 
 
 def _error_code(exc: BaseException) -> str | None:

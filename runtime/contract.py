@@ -49,6 +49,12 @@ framework in its process (their image, or their environment).
 ``MODEL_URI``           Path, ``file://`` or ``s3://`` URI of a stored checkpoint: an MLflow model directory
                         (``MLmodel`` and its flavour's files) with the manifest below.
 ``HOST``, ``PORT``      Where to listen (default 127.0.0.1:8080).
+``MODEL_DEVICE``        Where the model runs: ``auto`` (default: ``cuda`` when torch sees a GPU and
+                        ``CUDA_VISIBLE_DEVICES`` is not empty, else ``cpu``), ``cpu``, ``cuda`` or ``cuda:N``.
+                        Serving backends set it explicitly: ``cuda`` for a service given GPUs; ``cpu`` with
+                        ``CUDA_VISIBLE_DEVICES=""`` for one without (it then takes no GPU memory). Torch models are
+                        put there by the server (``runtime/device.py``); other flavours load where MLflow puts
+                        them. A model that cannot go there is not served (the server exits 1, saying why).
 ``MAX_BATCH_SIZE``, ``MAX_BATCH_WAIT_MS``, ``MAX_QUEUE``
                         Dynamic batching and overload settings (more in ``runtime/serve.py``).
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_CA_BUNDLE``
@@ -58,7 +64,8 @@ Endpoints: ``POST /invocations`` (MLflow's scoring protocol: JSON with one of ``
 ...}`` as ``mlflow models serve`` answers; 422 names what does not match the model's signature; 503 with
 ``Retry-After`` when overloaded), ``GET /ping`` and ``/health`` (MLflow's), ``GET /healthz`` (liveness),
 ``GET /readyz`` (readiness: 200 once loaded and warmed up with the model's own serving input example, 503 before
-and while draining), ``GET /version``, ``GET /metrics`` (Prometheus). The server serves only a checkpoint whose
+and while draining; its ``device`` says where the model runs), ``GET /version`` (the MLflow version, with an
+``X-Model-Device`` header once loaded), ``GET /metrics`` (Prometheus). The server serves only a checkpoint whose
 manifest (below) matches every file it lists; otherwise it exits 1 without becoming ready.
 
 Checkpoint manifest
@@ -104,6 +111,8 @@ MAX_BATCH_WAIT_MS = "MAX_BATCH_WAIT_MS"
 MAX_QUEUE = "MAX_QUEUE"
 # The sha256 of the checkpoint's manifest as the model version records it: the server refuses another.
 MODEL_SHA256 = "MODEL_SHA256"
+# Where the model runs: auto (default), cpu, cuda or cuda:N (runtime/device.py).
+MODEL_DEVICE = "MODEL_DEVICE"
 
 
 # Checkpoint manifest (the format above; gpuferry's stores write it, the inference server checks it)

@@ -39,7 +39,11 @@ class DirectPredict:
         self._params_schema = meta.get_params_schema()
         self._dependencies = _get_dependencies_schema_from_model(meta)
         self._model_id = model.model_id
-        self._context, self._set_context, self._current_context = Context, set_prediction_context, _try_get_prediction_context
+        self._context, self._set_context, self._current_context = (
+            Context,
+            set_prediction_context,
+            _try_get_prediction_context,
+        )
 
     @classmethod
     def of(cls, model: PyFuncModel) -> DirectPredict | None:

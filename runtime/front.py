@@ -194,8 +194,10 @@ async def _copy_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
 def _simple(status: int, reason: str, text: str) -> bytes:
     body = text.encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: "
-            f"{len(body)}\r\nconnection: close\r\n\r\n").encode() + body  # fmt: skip
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: "
+        f"{len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
 
 
 class _Stale(Exception):
@@ -219,8 +221,7 @@ class Front:
         try:
             while await self._one(reader, writer):
                 pass
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                asyncio.TimeoutError):  # fmt: skip
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
             pass
         except BadRequest as exc:
             writer.write(_simple(exc.status, "Bad Request" if exc.status == 400 else "Error", f"{exc}\n"))
@@ -234,7 +235,7 @@ class Front:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IDLE_TIMEOUT_S)
         except asyncio.LimitOverrunError:
             raise BadRequest(431, "the request's head is larger than 64 KiB") from None
-        except (asyncio.IncompleteReadError, TimeoutError, asyncio.TimeoutError):
+        except (asyncio.IncompleteReadError, TimeoutError):
             return False
         first, headers = _split_head(head)
         parts = first.split(b" ")
@@ -247,18 +248,26 @@ class Front:
         if b"100-continue" in _tokens(headers, b"expect"):
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the front answers it; the version never sees it
         request = _head(first, _forwarded(headers))
-        body = None  # a small body is read whole: sent with its head at once, and again when a kept connection was stale
+        body = (
+            None  # a small body is read whole: sent with its head at once, and again when a kept connection was stale
+        )
         if framing[0] == "none" or (framing[0] == "length" and framing[1] <= BUFFERED):
             body = await reader.readexactly(framing[1])
 
-        upstream, status, response_headers, response_first = None, 0, [], b""
+        upstream, status, response_first = None, 0, b""
+        response_headers: list[tuple[bytes, bytes]] = []
         for attempt in range(2):
             upstream = self._kept() if body is not None and attempt == 0 else None
             if upstream is None:
                 upstream = await self._connect()
                 if upstream is None:
-                    writer.write(_simple(502, "Bad Gateway", "no version of the service answers (the front's target "
-                                         "refused the connection)\n"))  # fmt: skip
+                    writer.write(
+                        _simple(
+                            502,
+                            "Bad Gateway",
+                            "no version of the service answers (the front's target refused the connection)\n",
+                        )
+                    )
                     await writer.drain()
                     return False
                 kept = False
@@ -281,8 +290,9 @@ class Front:
                 up_writer.close()
                 if kept and isinstance(exc, _Stale):
                     continue  # the version had closed that kept connection: once more, on a new one
-                writer.write(_simple(502, "Bad Gateway", "the service's version closed the connection without "
-                                     "answering\n"))  # fmt: skip
+                writer.write(
+                    _simple(502, "Bad Gateway", "the service's version closed the connection without answering\n")
+                )
                 await writer.drain()
                 return False
             except BaseException:
@@ -328,8 +338,12 @@ class Front:
         target = self.target.get()
         while self._idle:
             (kept_target, reader, writer), since = self._idle.pop()
-            if (kept_target == target and time.monotonic() - since < KEEP_IDLE_S and not reader.at_eof()
-                    and not writer.is_closing()):  # fmt: skip
+            if (
+                kept_target == target
+                and time.monotonic() - since < KEEP_IDLE_S
+                and not reader.at_eof()
+                and not writer.is_closing()
+            ):
                 return kept_target, reader, writer
             writer.close()
         return None
@@ -340,8 +354,9 @@ class Front:
         else:
             upstream[2].close()
 
-    async def _response_head(self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                             ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:  # fmt: skip
+    async def _response_head(
+        self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         first_read = True
         while True:
             try:
@@ -371,10 +386,11 @@ class Front:
             target = self.target.get()
             if target is not None:
                 try:
-                    reader, writer = await asyncio.wait_for(asyncio.open_connection(*target, limit=MAX_HEAD),
-                                                            max(0.05, deadline - time.monotonic()))  # fmt: skip
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection(*target, limit=MAX_HEAD), max(0.05, deadline - time.monotonic())
+                    )
                     return target, reader, writer
-                except (OSError, TimeoutError, asyncio.TimeoutError) as exc:
+                except (OSError, TimeoutError) as exc:
                     failure = f"{target[0]}:{target[1]}: {exc}"
             else:
                 failure = "no target set"

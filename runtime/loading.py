@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from runtime import contract
 from runtime.checkpoint import VerifiedCheckpoint, fetch_checkpoint
 from runtime.settings import Settings, usable_cpus
 
+log = logging.getLogger("runtime.serve")
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -21,10 +24,13 @@ class LoadedModel:
     scorer: Any  # runtime.scoring.Scorer
     serving_input: str | None  # the model's own serving input example (JSON), if it was saved with one
     description: dict[str, Any]
+    device: str  # where the model runs: "cpu", "cuda:0", ... (runtime.device)
+    how: str = ""  # how it got there (runtime.device.Placed.how): "torch.export, moved from cpu to cuda:0", ...
 
 
 def load(settings: Settings, scratch: Path) -> LoadedModel:
-    """Fetch and verify the checkpoint, load it with ``mlflow.pyfunc`` (on the calling thread: the predict one)."""
+    """Fetch and verify the checkpoint, load it with ``mlflow.pyfunc`` on the device ``MODEL_DEVICE`` asks for
+    (``runtime.device``), on the calling thread: the predict one."""
     checkpoint = fetch_checkpoint(settings.model_uri, scratch, settings.model_sha256)
     if not (checkpoint.path / "MLmodel").is_file():
         raise FileNotFoundError(
@@ -33,20 +39,29 @@ def load(settings: Settings, scratch: Path) -> LoadedModel:
         )
     # MLflow is imported only now, after the checkpoint is known good (and off the event loop: it takes seconds).
     import mlflow
-    import mlflow.pyfunc
     from mlflow.models import Model
 
+    from runtime.device import load_pyfunc
     from runtime.scoring import Scorer
 
-    model = mlflow.pyfunc.load_model(str(checkpoint.path))
-    _tune_torch(settings)
     meta = Model.load(str(checkpoint.path))
+    name = _model_name(settings, meta)
+    log.info("loading the model %r (%s=%s)", name, contract.MODEL_DEVICE, settings.model_device)
+    placed = load_pyfunc(checkpoint.path, meta, settings.model_device, name)
+    log.info("the model %r is on %s (%s)", name, placed.device, placed.how)
+    _tune_torch(settings)
     serving_input = meta.get_serving_input(str(checkpoint.path))
     return LoadedModel(
-        Scorer(model, settings.max_request_rows),
+        Scorer(placed.model, settings.max_request_rows),
         serving_input,
         _describe_model(settings, meta, checkpoint, mlflow.__version__),
+        placed.device,
+        placed.how,
     )
+
+
+def _model_name(settings: Settings, meta: Any) -> str:
+    return settings.model_name or meta.artifact_path or "model"
 
 
 def _tune_torch(settings: Settings) -> None:
@@ -64,7 +79,7 @@ def _describe_model(settings: Settings, meta: Any, checkpoint: VerifiedCheckpoin
     if meta.signature is not None:  # its parts are JSON strings in MLmodel: objects here
         signature = {k: json.loads(v) if isinstance(v, str) else v for k, v in meta.signature.to_dict().items()}
     return {
-        "name": settings.model_name or meta.artifact_path or "model",
+        "name": _model_name(settings, meta),
         "flavors": sorted(meta.flavors),
         "loader_module": meta.flavors.get("python_function", {}).get("loader_module"),
         "signature": signature,

@@ -123,7 +123,6 @@ def write_manifest(local_dir: str | Path, cache: HashCache | None = None) -> str
     return hashlib.sha256(raw).hexdigest()
 
 
-
 def _files(root: Path) -> Iterator[Path]:
     for p in root.rglob("*"):
         if p.is_file() and p.name != MANIFEST:

@@ -1,7 +1,7 @@
 """The MLflow model a training job writes to ``$CHECKPOINT_DIR/final/``, read from its ``MLmodel`` file.
 
 ``read_model(dir)`` says what the model is (its flavours, whether it has a signature, its serving input example)
-or raises ``NoModel`` saying what to write. Shared by the orchestrator (``blocks/mlflow_model.py``) and
+or raises ``NoModel`` saying what to write. Shared by the orchestrator (``blocks/base/mlflow_model.py``) and
 ``python -m runtime.store`` on a cluster; PyYAML only (MLflow brings it).
 """
 
@@ -58,6 +58,8 @@ def read_model(directory: str | Path) -> dict[str, Any]:
     if serving and not (root / serving).is_file():
         serving = None
     return {
-        "flavors": sorted(flavors), "pyfunc": "python_function" in flavors, "signature": bool(meta.get("signature")),
+        "flavors": sorted(flavors),
+        "pyfunc": "python_function" in flavors,
+        "signature": bool(meta.get("signature")),
         "serving_example": serving,
-    }  # fmt: skip
+    }

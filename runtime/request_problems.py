@@ -35,7 +35,9 @@ def shape_problem(value: list[Any], shape: tuple[int, ...], field: str) -> str |
             hint = ""
             if path == f"{field}[0]" and len(value) == dims[0] and len(dims) == 1:
                 hint = f' (a single row is a list of one row: {{"{field}": [[...]]}})'
-            return f'"{path}" must be a list of {dims[0] if dims[0] != -1 else "the"} values, got {describe(node)}{hint}'
+            return (
+                f'"{path}" must be a list of {dims[0] if dims[0] != -1 else "the"} values, got {describe(node)}{hint}'
+            )
         if dims[0] != -1 and len(node) != dims[0]:
             return f'"{path}" has {len(node)} values; the signature expects {dims[0]} (shape {shape_text(shape)})'
         for i, child in enumerate(node):

@@ -1,7 +1,8 @@
 """What an S3 store's errors mean for the user: the field to fix, or a passing failure.
 
-Shared by gpuferry's S3 checkpoint store (``blocks/s3.py``, which raises ConfigurationError / TransientError) and
-``python -m runtime.store`` on a cluster (which reports the kind and the message back). botocore only.
+Shared by gpuferry's S3 checkpoint store (``blocks/storage/s3.py``, which raises ConfigurationError /
+TransientError) and ``python -m runtime.store`` on a cluster (which reports the kind and the message back). botocore
+only.
 """
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ def explain(exc: BaseException, where: str) -> tuple[Kind, str] | None:
             f"of the CA that signed it, or fix the host in {ENDPOINT_FIELD}"
         )
     if refusal:
-        return "configuration", f"{where}: the endpoint does not speak TLS ({exc}): fix {ENDPOINT_FIELD} (http://, or " \
-            "the store's https port)"  # fmt: skip
+        return (
+            "configuration",
+            f"{where}: the endpoint does not speak TLS ({exc}): fix {ENDPOINT_FIELD} (http://, or "
+            "the store's https port)",
+        )
     if type(exc).__name__ == "RetriesExceededError":  # s3transfer gave up; it keeps no __cause__
         return "transient", f"{where}: the transfer failed after retries: {getattr(exc, 'last_exception', None)!r}"
     return None

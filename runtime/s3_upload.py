@@ -1,8 +1,8 @@
 """Store a checkpoint directory in S3: its files, then ``MANIFEST.json`` last; unchanged files not sent again.
 
-Used by gpuferry's ``S3CheckpointStore`` on the orchestrator (``blocks/s3.py``) and by ``python -m runtime.store`` on a
-cluster that wrote the checkpoint: the same requests and the same checks wherever it runs. boto3/botocore, the
-standard library and ``runtime`` only.
+Used by gpuferry's ``S3CheckpointStore`` on the orchestrator (``blocks/storage/s3.py``) and by ``python -m
+runtime.store`` on a cluster that wrote the checkpoint: the same requests and the same checks wherever it runs.
+boto3/botocore, the standard library and ``runtime`` only.
 
 Each file is hashed (through the hash cache: an unchanged file is not read again), then sent only if the stored
 object does not already carry the same sha256 (object metadata ``sha256``) and size. Large files go multipart,
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.contract import MANIFEST_FILENAME, manifest_bytes
-from runtime.manifest import HashCache, checkpoint_files, manifest_entry, manifest_from_entries, default_cache_root
+from runtime.manifest import HashCache, checkpoint_files, default_cache_root, manifest_entry, manifest_from_entries
 from runtime.s3_errors import error_code
 
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
@@ -56,9 +56,16 @@ def _no_explanation(bucket: str, key: str) -> AbstractContextManager[None]:
 
 
 def put_directory(
-    client: Any, bucket: str, root: str, source: Path, settings: UploadSettings, *, cache: HashCache,
-    journal: UploadJournal, explained: Explain = _no_explanation,
-) -> tuple[bytes, dict, int]:  # fmt: skip
+    client: Any,
+    bucket: str,
+    root: str,
+    source: Path,
+    settings: UploadSettings,
+    *,
+    cache: HashCache,
+    journal: UploadJournal,
+    explained: Explain = _no_explanation,
+) -> tuple[bytes, dict, int]:
     """Store the files of ``source`` under ``s3://bucket/root/`` and its manifest last; returns the manifest's bytes,
     the manifest, and the bytes sent. ``explained(bucket, key)`` wraps each request (the caller's error mapping)."""
     files = checkpoint_files(source)
@@ -103,9 +110,12 @@ def put_directory(
         with explained(bucket, manifest_key):
             digest = hashlib.sha256(raw).hexdigest()
             client.put_object(
-                Bucket=bucket, Key=manifest_key, Body=raw, ContentType="application/json",
+                Bucket=bucket,
+                Key=manifest_key,
+                Body=raw,
+                ContentType="application/json",
                 Metadata={SHA256_METADATA: digest},
-            )  # fmt: skip
+            )
             if not _matches(_head(client, bucket, manifest_key), len(raw), digest):
                 raise StoredMismatch(f"s3://{bucket}/{manifest_key}: the stored manifest does not match")
     with explained(bucket, root):
@@ -119,8 +129,16 @@ def _put_small(client: Any, bucket: str, key: str, path: Path, entry: dict) -> i
     return entry["size"]
 
 
-def _put_multipart(client: Any, bucket: str, requests: RequestPool, journal: UploadJournal, path: Path, key: str,
-                   entry: dict, chunk: int) -> int:  # fmt: skip
+def _put_multipart(
+    client: Any,
+    bucket: str,
+    requests: RequestPool,
+    journal: UploadJournal,
+    path: Path,
+    key: str,
+    entry: dict,
+    chunk: int,
+) -> int:
     """Upload ``path`` in parts, resuming this content's unfinished upload if there is one; returns bytes sent."""
     size = entry["size"]
     part_size = max(chunk, -(-size // _MAX_PARTS))
@@ -134,9 +152,9 @@ def _put_multipart(client: Any, bucket: str, requests: RequestPool, journal: Upl
             if not upload_is_gone(exc):  # aborted or expired meanwhile: start again
                 raise
     if upload_id is None:
-        upload_id = client.create_multipart_upload(
-            Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]}
-        )["UploadId"]
+        upload_id = client.create_multipart_upload(Bucket=bucket, Key=key, Metadata={SHA256_METADATA: entry["sha256"]})[
+            "UploadId"
+        ]
         journal.record(key, upload_id, entry["sha256"], part_size)
 
     with open(path, "rb") as f:
@@ -218,7 +236,7 @@ def _describe(head: dict | None) -> str:
 # ---- multipart bookkeeping ---------------------------------------------------------------------
 
 
-def md5_hex(body: bytes) -> str:
+def md5_hex(body: bytes | bytearray | memoryview) -> str:
     return hashlib.md5(body, usedforsecurity=False).hexdigest()
 
 

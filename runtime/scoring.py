@@ -26,13 +26,14 @@ predicted alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from io import BytesIO, StringIO
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -84,6 +85,12 @@ _COLUMN_TYPES: dict[DataType, tuple[Any, frozenset[type], str]] = {
     DataType.boolean: (None, frozenset({bool}), "booleans"),
     DataType.string: (None, frozenset({str}), "strings"),
 }
+
+
+def _cell(prefix: str, column: str | int) -> Callable[[int], str]:
+    """How a 422 names row ``i``'s value of ``column``: ``"dataframe_split.data[3][1]"``,
+    ``"dataframe_records[3]['x']"``."""
+    return lambda i: f'"{prefix}[{i}][{column!r}]"'
 
 
 class RequestError(Exception):
@@ -165,7 +172,7 @@ class Scorer:
         if not all(s.required and isinstance(s.type, DataType) and s.type in _COLUMN_TYPES for s in specs):
             return None
         names = [s.name for s in specs]
-        return None if len(set(names)) != len(names) else [(s.name, s.type) for s in specs]
+        return None if len(set(names)) != len(names) else [(str(s.name), cast(DataType, s.type)) for s in specs]
 
     def _block_layout(self) -> tuple[pd.Index, Any] | None:
         """(columns, numpy dtype) when every column of the fast path has one numeric type: a batch is then one
@@ -195,7 +202,9 @@ class Scorer:
             raise RequestError(415, f"Content-Type {content_type!r}: unknown parameters {', '.join(values)}")
         media = mime.lower()
         if media not in MEDIA_TYPES:
-            raise RequestError(415, f"Content-Type {content_type!r} is not supported: use one of {', '.join(MEDIA_TYPES)}")
+            raise RequestError(
+                415, f"Content-Type {content_type!r} is not supported: use one of {', '.join(MEDIA_TYPES)}"
+            )
         if len(self._media) < 64:
             self._media[content_type] = media
         return media
@@ -302,10 +311,8 @@ class Scorer:
             raise _mismatch(shape_problem(value, shape, field) or f'"{field}" is not a regular array') from None
         if x.dtype.kind not in "biuf":
             if x.dtype.kind == "O" and dtype.kind == "f":  # nulls among numbers: NaN, as MLflow reads them
-                try:
+                with contextlib.suppress(ValueError, TypeError):
                     x = np.array(value, dtype=dtype)
-                except (ValueError, TypeError):
-                    pass
             if x.dtype.kind not in "biuf":
                 problem = shape_problem(value, shape, field) or element_problem(value, field, dtype.kind == "f")
                 raise _mismatch(problem or f'"{field}" must hold numbers')
@@ -316,7 +323,9 @@ class Scorer:
             return x
         if dtype.kind in "iu" and x.dtype.kind == "f" and not np.array_equal(x, np.trunc(x)):
             index = tuple(int(i[0]) for i in np.nonzero(x != np.trunc(x)))
-            raise _mismatch(f'"{field}{index_text(index)}" = {x[index].item()!r} is not an integer; the signature expects {dtype}')
+            raise _mismatch(
+                f'"{field}{index_text(index)}" = {x[index].item()!r} is not an integer; the signature expects {dtype}'
+            )
         with np.errstate(over="ignore", invalid="ignore"):
             y = x.astype(dtype)
         lossy = (~np.isfinite(y) & np.isfinite(x)) if dtype.kind == "f" else (y != x)
@@ -348,7 +357,7 @@ class Scorer:
         for name, kind in self._columns or ():
             j = position[name]
             values = [row[j] for row in data]
-            self._check_values(name, kind, values, lambda i, j=j: f'"{DF_SPLIT}.data[{i}][{j}]"')
+            self._check_values(name, kind, values, _cell(f"{DF_SPLIT}.data", j))
             columns.append(values)
         return columns
 
@@ -363,7 +372,7 @@ class Scorer:
             except KeyError:
                 i = next(i for i, record in enumerate(records) if name not in record)
                 raise _mismatch(f'"{DF_RECORDS}[{i}]" has no column {name!r} (use null for a missing value)') from None
-            self._check_values(name, kind, values, lambda i: f'"{DF_RECORDS}[{i}][{name!r}]"')
+            self._check_values(name, kind, values, _cell(DF_RECORDS, name))
             columns.append(values)
         return columns
 
@@ -383,7 +392,9 @@ class Scorer:
         if types <= allowed and not (float in types and kind in (DataType.long, DataType.integer)):
             return
         for i, v in enumerate(values):
-            if type(v) not in allowed or (type(v) is float and kind in (DataType.long, DataType.integer) and not v.is_integer()):
+            if type(v) not in allowed or (
+                type(v) is float and kind in (DataType.long, DataType.integer) and not v.is_integer()
+            ):
                 raise _mismatch(f"column {name!r} ({kind.name}) holds {expected}; {where(i)} is {describe(v)}")
 
     # ------------------------------------------------------------------------------------ predicting
@@ -396,7 +407,7 @@ class Scorer:
         counts = [item.rows for item in items]
         try:
             parts = _split(self._predict(items, first.params), counts)
-        except Exception:  # noqa: BLE001 - each request alone says which failed and why
+        except Exception:  # each request alone says which failed and why
             log.debug("a batch of %d requests failed; predicting each alone", len(items), exc_info=True)
             parts = None
         if parts is None:
@@ -411,7 +422,7 @@ class Scorer:
             if getattr(exc, "error_class", None) == "SCHEMA_ENFORCEMENT_FAILED":
                 return _mismatch(exc.message)
             return RequestError(exc.get_http_status_code(), exc.message, exc.error_code)
-        except Exception as exc:  # noqa: BLE001 - the model's own error: MLflow answers 400 too
+        except Exception as exc:  # the model's own error: MLflow answers 400 too
             log.warning("predict failed for one request", exc_info=True)
             return RequestError(400, f"the model failed on this input: {type(exc).__name__}: {exc}")
         if item.unwrap:

@@ -14,6 +14,14 @@ names in ``runtime/contract.py`` plus a few of this server's own):
                        fetched, and the server exits 1 (the stored checkpoint was replaced since it was registered).
 ``MODEL_NAME``         What ``/readyz`` calls the model (the MLmodel's ``artifact_path``, else ``model``).
 ``HOST``, ``PORT``     Where to listen (127.0.0.1:8080).
+``MODEL_DEVICE``       Where the model runs: ``auto`` (default: ``cuda`` when torch is importable, sees a GPU and
+                       ``CUDA_VISIBLE_DEVICES`` is not empty; else ``cpu``), ``cpu``, ``cuda`` (the first visible
+                       GPU) or ``cuda:N``. gpuferry's backends set it: ``cuda`` for a service given GPUs, ``cpu`` and
+                       ``CUDA_VISIBLE_DEVICES=""`` for one without (the ``cpu`` path never initialises CUDA). An
+                       ``mlflow.pytorch`` model is loaded there by the server (a ``torch.export`` model saved on
+                       another device is moved; a pickled or TorchScript one is mapped); other flavours load where
+                       MLflow puts them (``runtime.device``). A model that cannot go there (``cuda`` and torch sees
+                       no GPU, a move that fails) is not served: the server logs why and what to do, and exits 1.
 ``MAX_BATCH_SIZE``     Rows per predict call (64). A single request larger than this runs as a batch of its own;
                        1 turns batching off.
 ``MAX_BATCH_WAIT_MS``  The longest the oldest queued request waits for its batch to fill (2). The batch leaves
@@ -42,8 +50,11 @@ Endpoints:
 ``GET /healthz``       Liveness: 200 as soon as the process listens.
 ``GET /readyz``        Readiness: 200 once the model is loaded and warmed up, 503 before that and while draining.
                        The body names the model, its flavours, signature and checkpoint (manifest) sha256 and the
-                       state; never where it is stored. ``GET /`` answers the same body with 200.
-``GET /version``       The MLflow version serving the model (as ``mlflow models serve``).
+                       state, ``device`` (where the model runs: ``cpu``, ``cuda:0``, ...; null until loaded) and
+                       the settings (``model_device``: what ``MODEL_DEVICE`` asked); never where it is stored.
+                       ``GET /`` answers the same body with 200.
+``GET /version``       The MLflow version serving the model, as ``mlflow models serve`` answers it (the body is
+                       the bare version); once loaded, an ``X-Model-Device`` header says where the model runs.
 ``GET /metrics``       Prometheus text: requests by status code, latency, rows and requests per predict call,
                        predict time, fallbacks, queue depth, readiness.
 
@@ -58,10 +69,15 @@ from __future__ import annotations
 
 import sys
 
-if __package__ in (None, ""):  # run as a script (python runtime/serve.py): the repository root, not runtime/, on the path
+# Run as a script (python /opt/gpuferry/runtime/serve.py, as every backend starts it): gpuferry's root first, so
+# that a workload's own `runtime.py` cannot shadow this package, and the working directory (the workload's, in its
+# image) last, so that a model's own modules still import.
+if __package__ in (None, ""):
+    import os
     import os.path
 
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.append(os.getcwd())
 
 import asyncio
 import gc
@@ -78,6 +94,7 @@ from typing import Any
 import uvicorn
 
 from runtime.batching import Batcher, Overloaded
+from runtime.device import DeviceError, moved_fix
 from runtime.jsonio import dumps, error_body
 from runtime.loading import LoadedModel, load
 from runtime.metrics import Metrics
@@ -163,8 +180,9 @@ class InferenceApp:
             self.model = await self.batcher.call(load, self.settings, self._scratch)
             self.phase = "warming-up"
             await self._warm_up(self.model)
-        except Exception as exc:  # noqa: BLE001 - every cause means the same: not served
-            log.error("could not load the model from %s: %s", self.settings.model_uri, exc, exc_info=exc)
+        except Exception as exc:  # every cause means the same: not served
+            trace = None if isinstance(exc, DeviceError) else exc  # its message says all there is to do
+            log.error("could not load the model from %s: %s", self.settings.model_uri, exc, exc_info=trace)
             self.phase = "failed"
             return
         from runtime.scoring import RequestError  # imported by load() already: mlflow is in
@@ -178,10 +196,11 @@ class InferenceApp:
         self.phase = "loaded"
         d = self.model.description
         log.info(
-            "model ready in %.1f s: %s (%s), checkpoint_sha256=%s",
+            "model ready in %.1f s: %s (%s) on %s, checkpoint_sha256=%s",
             time.monotonic() - started,
             d["name"],
             d["loader_module"],
+            self.model.device,
             d["checkpoint_sha256"],
         )
 
@@ -202,7 +221,10 @@ class InferenceApp:
             for batch in ([scoring], [scoring] * copies):
                 for answer in await self.batcher.call(scorer.predict_many, batch):
                     if not isinstance(answer, bytes):
-                        raise RuntimeError(f"the model's own serving input example fails: {answer.message}")
+                        raise RuntimeError(
+                            f"the model's own serving input example fails: {answer.message}"
+                            f"{moved_fix(model.how, model.device)}"
+                        )
 
     async def _shutdown(self) -> None:
         # uvicorn calls this after every in-flight request has finished, so nothing is queued any more.
@@ -254,7 +276,8 @@ class InferenceApp:
         elif path in ("/readyz", "/"):
             await _respond(send, 200 if self.ready or path == "/" else 503, dumps(self.describe()))
         elif path == "/version":
-            await _respond(send, 200, self._mlflow_version().encode())
+            device = ((b"x-model-device", self.model.device.encode()),) if self.model is not None else ()
+            await _respond(send, 200, self._mlflow_version().encode(), device)
         elif path == "/metrics":
             fallbacks = self.scorer.fallbacks if self.scorer is not None else 0
             self.metrics.fallbacks = fallbacks
@@ -269,7 +292,9 @@ class InferenceApp:
             "ready": self.ready,
             "state": self.state,
             "model": self.model.description if self.model is not None else None,
+            "device": self.model.device if self.model is not None else None,
             "settings": {
+                "model_device": s.model_device,
                 "max_batch_size": s.max_batch_size,
                 "max_batch_wait_ms": s.max_batch_wait_ms,
                 "max_queue": s.max_queue,
@@ -308,10 +333,11 @@ class InferenceApp:
                 scoring = await loop.run_in_executor(self._parse_pool, scorer.parse_slow, body, content_type)
             answer = await self.batcher.submit(scoring, scoring.rows, scoring.key)
         except self._request_error as exc:
-            return exc.status, exc.body(), ()
+            error: Any = exc  # runtime.scoring.RequestError once the model is loaded (it imports MLflow)
+            return error.status, error.body(), ()
         except Overloaded:
             return _error(503, "overloaded: the request queue is full", "TEMPORARILY_UNAVAILABLE")
-        except Exception:  # noqa: BLE001 - logged where it happened
+        except Exception:  # logged where it happened
             log.exception("scoring failed")
             return _error(500, "inference failed", "INTERNAL_ERROR")
         return 200, answer, ()
@@ -427,11 +453,12 @@ def main() -> None:
         sys.exit(2)
     app = InferenceApp(settings)
     log.info(
-        "serving %s on http://%s:%d: max_batch_size=%d max_batch_wait_ms=%g max_queue=%d max_request_rows=%d "
-        "drain_seconds=%g warmup_iterations=%d",
+        "serving %s on http://%s:%d: model_device=%s max_batch_size=%d max_batch_wait_ms=%g max_queue=%d "
+        "max_request_rows=%d drain_seconds=%g warmup_iterations=%d",
         settings.model_uri,
         settings.host,
         settings.port,
+        settings.model_device,
         settings.max_batch_size,
         settings.max_batch_wait_ms,
         settings.max_queue,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime import contract
+from runtime.device import AUTO, parse_device
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Settings:
     drain_seconds: float = 2.0
     warmup_iterations: int = 3
     torch_threads: int | None = None
+    model_device: str = AUTO  # auto, cpu, cuda or cuda:N (runtime.device)
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | None = None) -> Settings:
@@ -67,6 +69,7 @@ class Settings:
             drain_seconds=number("DRAIN_SECONDS", cls.drain_seconds, float, 0),
             warmup_iterations=number("WARMUP_ITERATIONS", cls.warmup_iterations, int, 1),
             torch_threads=number("TORCH_NUM_THREADS", None, int, 1),
+            model_device=parse_device(env.get(contract.MODEL_DEVICE, "")),
         )
 
 

@@ -31,9 +31,9 @@ from urllib.parse import urlparse
 if __package__ in (None, ""):  # run as a script: the directory above runtime/ on the path
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from runtime import mlmodel, s3_upload  # noqa: E402
-from runtime.manifest import EmptyCheckpoint, HashCache, default_cache_root  # noqa: E402
-from runtime.s3_errors import explain, no_retry_of_tls_refusals  # noqa: E402
+from runtime import mlmodel, s3_upload
+from runtime.manifest import EmptyCheckpoint, HashCache, default_cache_root
+from runtime.s3_errors import explain, no_retry_of_tls_refusals
 
 
 def s3_client(max_pool_connections: int) -> Any:
@@ -44,13 +44,16 @@ def s3_client(max_pool_connections: int) -> Any:
     from botocore.config import Config
 
     config = Config(
-        max_pool_connections=max_pool_connections, request_checksum_calculation="when_required",
+        max_pool_connections=max_pool_connections,
+        request_checksum_calculation="when_required",
         s3={"payload_signing_enabled": True},
-    )  # fmt: skip
+    )
     client = boto3.client(
-        "s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None, verify=os.environ.get("AWS_CA_BUNDLE") or None,
+        "s3",
+        endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
+        verify=os.environ.get("AWS_CA_BUNDLE") or None,
         config=config,
-    )  # fmt: skip
+    )
     client.meta.events.register_first("needs-retry.s3", no_retry_of_tls_refusals)
     return client
 
@@ -68,14 +71,19 @@ def store(source: Path, destination: str, settings: s3_upload.UploadSettings) ->
     try:
         import boto3  # noqa: F401 - the one package this needs besides PyYAML
     except ImportError:
-        return {"ok": False, "kind": "configuration", "message": f"{sys.executable} has no boto3: install it where "
-                "the checkpoint is written (pip install boto3), or set the cluster block's python to one that has it"}  # fmt: skip
+        return {
+            "ok": False,
+            "kind": "configuration",
+            "message": f"{sys.executable} has no boto3: install it where "
+            "the checkpoint is written (pip install boto3), or set the cluster block's python to one that has it",
+        }
     client = s3_client(settings.max_concurrency + settings.max_parallel_files + 2)
     cache = HashCache(default_cache_root() / "sha256")
     journal = s3_upload.UploadJournal(client.meta.endpoint_url, bucket, default_cache_root() / "s3-uploads")
     try:
-        raw, manifest, moved = s3_upload.put_directory(client, bucket, root, source, settings, cache=cache,
-                                                       journal=journal)  # fmt: skip
+        raw, manifest, moved = s3_upload.put_directory(
+            client, bucket, root, source, settings, cache=cache, journal=journal
+        )
     except s3_upload.StoredMismatch as exc:
         return {"ok": False, "kind": "mismatch", "message": str(exc)}
     except EmptyCheckpoint as exc:
@@ -83,15 +91,23 @@ def store(source: Path, destination: str, settings: s3_upload.UploadSettings) ->
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator, which decides about retrying
         meaning = explain(exc, f"s3://{bucket}/{root}")
         kind, message = meaning if meaning else ("error", f"{type(exc).__name__}: {exc}")
-        if meaning is None and type(exc).__name__ in ("EndpointConnectionError", "ConnectTimeoutError",
-                                                      "ReadTimeoutError", "ConnectionClosedError"):  # fmt: skip
+        if meaning is None and type(exc).__name__ in (
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ReadTimeoutError",
+            "ConnectionClosedError",
+        ):
             kind = "transient"
         return {"ok": False, "kind": kind, "message": message}
     return {
-        "ok": True, "uri": f"s3://{bucket}/{root}", "sha256": hashlib.sha256(raw).hexdigest(),
-        "size_bytes": sum(e["size"] for e in manifest["files"]), "files": len(manifest["files"]),
-        "bytes_uploaded": moved, "model": model,
-    }  # fmt: skip
+        "ok": True,
+        "uri": f"s3://{bucket}/{root}",
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "size_bytes": sum(e["size"] for e in manifest["files"]),
+        "files": len(manifest["files"]),
+        "bytes_uploaded": moved,
+        "model": model,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-parallel-files", type=int, default=s3_upload.UploadSettings.max_parallel_files)
     args = parser.parse_args(argv)
     settings = s3_upload.UploadSettings(
-        multipart_threshold=args.multipart_threshold, part_size=args.part_size, max_concurrency=args.max_concurrency,
+        multipart_threshold=args.multipart_threshold,
+        part_size=args.part_size,
+        max_concurrency=args.max_concurrency,
         max_parallel_files=args.max_parallel_files,
-    )  # fmt: skip
+    )
     if args.check:
         try:
             answer: dict[str, Any] = {"ok": True, "model": mlmodel.read_model(args.source)}

@@ -30,12 +30,16 @@ def layer_tar(binary: bytes) -> bytes:
 def archive(binary: bytes, ref: str) -> bytes:
     layer = layer_tar(binary)
     diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Entrypoint": ["/pause"], "User": "65535:65535"},
-        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        "history": [{"created_by": "scripts/k8s_pause_image.py"}],
-    }, sort_keys=True).encode()  # fmt: skip
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Entrypoint": ["/pause"], "User": "65535:65535"},
+            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+            "history": [{"created_by": "scripts/k8s_pause_image.py"}],
+        },
+        sort_keys=True,
+    ).encode()
     config_name = hashlib.sha256(config).hexdigest() + ".json"
     manifest = json.dumps([{"Config": config_name, "RepoTags": [ref], "Layers": ["layer.tar"]}]).encode()
     out = io.BytesIO()

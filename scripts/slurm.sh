@@ -9,7 +9,7 @@
 # other network namespaces and hosts routed to this one reach it; slurmctld listens on every
 # address), MaxNodeCount leaves room for dynamic nodes, and a node that registers with
 # `slurmd -Z --conf "... Feature=joined"` lands in the `joined` partition (a NodeSet by feature),
-# never in the default one. blocks/ssh_hosts.py joins hosts this way (see README, provisioning).
+# never in the default one. blocks/hosts/provider.py joins hosts this way (see README, provisioning).
 #
 # The cluster has a filesystem and a network of its own: slurmd (and so every job) and the login node's sshd
 # (and so every command over SSH) run in a mount and a network namespace.

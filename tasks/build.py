@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from blocks.images import ImageBuilder
-from blocks.specs import ImageRef
-from blocks.workload import Workload
+from blocks.base.images import ImageBuilder
+from blocks.records import ImageRef
+from blocks.workload.source import Workload
 from tasks.retry import retry_options
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from blocks.serving import DeployOutcome, Release, ServingBackend
-from blocks.specs import Endpoint, ServingSpec
+from blocks.base.serving import DeployOutcome, Release, ServingBackend
+from blocks.records import Endpoint
+from blocks.specs import ServingSpec
 from tasks.retry import retry_options
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from blocks.provision import NodeFailures, NodeProvider, NodeRequirements
-from blocks.specs import Node
+from blocks.base.provider import NodeFailures, NodeProvider, NodeRequirements
+from blocks.records import Node
 from blocks.stack import Stack
 from tasks.retry import retry_options
 
@@ -16,8 +16,10 @@ def inventory_rows(nodes: list[Node]) -> list[dict[str, str]]:
         {
             "host": n.name,
             "provider": n.provider,
-            "gpus": ", ".join(f"{g.index}: {g.name} ({g.memory_mib} MiB{', ' + g.uuid if g.uuid else ''})"
-                              for g in n.gpus) or "none (CPU only)",
+            "gpus": ", ".join(
+                f"{g.index}: {g.name} ({g.memory_mib} MiB{', ' + g.uuid if g.uuid else ''})" for g in n.gpus
+            )
+            or "none (CPU only)",
             "driver": n.gpus[0].driver_version if n.gpus else "-",
             "cuda": (n.gpus[0].cuda_version or "-") if n.gpus else "-",
             "toolkit": n.labels.get("toolkit", "-"),

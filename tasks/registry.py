@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from blocks.tracking import MlflowTracking
+from blocks.tracking.mlflow import MlflowTracking
 from tasks.retry import retry_options
 
 
 @task(name="resolve-version", **retry_options())
-def resolve_version(tracking: MlflowTracking, model_name: str, version: str | None, alias: str | None) -> tuple[str, str]:
+def resolve_version(
+    tracking: MlflowTracking, model_name: str, version: str | None, alias: str | None
+) -> tuple[str, str]:
     """``(version, checkpoint URI)``: the version given, else the one the alias points at."""
     resolved, source = tracking.resolve_version(model_name, version, alias)
     how = f"v{resolved}" if version else f"alias {alias!r} → v{resolved}"

@@ -20,16 +20,34 @@ from prefect.tasks import exponential_backoff
 from blocks.errors import GpuferryError, TransientError
 
 _TRANSIENT_ERRNOS = {
-    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-    errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE, errno.EAGAIN,
-}  # fmt: skip
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+    errno.EPIPE,
+    errno.EAGAIN,
+}
 _THROTTLING_CODES = {
-    "Throttling", "ThrottlingException", "ThrottledException", "RequestLimitExceeded", "SlowDown",
-    "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException", "InternalError",
-    "ServiceUnavailable", "InternalFailure", "REQUEST_LIMIT_EXCEEDED", "TEMPORARILY_UNAVAILABLE",
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestLimitExceeded",
+    "SlowDown",
+    "TooManyRequestsException",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "InternalFailure",
+    "REQUEST_LIMIT_EXCEEDED",
+    "TEMPORARILY_UNAVAILABLE",
     # S3: the body arrived other than it was sent (its Content-MD5, CRC32 or signed sha256 does not match).
-    "BadDigest", "XAmzContentSHA256Mismatch",
-}  # fmt: skip
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
+}
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -60,14 +78,31 @@ def is_transient(exc: BaseException) -> bool:
         return True
     name = type(exc).__name__
     module = type(exc).__module__
-    if module.startswith("httpx") and name in {"ConnectError", "ReadError", "WriteError", "RemoteProtocolError",
-                                               "ConnectTimeout", "ReadTimeout", "WriteTimeout", "PoolTimeout"}:  # fmt: skip
+    if module.startswith("httpx") and name in {
+        "ConnectError",
+        "ReadError",
+        "WriteError",
+        "RemoteProtocolError",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "WriteTimeout",
+        "PoolTimeout",
+    }:
         return True
-    if module.startswith(("requests", "urllib3")) and name in {"ConnectionError", "ConnectTimeout", "ReadTimeout",
-                                                               "ProtocolError", "NewConnectionError"}:  # fmt: skip
+    if module.startswith(("requests", "urllib3")) and name in {
+        "ConnectionError",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "ProtocolError",
+        "NewConnectionError",
+    }:
         return True
-    if module.startswith("botocore") and name in {"EndpointConnectionError", "ConnectionClosedError",
-                                                  "ReadTimeoutError", "ConnectTimeoutError"}:  # fmt: skip
+    if module.startswith("botocore") and name in {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+    }:
         return True
     if module.startswith("mlflow") and name == "RestException" and getattr(exc, "error_code", "") == "INTERNAL_ERROR":
         return True  # the tracking server answered 5xx

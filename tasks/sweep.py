@@ -7,31 +7,34 @@ import json
 import os
 import posixpath
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.exceptions import TerminationSignal
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_incrementing
 
-from blocks.compute import ComputeBackend
-from blocks.specs import JobHandle, SweepJobResult, SweepTaskResult, TrainingJob
-from blocks.tracking import MlflowTracking
-from tasks.retry import is_transient, retry_options
+from blocks.base.compute import ComputeBackend
+from blocks.records import JobHandle, SweepJobResult, SweepTaskResult, TrainingJob
+from blocks.tracking.mlflow import MlflowTracking
 from runtime import contract
+from tasks.retry import is_transient, retry_options
+from tasks.waiting import RUN_JOB_LABEL, label_run, stop_if_cancelled
 
 SWEEP_INDEX_TAG = "gpuferry.sweep_index"
 PARENT_TAG = "mlflow.parentRunId"
 
 
-def _children(tracking: MlflowTracking, experiment_id: str, parent_run_id: str) -> list:  # type: ignore[type-arg]
+def _children(tracking: MlflowTracking, experiment_id: str, parent_run_id: str) -> list:
     runs, token = [], None
     while True:
         page = tracking.client.search_runs(
-            [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=1000,
+            [experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+            max_results=1000,
             page_token=token,
-        )  # fmt: skip
+        )
         runs += list(page)
         token = page.token
         if not token:
@@ -74,8 +77,13 @@ def _lower_own_priority(by: int) -> None:
         pass
 
 
-def _release_as_runs_come(compute: ComputeBackend, handle: JobHandle, runs: dict[int, str],
-                          make: dict[Future[str], int], configurations: Sequence[dict[str, Any]]) -> None:  # fmt: skip
+def _release_as_runs_come(
+    compute: ComputeBackend,
+    handle: JobHandle,
+    runs: dict[int, str],
+    make: dict[Future[str], int],
+    configurations: Sequence[dict[str, Any]],
+) -> None:
     """Release the held array's tasks as their child runs come, in parts that double: a part goes
     once the tasks whose run exists and that are still held number at least ``FIRST_RELEASE`` and
     at least as many as all the parts before; once every run exists, the rest goes as the whole
@@ -124,23 +132,30 @@ def _cancel_array(compute: ComputeBackend, job: TrainingJob, handle: JobHandle |
             job_id = compute.find_job(job.key)
             if job_id is None:
                 return
-            handle = JobHandle(backend=compute.backend_name, job_id=job_id, key=job.key, workdir=job.workdir,
-                               log_path="")  # fmt: skip
+            handle = JobHandle(
+                backend=compute.backend_name, job_id=job_id, key=job.key, workdir=job.workdir, log_path=""
+            )
         logger.warning("%s: cancelling job array %s", why, handle.job_id)
         compute.cancel(handle)
-    except Exception as exc:  # the sweep's own error matters more; say what is left behind
-        logger.error("could not cancel the job array of %s (cancel it with scancel --name=%s): %r", job.key,
-                     job.key, exc)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the sweep's own error matters more; say what is left behind
+        logger.error(
+            "could not cancel the job array of %s (cancel it with scancel --name=%s): %r", job.key, job.key, exc
+        )
 
 
 # Submitting is idempotent (the job key) and so are the child runs (their index tag): a retry adopts
 # the array and the runs instead of making others.
 @task(name="train-sweep", **retry_options(retries=3))
 def train_sweep(
-    compute: ComputeBackend, job: TrainingJob, configurations: Sequence[dict[str, Any]], tracking: MlflowTracking,
-    parent_run_id: str, parallelism: int | None = None, timeout_seconds: float | None = None,
+    compute: ComputeBackend,
+    job: TrainingJob,
+    configurations: Sequence[dict[str, Any]],
+    tracking: MlflowTracking,
+    parent_run_id: str,
+    parallelism: int | None = None,
+    timeout_seconds: float | None = None,
     run_workers: int | None = None,
-) -> tuple[list[str], SweepJobResult]:  # fmt: skip
+) -> tuple[list[str], SweepJobResult]:
     """Run ``job`` once per configuration as ONE job array, each in an MLflow run that is a child of
     ``parent_run_id``; wait for all of it (one poll per cycle). Returns the child run ids (by
     configuration) and the array's outcome.
@@ -168,28 +183,40 @@ def train_sweep(
     found = len(runs)
 
     def make_run(index: int) -> str:
-        tags = {PARENT_TAG: parent_run_id, SWEEP_INDEX_TAG: str(index),
-                "gpuferry.hparams": json.dumps(configurations[index], sort_keys=True)}  # fmt: skip
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return client.create_run(experiment_id, run_name=f"{parent.info.run_name}-{index}", tags=tags).info.run_id
-            except Exception as exc:
-                # A local SQLite store lets one writer in at a time and rolls a refused one back.
-                if "database is locked" not in str(exc) or attempt == 5:
-                    raise
-                time.sleep(0.2 * attempt)
+        tags = {
+            PARENT_TAG: parent_run_id,
+            SWEEP_INDEX_TAG: str(index),
+            "gpuferry.hparams": json.dumps(configurations[index], sort_keys=True),
+        }
+        # A local SQLite store lets one writer in at a time and rolls a refused one back: that one tries again.
+        create = Retrying(
+            retry=retry_if_exception(lambda exc: "database is locked" in str(exc)),
+            stop=stop_after_attempt(5),
+            wait=wait_incrementing(start=0.2, increment=0.2),
+            reraise=True,
+        )
+        return create(
+            lambda: client.create_run(experiment_id, run_name=f"{parent.info.run_name}-{index}", tags=tags).info.run_id
+        )
 
     handle = None
     workers = run_workers or tracking.concurrent_writes
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="child-runs", initializer=_lower_own_priority,
-                            initargs=(CHILD_RUNS_NICE,)) as pool:  # fmt: skip
+    with ThreadPoolExecutor(
+        max_workers=workers,
+        thread_name_prefix="child-runs",
+        initializer=_lower_own_priority,
+        initargs=(CHILD_RUNS_NICE,),
+    ) as pool:
         make = {pool.submit(make_run, i): i for i in range(len(configurations)) if i not in runs}
         try:
             handle = compute.submit_held_sweep(job, len(configurations), parallelism=parallelism)
-            logger.info("sweep of %d configurations: job array %s (workdir %s), released as its child runs come",
-                        len(configurations), handle.job_id, handle.workdir)  # fmt: skip
+            label_run({RUN_JOB_LABEL: handle.model_dump_json()})
+            logger.info(
+                "sweep of %d configurations: job array %s (workdir %s), released as its child runs come",
+                len(configurations),
+                handle.job_id,
+                handle.workdir,
+            )
             _release_as_runs_come(compute, handle, runs, make, configurations)
             logger.info("%d child runs of %s (%d made now)", len(runs), parent_run_id, len(runs) - found)
             status = compute.watch(handle, timeout_seconds=timeout_seconds)
@@ -201,21 +228,34 @@ def train_sweep(
                 # A retry would adopt the array and go on; without one it must not wait held forever.
                 _cancel_array(compute, job, handle, "the flow run was stopped" if stopped else f"{exc!r}")
             raise
+    if status.state == "CANCELLED":
+        stop_if_cancelled(f"job array {handle.job_id} ended CANCELLED")
     outcome = compute.array_outcome(handle, len(configurations))
     results = [
         SweepTaskResult(
-            index=i, status=state, checkpoint_dir=posixpath.join(compute.task_dir(job.workdir, i), "checkpoints"),
-            requeues=int(usage["requeues"]), wall_seconds=usage["wall_seconds"],
-            gpu_hours=usage["gpu_hours"], cpu_hours=usage["cpu_hours"],
-        )  # fmt: skip
+            index=i,
+            status=state,
+            checkpoint_dir=posixpath.join(compute.task_dir(job.workdir, i), "checkpoints"),
+            requeues=int(usage["requeues"]),
+            wall_seconds=usage["wall_seconds"],
+            gpu_hours=usage["gpu_hours"],
+            cpu_hours=usage["cpu_hours"],
+        )
         for i, (state, usage) in sorted(outcome.items())
     ]
     failed = [r for r in results if r.status.state != "COMPLETED"]
     for r in failed[:10]:
         logger.warning("configuration %d: %s %s", r.index, r.status.state, r.status.reason)
-    logger.info("job array %s %s: %d of %d configurations completed", handle.job_id, status.state,
-                len(results) - len(failed), len(results))  # fmt: skip
+    logger.info(
+        "job array %s %s: %d of %d configurations completed",
+        handle.job_id,
+        status.state,
+        len(results) - len(failed),
+        len(results),
+    )
     return [runs[i] for i in range(len(configurations))], SweepJobResult(
-        handle=handle, tasks=results, gpu_hours=sum(r.gpu_hours for r in results),
+        handle=handle,
+        tasks=results,
+        gpu_hours=sum(r.gpu_hours for r in results),
         cpu_hours=sum(r.cpu_hours for r in results),
-    )  # fmt: skip
+    )

@@ -6,15 +6,17 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from blocks.serving import DeployOutcome
-from blocks.specs import CheckpointRef, ModelVersionRef, PromotionPolicy
-from blocks.tracking import MlflowTracking
+from blocks.base.serving import DeployOutcome
+from blocks.records import CheckpointRef, ModelVersionRef
+from blocks.specs import PromotionPolicy
+from blocks.tracking.mlflow import MlflowTracking
 from tasks.retry import retry_options
 
 
 @task(name="start-run", **retry_options())
-def start_run(tracking: MlflowTracking, experiment: str, run_name: str, params: dict[str, Any],
-              tags: dict[str, str]) -> str:  # fmt: skip
+def start_run(
+    tracking: MlflowTracking, experiment: str, run_name: str, params: dict[str, Any], tags: dict[str, str]
+) -> str:
     """The pipeline's MLflow run (the same one when the flow run is retried)."""
     run_id = tracking.start_run(experiment, run_name, tags)
     tracking.log(run_id, params=params)
@@ -22,8 +24,14 @@ def start_run(tracking: MlflowTracking, experiment: str, run_name: str, params: 
 
 
 @task(name="log-run", **retry_options())
-def log_run(tracking: MlflowTracking, run_id: str, *, params: dict[str, Any] | None = None,
-            metrics: dict[str, float] | None = None, tags: dict[str, str] | None = None) -> None:  # fmt: skip
+def log_run(
+    tracking: MlflowTracking,
+    run_id: str,
+    *,
+    params: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
+    tags: dict[str, str] | None = None,
+) -> None:
     tracking.log(run_id, params=params, metrics=metrics, tags=tags)
 
 
@@ -56,13 +64,26 @@ def register_model(
     verdict = "promoted" if promoted else "not promoted"
     tracking.tag_version(model_name, version, {"promotion": verdict})
     logger.info(
-        "%s v%s %s=%.4f vs %s %s: %s", model_name, version, policy.metric, value, policy.alias,
-        f"v{champion} ({champion_value:.4f})" if champion_value is not None else "(none)", verdict,
-    )  # fmt: skip
+        "%s v%s %s=%.4f vs %s %s: %s",
+        model_name,
+        version,
+        policy.metric,
+        value,
+        policy.alias,
+        f"v{champion} ({champion_value:.4f})" if champion_value is not None else "(none)",
+        verdict,
+    )
     return ModelVersionRef(
-        name=model_name, version=version, run_id=run_id, source=checkpoint.uri, metric=policy.metric,
-        value=value, promoted=promoted, champion_before=champion, champion_value=champion_value,
-    )  # fmt: skip
+        name=model_name,
+        version=version,
+        run_id=run_id,
+        source=checkpoint.uri,
+        metric=policy.metric,
+        value=value,
+        promoted=promoted,
+        champion_before=champion,
+        champion_value=champion_value,
+    )
 
 
 @task(name="finish-run", **retry_options())
@@ -73,5 +94,6 @@ def finish_run(tracking: MlflowTracking, run_id: str, status: str = "FINISHED") 
 @task(name="record-deploy", **retry_options())
 def record_deploy(tracking: MlflowTracking, outcome: DeployOutcome, runs: list[str] | None = None) -> list[str]:
     """The deploy's outcome as ``deploy.*`` tags on the model version, its source run and ``runs``."""
-    return tracking.record_deploy(outcome.model_name, outcome.version, outcome.tags(), DeployOutcome.TAG_PREFIX,
-                                  runs or [])  # fmt: skip
+    return tracking.record_deploy(
+        outcome.model_name, outcome.version, outcome.tags(), DeployOutcome.TAG_PREFIX, runs or []
+    )

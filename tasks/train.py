@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.exceptions import TerminationSignal
 
-from blocks.compute import ComputeBackend
-from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.base.compute import ComputeBackend
+from blocks.records import JobHandle, JobResult, JobStatus, TrainingJob
 from tasks.retry import retry_options
-from tasks.waiting import register_wait, wait_verdict
+from tasks.waiting import RUN_JOB_LABEL, label_run, register_wait, stop_if_cancelled, wait_verdict
 
 
 def _progress_fraction(progress: dict[str, Any]) -> float:
@@ -27,14 +28,18 @@ def train(compute: ComputeBackend, job: TrainingJob, timeout_seconds: float | No
     logger = get_run_logger()
     handle = compute.submit(job)
     logger.info("training job %s on %s (workdir %s)", handle.job_id, handle.backend, handle.workdir)
-    artifact_id = create_progress_artifact(0.0, key="training-progress", description="Training steps done")
+    label_run({RUN_JOB_LABEL: handle.model_dump_json()})
+    artifact_id = cast(  # sync here: Prefect types it as a coroutine too
+        UUID, create_progress_artifact(0.0, key="training-progress", description="Training steps done")
+    )
 
     def on_progress(progress: dict[str, Any]) -> None:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in progress.get("metrics", {}).items())
         update_progress_artifact(
-            artifact_id, _progress_fraction(progress),
+            artifact_id,
+            _progress_fraction(progress),
             description=f"step {progress.get('step')}/{progress.get('total_steps')} {metrics}",
-        )  # fmt: skip
+        )
 
     def on_output(text: str) -> None:
         for line in text.rstrip("\n").splitlines():
@@ -48,10 +53,14 @@ def train(compute: ComputeBackend, job: TrainingJob, timeout_seconds: float | No
         logger.warning("the flow run was stopped: cancelling job %s", handle.job_id)
         compute.cancel(handle)
         raise
+    if status.state == "CANCELLED":
+        stop_if_cancelled(f"training job {handle.job_id} ended CANCELLED")
     result = compute.result(
-        handle, status, gpus=job.resources.gpus_per_node * job.resources.nodes,
+        handle,
+        status,
+        gpus=job.resources.gpus_per_node * job.resources.nodes,
         cpus=job.resources.cpus_per_task * job.resources.world_size,
-    )  # fmt: skip
+    )
     update_progress_artifact(artifact_id, 100.0, description=f"finished: {status.state}")
     logger.info("job %s %s in %.1f s (%d requeues)", handle.job_id, status.state, result.wall_seconds, result.requeues)
     return result
@@ -68,6 +77,7 @@ def train(compute: ComputeBackend, job: TrainingJob, timeout_seconds: float | No
 def submit_training(compute: ComputeBackend, job: TrainingJob) -> JobHandle:
     handle = compute.submit(job)
     get_run_logger().info("training job %s on %s (workdir %s)", handle.job_id, handle.backend, handle.workdir)
+    label_run({RUN_JOB_LABEL: handle.model_dump_json()})
     return handle
 
 
@@ -79,11 +89,14 @@ def poll_training(compute: ComputeBackend, handle: JobHandle) -> JobStatus:
 @task(name="collect-training")
 def collect_training(compute: ComputeBackend, job: TrainingJob, handle: JobHandle, status: JobStatus) -> JobResult:
     result = compute.result(
-        handle, status, gpus=job.resources.gpus_per_node * job.resources.nodes,
+        handle,
+        status,
+        gpus=job.resources.gpus_per_node * job.resources.nodes,
         cpus=job.resources.cpus_per_task * job.resources.world_size,
-    )  # fmt: skip
-    get_run_logger().info("job %s %s in %.1f s (%d requeues)", handle.job_id, status.state, result.wall_seconds,
-                          result.requeues)  # fmt: skip
+    )
+    get_run_logger().info(
+        "job %s %s in %.1f s (%d requeues)", handle.job_id, status.state, result.wall_seconds, result.requeues
+    )
     return result
 
 
@@ -95,12 +108,11 @@ def train_suspending(
     Call it from a flow run of a deployment (only those can be suspended). ``stack`` names the saved
     Stack block whose compute backend the watcher polls ('' = embedded). The suspension has no expiry of
     its own: the run waits as long as its job lives, however long it is queued or requeued (Slurm's
-    ``--time`` bounds each attempt). The watcher ends every wait (``blocks/watchdog.py``): when the job
+    ``--time`` bounds each attempt). The watcher ends every wait (``blocks/base/watchdog.py``): when the job
     ended, and when it gives up on it: a job the backend lost, or an attempt that ran past
     ``timeout_seconds`` on a backend that does not enforce the limit itself; the run then fails saying why.
     """
     from prefect.flow_runs import suspend_flow_run
-
 
     handle = submit_training(compute, job)
     for attempt in itertools.count():

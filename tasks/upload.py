@@ -8,10 +8,11 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from blocks.compute import ComputeBackend
-from blocks.mlflow_model import MLMODEL, ModelInfo, NoModel, parse_serving_example, serving_example_path
-from blocks.specs import CheckpointRef
-from blocks.storage import CheckpointStore
+from blocks.base.compute import ComputeBackend
+from blocks.base.mlflow_model import ModelInfo, NoModel, parse_serving_example
+from blocks.base.storage import CheckpointStore
+from blocks.records import CheckpointRef
+from runtime.mlmodel import MLMODEL, serving_example_path
 from tasks.retry import retry_options
 
 
@@ -20,10 +21,12 @@ def inspect_model(compute: ComputeBackend, final_dir: str) -> ModelInfo:
     """The MLflow model the job wrote (``NoModel`` when there is none: nothing is stored or registered)."""
     info = compute.inspect_model(final_dir)
     get_run_logger().info(
-        "MLflow model in %s: flavours %s, %s, %s", final_dir, ", ".join(info.flavors),
+        "MLflow model in %s: flavours %s, %s, %s",
+        final_dir,
+        ", ".join(info.flavors),
         "with a signature" if info.signature else "no signature",
         f"serving example {info.serving_example}" if info.serving_example else "no serving input example",
-    )  # fmt: skip
+    )
     return info
 
 
@@ -33,8 +36,12 @@ def store_model(compute: ComputeBackend, store: CheckpointStore, final_dir: str,
     ref = compute.store_model(final_dir, store, name)
     get_run_logger().info(
         "checkpoint %s: %d files, %d bytes (%d moved), sha256 %s",
-        ref.uri, ref.files, ref.size_bytes, ref.bytes_uploaded, ref.sha256,
-    )  # fmt: skip
+        ref.uri,
+        ref.files,
+        ref.size_bytes,
+        ref.bytes_uploaded,
+        ref.sha256,
+    )
     return ref
 
 
@@ -44,7 +51,11 @@ def upload_checkpoint(store: CheckpointStore, local_dir: str, name: str) -> Chec
     ref = store.put(Path(local_dir), name)
     get_run_logger().info(
         "checkpoint %s: %d files, %d bytes (%d moved), sha256 %s",
-        ref.uri, ref.files, ref.size_bytes, ref.bytes_uploaded, ref.sha256,
+        ref.uri,
+        ref.files,
+        ref.size_bytes,
+        ref.bytes_uploaded,
+        ref.sha256,
     )
     return ref
 

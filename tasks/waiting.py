@@ -3,7 +3,7 @@ the job's time limit per attempt.
 
 The train step (``tasks/train.py``) labels its run before it suspends; the job watcher
 (``deployments/job_watcher.py``) reads the labels back and resumes the run when the job ended. When the
-watcher gives up on a job that has not ended (``blocks/watchdog.py``: the backend lost it, or an attempt ran
+watcher gives up on a job that has not ended (``blocks/base/watchdog.py``: the backend lost it, or an attempt ran
 past its time limit), it labels the run with its verdict before resuming it, and the resumed train step fails
 with it.
 """
@@ -17,7 +17,7 @@ from typing import Any
 from uuid import UUID
 
 from blocks.errors import JobFailed
-from blocks.specs import JobHandle
+from blocks.records import JobHandle
 
 log = logging.getLogger("gpuferry.job_watcher")
 
@@ -26,6 +26,43 @@ STACK_LABEL = "gpuferry.wait.stack"
 TIME_LIMIT_LABEL = "gpuferry.wait.time_limit_seconds"
 VERDICT_LABEL = "gpuferry.wait.verdict"
 _VERDICT_CHARS = 4000
+
+# What every run says of itself, as labels (`gpuferry runs`, `logs`, `cancel` read them back): the saved stack it
+# runs on ('' for the embedded one), the job it submitted (its handle), and the model version it registered.
+RUN_STACK_LABEL = "gpuferry.stack"
+RUN_JOB_LABEL = "gpuferry.job"
+RUN_MODEL_LABEL = "gpuferry.model_version"
+
+
+def label_run(labels: dict[str, str]) -> None:
+    """Label the current flow run (none outside one); a failure to label is logged, never the run's failure."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run_labels(context.flow_run.id, dict(labels))
+    except Exception as exc:  # noqa: BLE001 - the labels serve the CLI; the run goes on without them
+        log.warning("could not label flow run %s with %s: %s", context.flow_run.id, sorted(labels), exc)
+
+
+def stop_if_cancelled(what: str) -> None:
+    """Raise Prefect's Abort when the current flow run was cancelled on the server (`gpuferry cancel`, the UI)
+    while this process ran it: the run then stays Cancelled instead of ending Failed on the job it cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+    from prefect.exceptions import Abort
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(context.flow_run.id).state
+    if state is not None and (state.is_cancelled() or state.is_cancelling()):
+        raise Abort(f"{what}: the flow run was cancelled ({state.message or state.name})")
 
 
 def _current_run(flow_run_id: UUID | str | None, what: str) -> UUID:
@@ -39,15 +76,23 @@ def _current_run(flow_run_id: UUID | str | None, what: str) -> UUID:
     return UUID(str(flow_run_id))
 
 
-def register_wait(handle: JobHandle, stack: str = "", flow_run_id: UUID | str | None = None, *,
-                  time_limit_seconds: float | None = None) -> None:  # fmt: skip
+def register_wait(
+    handle: JobHandle,
+    stack: str = "",
+    flow_run_id: UUID | str | None = None,
+    *,
+    time_limit_seconds: float | None = None,
+) -> None:
     """Label the (current) flow run with the job it waits for, so the watcher resumes it when the job ends
     (``time_limit_seconds``: the job's limit per attempt, for a backend that does not enforce it itself)."""
     from prefect.client.orchestration import get_client
 
     run_id = _current_run(flow_run_id, "register_wait")
-    labels = {JOB_LABEL: handle.model_dump_json(), STACK_LABEL: stack or "",
-              TIME_LIMIT_LABEL: "" if time_limit_seconds is None else str(float(time_limit_seconds))}  # fmt: skip
+    labels: dict[str, bool | int | float | str] = {
+        JOB_LABEL: handle.model_dump_json(),
+        STACK_LABEL: stack or "",
+        TIME_LIMIT_LABEL: "" if time_limit_seconds is None else str(float(time_limit_seconds)),
+    }
     with get_client(sync_client=True) as client:
         client.update_flow_run_labels(run_id, labels)
 
@@ -112,5 +157,10 @@ def waiting_from(run: Any) -> Waiting | None:
         limit = float(labels.get(TIME_LIMIT_LABEL) or "nan")
     except (ValueError, TypeError):
         limit = float("nan")
-    return Waiting(flow_run_id=run.id, flow_run_name=run.name, stack=str(labels.get(STACK_LABEL) or ""), handle=handle,
-                   time_limit_seconds=limit if limit > 0 else None)  # fmt: skip
+    return Waiting(
+        flow_run_id=run.id,
+        flow_run_name=run.name,
+        stack=str(labels.get(STACK_LABEL) or ""),
+        handle=handle,
+        time_limit_seconds=limit if limit > 0 else None,
+    )

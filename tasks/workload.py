@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 
 from blocks.plan import RunPlan, plan_run
 from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
-from blocks.workload import Workload, load_workload
+from blocks.workload.source import Workload, load_workload
 from tasks.retry import retry_options
 
 
@@ -14,10 +14,19 @@ from tasks.retry import retry_options
 def load(source: str) -> Workload:
     """The workload at ``source``; fetching a git URL again is what a retry does after a network error."""
     workload = load_workload(source)
-    where = f"commit {workload.commit[:12]}{' + uncommitted changes' if workload.dirty else ''}" if workload.commit \
-        else "not in git"  # fmt: skip
-    get_run_logger().info("workload %s from %s (%s; code %s, %d files)", workload.name, workload.source, where,
-                          workload.code.sha256[:12], workload.code.files)  # fmt: skip
+    where = (
+        f"commit {workload.commit[:12]}{' + uncommitted changes' if workload.dirty else ''}"
+        if workload.commit
+        else "not in git"
+    )
+    get_run_logger().info(
+        "workload %s from %s (%s; code %s, %d files)",
+        workload.name,
+        workload.source,
+        where,
+        workload.code.sha256[:12],
+        workload.code.files,
+    )
     return workload
 
 

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from blocks.checks import CheckRow, check_stack
-from blocks.s3 import S3CheckpointStore
+from blocks.checks import CheckRow
 from blocks.stack_file import read_stack_file
+from blocks.storage.s3 import S3CheckpointStore
+from deployments.prefect_check import prefect_group
 from tests.stack_files import S3_SECRET_ENV, local_stack, write
 from tests.stacks import stack_env
 
@@ -46,12 +47,15 @@ def prefect_api() -> Iterator[str]:
         yield url
 
 
-def checked(steps: dict[str, Any], tmp_path: Path, timeout: float = 30.0, **kwargs: Any) -> list[CheckRow]:
-    """The rows of ``check_stack`` on ``steps``, which must return within ``timeout`` (+ ``SLACK_S``)."""
+def checked(
+    steps: dict[str, Any], tmp_path: Path, timeout: float = 30.0, *, prefect: bool = True, work_pool: str | None = None
+) -> list[CheckRow]:
+    """The rows of ``gpuferry check`` on ``steps`` (``Stack.check``, and the Prefect group unless ``prefect`` is
+    False), which must return within ``timeout`` (+ ``SLACK_S``)."""
     path = write(tmp_path / "stack.yaml", {"local": steps})
     stack = read_stack_file(path.read_text(), str(path), tmp_path)["local"]
     started = time.monotonic()
-    rows = check_stack(stack, timeout=timeout, **kwargs)
+    rows = stack.check(timeout=timeout, more=[prefect_group(work_pool, timeout)] if prefect else [])
     elapsed = time.monotonic() - started
     assert elapsed < timeout + SLACK_S, f"the check took {elapsed:.1f} s with a deadline of {timeout:.0f} s"
     return rows

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from blocks.docker_image import DockerImageBuilder
-    from blocks.s3 import S3CheckpointStore
-    from blocks.slurm import SlurmCluster
+    from blocks.docker.image import DockerImageBuilder
+    from blocks.slurm.cluster import SlurmCluster
+    from blocks.storage.s3 import S3CheckpointStore
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -57,7 +57,7 @@ def k8s_namespace(k8s: dict[str, str]) -> Iterator[str]:
 
     from pydantic import SecretStr
 
-    from blocks.kubernetes import KubernetesCluster
+    from blocks.kubernetes.cluster import KubernetesCluster
     from tests.k8s_node import pull_secret
     from tests.stacks import stack_env
 
@@ -82,20 +82,22 @@ def workload_builder(k8s: dict[str, str]) -> DockerImageBuilder:
         pytest.skip(message)
     from prefect_docker.host import DockerHost
 
-    from blocks.docker_image import DockerImageBuilder
+    from blocks.docker.image import DockerImageBuilder
     from tests.stacks import registry_login, stack_env
 
     reg = stack_env("registry")
     return DockerImageBuilder(
-        docker_host=DockerHost(base_url=reg["DOCKER_HOST"]), credentials=registry_login(),
-        repository="gpuferry-test/workload", build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
-    )  # fmt: skip
+        docker_host=DockerHost(base_url=reg["DOCKER_HOST"]),
+        credentials=registry_login(),
+        repository="gpuferry-test/workload",
+        build_args={"BASE_IMAGE": reg["BASE_IMAGE"]},
+    )
 
 
 @pytest.fixture(scope="session")
 def workload_image(workload_builder: DockerImageBuilder) -> str:
     """The workload image, built and pushed once per session: its reference by digest."""
-    from blocks.workload import load_workload
+    from blocks.workload.source import load_workload
     from tests.examples import DIGITS
 
     reference = workload_builder.build(load_workload(str(DIGITS))).reference

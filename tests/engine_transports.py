@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from blocks._proc import free_port
+from blocks.base.proc import free_port
 from tests.processes import stop_process_group
 
 
@@ -86,19 +86,69 @@ def _wait_listening(port: int, proc: subprocess.Popen, log: Path, banner: bytes 
 
 def _ca(root: Path, name: str) -> tuple[Path, Path]:
     key, cert = root / f"{name}.key", root / f"{name}.pem"
-    _run("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN=gpuferry test {name}",
-         "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    _run(
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=gpuferry test {name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     return key, cert
 
 
 def _signed(root: Path, name: str, ca: tuple[Path, Path], extensions: str) -> tuple[Path, Path]:
     key, csr, cert, ext = (root / f"{name}{suffix}" for suffix in (".key", ".csr", ".pem", ".ext"))
-    _run("openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")  # fmt: skip
-    ext.write_text(f"basicConstraints=CA:FALSE\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n{extensions}\n")
-    _run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca[1]), "-CAkey", str(ca[0]), "-CAcreateserial",
-         "-out", str(cert), "-days", "2", "-extfile", str(ext))  # fmt: skip
+    _run(
+        "openssl",
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        f"/CN={name}",
+    )
+    ext.write_text(
+        f"basicConstraints=CA:FALSE\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n{extensions}\n"
+    )
+    _run(
+        "openssl",
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca[1]),
+        "-CAkey",
+        str(ca[0]),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+    )
     return key, cert
 
 
@@ -112,15 +162,27 @@ def tls_engine(socket_path: str, root: Path) -> Iterator[TlsEngine]:
     server_key, server_cert = _signed(root, "server", ca, "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth")
     client_key, client_cert = _signed(root, "client", ca, "extendedKeyUsage=clientAuth")
     port, log = free_port(), root / "socat.log"
-    listen = (f"OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={server_cert},key={server_key},"
-              f"cafile={ca[1]},verify=1")  # fmt: skip
+    listen = (
+        f"OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={server_cert},key={server_key},"
+        f"cafile={ca[1]},verify=1"
+    )
     with log.open("w") as out:
-        proc = subprocess.Popen(["socat", "-d", "-d", listen, f"UNIX-CONNECT:{socket_path}"], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["socat", "-d", "-d", listen, f"UNIX-CONNECT:{socket_path}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         _wait_listening(port, proc, log)
-        yield TlsEngine(url=f"tcp://127.0.0.1:{port}", ca_cert=ca[1].read_text(), client_cert=client_cert.read_text(),
-                        client_key=client_key.read_text(), other_ca_cert=other_ca.read_text(), log=log)  # fmt: skip
+        yield TlsEngine(
+            url=f"tcp://127.0.0.1:{port}",
+            ca_cert=ca[1].read_text(),
+            client_cert=client_cert.read_text(),
+            client_key=client_key.read_text(),
+            other_ca_cert=other_ca.read_text(),
+            log=log,
+        )
     finally:
         stop_process_group(proc)
 
@@ -151,8 +213,12 @@ def ssh_engine(socket_path: str, root: Path) -> Iterator[SshEngine]:
             key_type, key = pub.read_text().split()[:2]
             return f"[127.0.0.1]:{port} {key_type} {key}\n"
 
-        yield SshEngine(url=f"ssh://root@127.0.0.1:{port}", private_key=(root / "client_key").read_text(),
-                        known_hosts=line(root / "host_key.pub"), other_known_hosts=line(root / "other_host_key.pub"),
-                        log=log)  # fmt: skip
+        yield SshEngine(
+            url=f"ssh://root@127.0.0.1:{port}",
+            private_key=(root / "client_key").read_text(),
+            known_hosts=line(root / "host_key.pub"),
+            other_known_hosts=line(root / "other_host_key.pub"),
+            log=log,
+        )
     finally:
         stop_process_group(proc)

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from blocks.specs import CodeRef
-from blocks.workload import code_archive
+from blocks.records import CodeRef
+from blocks.workload.source import code_archive
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

@@ -45,11 +45,17 @@ def fake_gpus(root: Path, count: int = 4) -> Iterator[FakeGpus]:
     for i, gpu_uuid in enumerate(uuids):
         node = devices / f"fakenvidia{i}"
         os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, 200 + i))
-        edits = {"deviceNodes": [{"path": f"/dev/nvidia{i}", "hostPath": str(node)}],
-                 "env": [f"FAKE_GPU_{i}_UUID={gpu_uuid}"]}  # fmt: skip
+        edits = {
+            "deviceNodes": [{"path": f"/dev/nvidia{i}", "hostPath": str(node)}],
+            "env": [f"FAKE_GPU_{i}_UUID={gpu_uuid}"],
+        }
         cdi_devices += [{"name": str(i), "containerEdits": edits}, {"name": gpu_uuid, "containerEdits": edits}]
-    spec = {"cdiVersion": "0.5.0", "kind": kind, "devices": cdi_devices,
-            "containerEdits": {"env": ["FAKE_GPU_DRIVER=gpuferry-test"]}}  # fmt: skip
+    spec = {
+        "cdiVersion": "0.5.0",
+        "kind": kind,
+        "devices": cdi_devices,
+        "containerEdits": {"env": ["FAKE_GPU_DRIVER=gpuferry-test"]},
+    }
     created_dir = not CDI_DIR.exists()
     CDI_DIR.mkdir(parents=True, exist_ok=True)
     spec_path = CDI_DIR / f"gpuferry-test-{tag}.json"

@@ -16,7 +16,9 @@ def check_text(path: Path, text: str) -> None:
     if os.environ.get("GPUFERRY_UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert path.exists(), f"{path} missing: run with GPUFERRY_UPDATE_GOLDEN=1 once"
-    assert text == path.read_text(), f"{path.name} differs from {path} (GPUFERRY_UPDATE_GOLDEN=1 after an intended change)"
+    assert text == path.read_text(), (
+        f"{path.name} differs from {path} (GPUFERRY_UPDATE_GOLDEN=1 after an intended change)"
+    )
 
 
 def check_json(path: Path, value: object) -> None:

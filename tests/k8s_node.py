@@ -39,15 +39,17 @@ def pull_secret(registry: dict[str, str]) -> dict[str, Any]:
     auth = base64.b64encode(f"{user}:{password}".encode()).decode()
     config = {"auths": {registry["REGISTRY_URL"]: {"username": user, "password": password, "auth": auth}}}
     return {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": PULL_SECRET},
-        "type": "kubernetes.io/dockerconfigjson", "data": {".dockerconfigjson": base64.b64encode(
-            json.dumps(config).encode()).decode()},
-    }  # fmt: skip
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": PULL_SECRET},
+        "type": "kubernetes.io/dockerconfigjson",
+        "data": {".dockerconfigjson": base64.b64encode(json.dumps(config).encode()).decode()},
+    }
 
 
 def pods(block: Any, name: str) -> list[dict[str, Any]]:
     """The pods of the KubernetesCluster ``block``'s service object ``name``."""
-    from blocks import k8s_manifests
+    from blocks.kubernetes import manifests as k8s_manifests
 
     path = f"/api/v1/namespaces/{block.namespace}/pods"
     return block._api().get(path, labelSelector=k8s_manifests.label_selector(name))["items"]
@@ -55,16 +57,32 @@ def pods(block: Any, name: str) -> list[dict[str, Any]]:
 
 def ready_pods(block: Any, name: str) -> list[dict[str, Any]]:
     """Those of ``pods`` that are Ready and not terminating."""
-    return [p for p in pods(block, name) if not p["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]  # fmt: skip
+    return [
+        p
+        for p in pods(block, name)
+        if not p["metadata"].get("deletionTimestamp")
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+    ]
 
 
 def in_pod(k8s: dict[str, str], namespace: str, pod: dict[str, Any], *cmd: str) -> str:
     """What ``cmd`` prints inside the pod's container (kubectl exec through the API server and the kubelet)."""
     out = subprocess.run(
-        [k8s["K8S_KUBECTL"], "--kubeconfig", k8s["KUBECONFIG"], "-n", namespace, "exec", pod["metadata"]["name"],
-         "--", *cmd], capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            k8s["K8S_KUBECTL"],
+            "--kubeconfig",
+            k8s["KUBECONFIG"],
+            "-n",
+            namespace,
+            "exec",
+            pod["metadata"]["name"],
+            "--",
+            *cmd,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -109,7 +127,7 @@ def in_netns(path: str, fn: Callable[[], T]) -> T:
         try:
             _enter_netns(path)
             out["value"] = fn()
-        except BaseException as exc:  # handed to the caller
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
             out["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
@@ -225,8 +243,11 @@ class ServiceLoad:
 
     def models(self) -> list[tuple[float, str]]:
         """(when, the served checkpoint's sha256) of every ``GET /`` answer."""
-        return [(a.at, a.body["model"]["checkpoint_sha256"]) for a in self.answers
-                if a.path == "/" and a.status == 200 and isinstance(a.body, dict) and a.body.get("model")]  # fmt: skip
+        return [
+            (a.at, a.body["model"]["checkpoint_sha256"])
+            for a in self.answers
+            if a.path == "/" and a.status == 200 and isinstance(a.body, dict) and a.body.get("model")
+        ]
 
     def _run(self) -> None:
         try:
@@ -244,7 +265,7 @@ class ServiceLoad:
                         self.answers.append(Answer(at, path, r.status_code, body=r.json() if path == "/" else None))
                     except (httpx.HTTPError, ValueError) as exc:
                         self.answers.append(Answer(at, path, None, error=f"{type(exc).__name__}: {exc}"))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - kept and raised by the thread that joins this one
             self._error = exc
 
 
@@ -257,15 +278,16 @@ def write_test_models(root: Path, hidden: tuple[int, ...] = (16, 24, 32)) -> dic
     import torch
     from torch import nn
 
-    from blocks.storage import write_manifest
+    from blocks.base.storage import write_manifest
 
     models: dict[str, int] = {}
     for width in hidden:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10), nn.Softmax(dim=1)).eval()
         path = root / f"model-{width}"
-        mlflow.pytorch.save_model(net, str(path), input_example=np.zeros((2, 64), dtype=np.float32),
-                                  pip_requirements=["torch"])  # fmt: skip
+        mlflow.pytorch.save_model(
+            net, str(path), input_example=np.zeros((2, 64), dtype=np.float32), pip_requirements=["torch"]
+        )
         models[write_manifest(path)] = width  # the server serves only a checkpoint with a manifest
     for p in (root, *root.rglob("*")):
         p.chmod(0o755 if p.is_dir() else 0o644)

@@ -4,6 +4,7 @@ while a run goes on, and the Prefect logs of a flow run."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -23,10 +24,8 @@ class CommandLines:
         while not self._stop.is_set():
             for entry in Path("/proc").iterdir():
                 if entry.name.isdigit():
-                    try:
+                    with contextlib.suppress(OSError):
                         self.seen.add((entry / "cmdline").read_bytes())
-                    except OSError:
-                        pass
             self._stop.wait(0.1)
 
     def stop(self) -> set[bytes]:
@@ -48,9 +47,11 @@ def flow_run_logs(flow_run_id: uuid.UUID, *, until: str | None = None, timeout: 
         async with get_client() as prefect:
             while True:
                 page = await prefect.read_logs(
-                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=PAGE,
-                    offset=len(messages), sort=LogSort.TIMESTAMP_ASC,
-                )  # fmt: skip
+                    log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                    limit=PAGE,
+                    offset=len(messages),
+                    sort=LogSort.TIMESTAMP_ASC,
+                )
                 messages += [entry.message for entry in page]
                 if len(page) < PAGE:
                     return messages
@@ -62,8 +63,9 @@ def flow_run_logs(flow_run_id: uuid.UUID, *, until: str | None = None, timeout: 
         if messages and (until is None or any(until in m for m in messages)):
             return messages
         if time.monotonic() > deadline:
-            raise AssertionError(f"flow run {flow_run_id}: {len(messages)} log messages, none says {until!r}, "
-                                 f"after {timeout} s")
+            raise AssertionError(
+                f"flow run {flow_run_id}: {len(messages)} log messages, none says {until!r}, after {timeout} s"
+            )
         time.sleep(1)
 
 

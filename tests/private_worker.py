@@ -76,24 +76,38 @@ def deploy(prefect_file: Path, env: dict[str, str], pool: str) -> None:
     template = ProcessWorker.get_default_base_job_template()
     with SyncPrefectClient(env["PREFECT_API_URL"]) as client:
         client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template), overwrite=True)
-    done = subprocess.run([str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--all", "--prefect-file",
-                           str(prefect_file)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"prefect deploy failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
 
 def worker_env(api_url: str, home: Path) -> dict[str, str]:
     """The environment scripts/prefect.sh gives its worker, with this checkout as the code directory."""
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "GPUFERRY_CODE_DIR": str(REPO), "GPUFERRY_HOME": str(home), "PREFECT_WORKER_QUERY_SECONDS": "1",
-           "PREFECT_WORKER_PREFETCH_SECONDS": "5", "PREFECT_RUNNER_POLL_FREQUENCY": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "GPUFERRY_CODE_DIR": str(REPO),
+        "GPUFERRY_HOME": str(home),
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("PREFECT_HOME", None)
     return env
 
 
-def start_worker(pool: str, name: str, env: dict[str, str], log: Path, kind: str = "standby",
-                 new_session: bool = False) -> subprocess.Popen[bytes]:  # fmt: skip
+def start_worker(
+    pool: str, name: str, env: dict[str, str], log: Path, kind: str = "standby", new_session: bool = False
+) -> subprocess.Popen[bytes]:
     """Start a worker for ``pool`` (created if missing) and wait until the server lists it.
 
     ``new_session``: the worker leads a process group of its own (with the flow-run processes it starts),
@@ -105,7 +119,9 @@ def start_worker(pool: str, name: str, env: dict[str, str], log: Path, kind: str
     else:
         raise ValueError(f"kind={kind!r}: use 'standby' (deployments/worker.py) or 'process' (Prefect's)")
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session)
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session
+        )
 
     def listed() -> bool:
         from prefect.client.orchestration import SyncPrefectClient
@@ -142,7 +158,7 @@ def remove(api_url: str, deployments: list[str], pool: str) -> None:
         for name in deployments:
             try:
                 client.delete_deployment(client.read_deployment_by_name(name).id)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - recorded and raised by the caller - recorded and raised by the caller
                 print(f"cleanup: deployment {name}: {exc}")
         try:
             client.delete_work_pool(pool)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -40,20 +41,19 @@ def s3_store(bucket: str, create: bool = True):  # type: ignore[no-untyped-def]
     from prefect_aws import AwsCredentials, S3Bucket
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from blocks.s3 import S3CheckpointStore
+    from blocks.storage.s3 import S3CheckpointStore
 
     env = stack_env("s3")
     credentials = AwsCredentials(
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_DEFAULT_REGION"],
         aws_client_parameters=AwsClientParameters(endpoint_url=env["S3_ENDPOINT_URL"]),
-    )  # fmt: skip
+    )
     if create:
         s3 = credentials.get_s3_client()
-        try:
+        with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
             s3.create_bucket(Bucket=bucket)
-        except s3.exceptions.BucketAlreadyOwnedByYou:
-            pass
     return S3CheckpointStore(bucket=S3Bucket(bucket_name=bucket, credentials=credentials))
 
 
@@ -95,10 +95,8 @@ class Relay:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self.server.close()
@@ -109,9 +107,10 @@ def s3_seen_from(relay: Relay) -> dict[str, str]:
     env = stack_env("s3")
     return {
         "AWS_ENDPOINT_URL": f"http://{relay.address[0]}:{relay.address[1]}",
-        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
+        "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
         "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
-    }  # fmt: skip
+    }
 
 
 def s3_target() -> tuple[str, int]:
@@ -135,26 +134,31 @@ def registry_login(password: str | None = None):  # type: ignore[no-untyped-def]
 
     reg = stack_env("registry")
     return DockerRegistryCredentials(
-        username=reg["REGISTRY_USER"], password=password or Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
+        username=reg["REGISTRY_USER"],
+        password=password or Path(reg["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
         registry_url=f"http://{reg['REGISTRY_URL']}",
-    )  # fmt: skip
+    )
 
 
 def slurm_login() -> dict[str, object]:
     """The SlurmCluster fields that reach the slurm stack's login node over SSH (its key, host key, partition)."""
     from pydantic import SecretStr
 
-    from blocks.ssh_credentials import SshCredentials
+    from blocks.ssh.credentials import SshCredentials
 
     slurm = stack_env("slurm")
     credentials = SshCredentials(
-        user=slurm["SLURM_SSH_USER"], private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
+        user=slurm["SLURM_SSH_USER"],
+        private_key=SecretStr(Path(slurm["SLURM_SSH_KEY"]).read_text()),
         known_hosts=Path(slurm["SLURM_KNOWN_HOSTS"]).read_text(),
-    )  # fmt: skip
-    return dict(
-        host=slurm["SLURM_SSH_HOST"], port=int(slurm["SLURM_SSH_PORT"]), credentials=credentials,
-        slurm_conf=slurm["SLURM_CONF"], partition=slurm["SLURM_PARTITION"],
-    )  # fmt: skip
+    )
+    return {
+        "host": slurm["SLURM_SSH_HOST"],
+        "port": int(slurm["SLURM_SSH_PORT"]),
+        "credentials": credentials,
+        "slurm_conf": slurm["SLURM_CONF"],
+        "partition": slurm["SLURM_PARTITION"],
+    }
 
 
 def cluster_dir(name: str) -> str:
@@ -171,10 +175,14 @@ def remote_slurm(name: str, **fields):  # type: ignore[no-untyped-def]
     """The slurm stack as a remote cluster: over SSH, job directories on the cluster's own filesystem and the
     cluster's own Python (Debian's python3 in a venv of the cluster's, not this process's interpreter).
     ``fields`` override the block's settings."""
-    from blocks.slurm import SlurmCluster
+    from blocks.slurm.cluster import SlurmCluster
 
-    settings = {**slurm_login(), "workdir_root": cluster_dir(name),
-                "python": stack_env("slurm")["SLURM_CLUSTER_PYTHON"], **fields}  # fmt: skip
+    settings = {
+        **slurm_login(),
+        "workdir_root": cluster_dir(name),
+        "python": stack_env("slurm")["SLURM_CLUSTER_PYTHON"],
+        **fields,
+    }
     return SlurmCluster(**settings)
 
 
@@ -190,12 +198,16 @@ def mlflow_server(**fields):  # type: ignore[no-untyped-def]
     MlflowClient with that login (``mlflow_server().client``). ``fields`` override the block's settings."""
     from pydantic import SecretStr
 
-    from blocks.tracking import MlflowTracking
+    from blocks.tracking.mlflow import MlflowTracking
 
     env = stack_env("mlflow")
-    settings = {"tracking_uri": env["MLFLOW_TRACKING_URI"], "artifact_location": None,
-                "username": env["MLFLOW_TRACKING_USERNAME"], "password": SecretStr(env["MLFLOW_TRACKING_PASSWORD"]),
-                **fields}  # fmt: skip
+    settings = {
+        "tracking_uri": env["MLFLOW_TRACKING_URI"],
+        "artifact_location": None,
+        "username": env["MLFLOW_TRACKING_USERNAME"],
+        "password": SecretStr(env["MLFLOW_TRACKING_PASSWORD"]),
+        **fields,
+    }
     return MlflowTracking(**settings)
 
 
@@ -212,14 +224,18 @@ def slurm_for_images(workdir_root: str | Path, **fields):  # type: ignore[no-unt
     """The slurm stack as a stack file would declare it for jobs in the workload's image: over SSH, each job
     pulling the image with the registry stack's login and running it with podman (the stack's nodes have
     podman, and stand-in GPUs passed as CUDA_VISIBLE_DEVICES). ``fields`` override the block's settings."""
-    from blocks.slurm import SlurmCluster
+    from blocks.slurm.cluster import SlurmCluster
 
     reg = stack_env("registry")
     settings: dict[str, object] = dict(
-        **slurm_login(), workdir_root=str(workdir_root), container_runtime="podman", podman_gpu_mode="env",
-        container_runtime_env={k: reg[k] for k in ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF",
-                                                   "CONTAINERS_STORAGE_CONF")},
+        **slurm_login(),
+        workdir_root=str(workdir_root),
+        container_runtime="podman",
+        podman_gpu_mode="env",
+        container_runtime_env={
+            k: reg[k] for k in ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")
+        },
         registry_credentials=registry_login(),
-    )  # fmt: skip
+    )
     settings.update(fields)
     return SlurmCluster(**settings)

@@ -1,4 +1,4 @@
-"""The one poll interval and retry delay every waiting loop uses (blocks/backoff.py)."""
+"""The one poll interval and retry delay every waiting loop uses (blocks/base/backoff.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from blocks.backoff import Poll, retry_delay, wait_until
+from blocks.base.backoff import Poll, retry_delay, wait_until
 
 
 def test_the_interval_starts_fast_and_grows_to_its_ceiling() -> None:

@@ -29,12 +29,11 @@ import httpx
 import pytest
 import yaml
 
-from blocks._proc import free_port
+from blocks.base.proc import free_port
 from blocks.checks import PROBE_PREFIX, CheckRow
-from blocks.s3 import S3CheckpointStore
+from blocks.storage.s3 import S3CheckpointStore
 from deployments import skeleton
-from tests.checking import GREEN, checked, table
-from tests.checking import prefect_api, steps  # noqa: F401 - fixtures
+from tests.checking import GREEN, checked, prefect_api, steps, table  # noqa: F401 - fixtures
 from tests.stack_files import write
 from tests.stacks import stack_env
 
@@ -50,9 +49,23 @@ def test_the_check_command_is_all_green_on_the_local_stacks(steps: dict[str, Any
     started = time.monotonic()
     # A generous deadline per backend: this machine is shared, and what is checked here is that every row is
     # green, not how fast (the wall time is printed; the default deadline is 10 s).
-    done = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "check", "-f", str(path), "--json", "--timeout", "60",
-                           "--workload", str(tmp_path / "house-prices")], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            str(REPO / ".venv/bin/gpuferry"),
+            "check",
+            "-f",
+            str(path),
+            "--json",
+            "--timeout",
+            "60",
+            "--workload",
+            str(tmp_path / "house-prices"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     wall = time.monotonic() - started
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
@@ -60,12 +73,26 @@ def test_the_check_command_is_all_green_on_the_local_stacks(steps: dict[str, Any
     assert report["ok"] is True
     assert [r for r in rows if r.status not in GREEN] == [], table(rows)
     checks = {(r.step, r.check) for r in rows}
-    assert {("compute", "SSH host key"), ("compute", "SSH login"), ("compute", "Slurm version"),
-            ("compute", "partitions"), ("compute", "GPUs (gres)"), ("compute", "account/QoS"),
-            ("compute", "container runtime"), ("storage", "put, get, delete"), ("tracking", "registry"),
-            ("tracking", "webhooks"), ("images", "registry login"), ("images", "push permission"),
-            ("serving", "RBAC"), ("serving", "GPU nodes"), ("prefect", "online worker"),
-            ("workload", "run plan")} <= checks  # fmt: skip
+    assert {
+        ("compute", "SSH host key"),
+        ("compute", "SSH login"),
+        ("compute", "Slurm version"),
+        ("compute", "partitions"),
+        ("compute", "GPUs (gres)"),
+        ("compute", "account/QoS"),
+        ("compute", "container runtime"),
+        ("compute", "store's Python"),
+        ("compute", "store from the login node"),
+        ("storage", "put, get, delete"),
+        ("tracking", "registry"),
+        ("tracking", "webhooks"),
+        ("images", "registry login"),
+        ("images", "push permission"),
+        ("serving", "RBAC"),
+        ("serving", "GPU nodes"),
+        ("prefect", "online worker"),
+        ("workload", "run plan"),
+    } <= checks
     print(f"gpuferry check: {wall:.1f} s wall, {report['seconds']} s after start-up, {len(rows)} checks")
 
 
@@ -79,7 +106,7 @@ def table_rows(out: str) -> list[list[str]]:
         if cells[0] or not rows:
             rows.append(cells)
         else:
-            rows[-1] = [f"{a} {b}".strip() for a, b in zip(rows[-1], cells)]
+            rows[-1] = [f"{a} {b}".strip() for a, b in zip(rows[-1], cells, strict=True)]
     return rows
 
 
@@ -97,8 +124,9 @@ def test_the_check_command_exits_1_with_the_failed_row_and_its_fix(steps: dict[s
     printed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert printed.returncode == 1, printed.stdout[-5000:] + printed.stderr[-3000:]
     rows = table_rows(printed.stdout)
-    assert [r for r in rows if r[3] != "ok"] == [["tracking", "MlflowTracking", "reach", "FAILED", detail, fix]], \
-        printed.stdout  # fmt: skip
+    assert [r for r in rows if r[3] != "ok"] == [["tracking", "MlflowTracking", "reach", "FAILED", detail, fix]], (
+        printed.stdout
+    )
     assert {r[0] for r in rows} == {"provider", "images", "compute", "storage", "tracking", "serving", "prefect"}
     assert re.search(rf"stack local: 1 check\(s\) failed \({len(rows)} checks in [\d.]+ s\)", printed.stdout)
 
@@ -108,7 +136,8 @@ def test_the_check_command_exits_1_with_the_failed_row_and_its_fix(steps: dict[s
     assert report["ok"] is False and report["stack"] == "local"
     failed = [r for r in report["rows"] if r["status"] != "ok"]
     assert [(r["step"], r["check"], r["status"], r["detail"], r["fix"]) for r in failed] == [
-        ("tracking", "reach", "failed", detail, fix)]  # fmt: skip
+        ("tracking", "reach", "failed", detail, fix)
+    ]
     assert len(report["rows"]) - len(failed) >= 20  # every other backend's rows, all ok
 
 
@@ -119,8 +148,11 @@ def test_the_checks_leave_nothing_behind(steps: dict[str, Any], tmp_path: Path, 
     listed = client.list_objects_v2(Bucket=s3_store.bucket.bucket_name).get("Contents", [])
     assert [o["Key"] for o in listed if PROBE_PREFIX in o["Key"]] == []
     registry = stack_env("registry")
-    catalog = httpx.get(f"http://{registry['REGISTRY_URL']}/v2/_catalog", timeout=30, auth=(
-        registry["REGISTRY_USER"], Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip())).json()  # fmt: skip
+    catalog = httpx.get(
+        f"http://{registry['REGISTRY_URL']}/v2/_catalog",
+        timeout=30,
+        auth=(registry["REGISTRY_USER"], Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip()),
+    ).json()
     assert steps["images"]["repository"] not in catalog.get("repositories", [])  # the upload was cancelled
 
 
@@ -162,8 +194,12 @@ def _down(tmp: Path) -> dict[str, Callable[[dict[str, Any]], tuple[str, str, str
     def account(s: dict[str, Any]) -> tuple[str, str, str, str]:
         s["compute"]["account"] = "gpuferry-no-such-account"
         user = stack_env("slurm")["SLURM_SSH_USER"]
-        return "compute", "account/QoS", f"user {user!r} is not in account 'gpuferry-no-such-account'", \
-            "set account to one of: "  # fmt: skip
+        return (
+            "compute",
+            "account/QoS",
+            f"user {user!r} is not in account 'gpuferry-no-such-account'",
+            "set account to one of: ",
+        )
 
     def qos(s: dict[str, Any]) -> tuple[str, str, str, str]:
         s["compute"]["qos"] = "gpuferry-no-such-qos"
@@ -171,12 +207,20 @@ def _down(tmp: Path) -> dict[str, Callable[[dict[str, Any]], tuple[str, str, str
 
     def runtime(s: dict[str, Any]) -> tuple[str, str, str, str]:
         s["compute"]["container_runtime"] = "apptainer"  # the stack's nodes have podman only
-        return "compute", "container runtime", "no apptainer on the login node's PATH; the cluster offers: podman", \
-            "install apptainer on the nodes, or set container_runtime to podman or auto"  # fmt: skip
+        return (
+            "compute",
+            "container runtime",
+            "no apptainer on the login node's PATH; the cluster offers: podman",
+            "install apptainer on the nodes, or set container_runtime to podman or auto",
+        )
 
     def partition(s: dict[str, Any]) -> tuple[str, str, str, str]:
         s["compute"]["partition"] = "gpu-a100"
         return "compute", "partitions", "partition 'gpu-a100' does not exist", "set partition to one of: debug"
+
+    def store_python(s: dict[str, Any]) -> tuple[str, str, str, str]:
+        s["compute"]["store_python"] = "/nonexistent/python3"
+        return "compute", "store's Python", "/nonexistent/python3 on the login node", "install boto3 and PyYAML"
 
     def s3(s: dict[str, Any]) -> tuple[str, str, str, str]:
         s["storage"]["bucket"]["credentials"]["aws_client_parameters"]["endpoint_url"] = f"http://127.0.0.1:{port}"
@@ -211,12 +255,47 @@ def _down(tmp: Path) -> dict[str, Callable[[dict[str, Any]], tuple[str, str, str
         s["serving"]["namespace"] = "gpuferry-no-such-namespace"
         return "serving", "namespace", "does not exist", "kubectl create namespace gpuferry-no-such-namespace"
 
-    return {f.__name__: f for f in (slurm, host_key, ssh_user, partition, account, qos, runtime, s3, bucket, mlflow,
-                                    registry, password, engine, kubernetes, namespace)}  # fmt: skip
+    return {
+        f.__name__: f
+        for f in (
+            slurm,
+            host_key,
+            ssh_user,
+            partition,
+            account,
+            qos,
+            runtime,
+            store_python,
+            s3,
+            bucket,
+            mlflow,
+            registry,
+            password,
+            engine,
+            kubernetes,
+            namespace,
+        )
+    }
 
 
-CASES = ["slurm", "host_key", "ssh_user", "partition", "account", "qos", "runtime", "s3", "bucket", "mlflow", "registry",
-         "password", "engine", "kubernetes", "namespace"]  # fmt: skip
+CASES = [
+    "slurm",
+    "host_key",
+    "ssh_user",
+    "partition",
+    "account",
+    "qos",
+    "runtime",
+    "store_python",
+    "s3",
+    "bucket",
+    "mlflow",
+    "registry",
+    "password",
+    "engine",
+    "kubernetes",
+    "namespace",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -319,7 +398,10 @@ def test_a_backend_that_hangs_fails_within_its_timeout_and_holds_up_no_other(
     failed = {(r.step, r.check): r for r in rows if r.failed}
     assert set(failed) == expected, table(rows)
     for row in failed.values():
-        assert f"within {HANG_TIMEOUT_S:.0f} s" in row.detail or "timed out" in row.detail.lower() or \
-            "timeout" in row.detail.lower(), table(rows)  # fmt: skip
+        assert (
+            f"within {HANG_TIMEOUT_S:.0f} s" in row.detail
+            or "timed out" in row.detail.lower()
+            or "timeout" in row.detail.lower()
+        ), table(rows)
     hung = {step for step, _ in expected}
     assert [r for r in rows if r.step not in hung and r.status not in GREEN] == [], table(rows)

@@ -22,8 +22,7 @@ import pytest
 import yaml
 
 from blocks.checks import CheckRow
-from tests.checking import GREEN, checked, table
-from tests.checking import prefect_api, steps  # noqa: F401 - fixtures
+from tests.checking import GREEN, checked, prefect_api, steps, table  # noqa: F401 - fixtures
 from tests.stacks import stack_env
 
 pytestmark = pytest.mark.integration
@@ -61,8 +60,9 @@ def test_a_pool_without_an_online_worker_says_how_to_start_one(
     with get_client(sync_client=True) as client:
         client.send_worker_heartbeat(empty_pool, "stopped-worker", heartbeat_interval_seconds=1)
         deadline = time.monotonic() + 120  # the server's check of heartbeats runs every 15 s
-        while (workers := client.read_workers_for_work_pool(empty_pool)) and \
-                str(getattr(workers[0].status, "value", workers[0].status)).upper() != "OFFLINE":  # fmt: skip
+        while (workers := client.read_workers_for_work_pool(empty_pool)) and str(
+            getattr(workers[0].status, "value", workers[0].status)
+        ).upper() != "OFFLINE":
             assert time.monotonic() < deadline, f"the server never marked the worker offline: {workers}"
             time.sleep(1)
     assert len(workers) == 1
@@ -76,25 +76,42 @@ def _restricted_kubeconfig(tmp: Path, namespace: str) -> str:
 
     from pydantic import SecretStr
 
-    from blocks.kubernetes import KubernetesCluster
+    from blocks.kubernetes.cluster import KubernetesCluster
 
     admin = Path(stack_env("k8s")["KUBECONFIG"]).read_text()
     api = KubernetesCluster(kubeconfig=SecretStr(admin))._api()
     base, rbac = f"/api/v1/namespaces/{namespace}", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
     try:
-        api.request("POST", f"{base}/serviceaccounts", body={"apiVersion": "v1", "kind": "ServiceAccount",
-                                                             "metadata": {"name": "deployer"}})  # fmt: skip
-        api.request("POST", f"{rbac}/roles", body={
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "half-a-deploy"},
-            "rules": [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]},
-                      {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "patch"]},
-                      {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
-        })  # fmt: skip
-        api.request("POST", f"{rbac}/rolebindings", body={
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "deployer"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "half-a-deploy"},
-            "subjects": [{"kind": "ServiceAccount", "name": "deployer", "namespace": namespace}],
-        })  # fmt: skip
+        api.request(
+            "POST",
+            f"{base}/serviceaccounts",
+            body={"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "deployer"}},
+        )
+        api.request(
+            "POST",
+            f"{rbac}/roles",
+            body={
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": {"name": "half-a-deploy"},
+                "rules": [
+                    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]},
+                    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "patch"]},
+                    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                ],
+            },
+        )
+        api.request(
+            "POST",
+            f"{rbac}/rolebindings",
+            body={
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": {"name": "deployer"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "half-a-deploy"},
+                "subjects": [{"kind": "ServiceAccount", "name": "deployer", "namespace": namespace}],
+            },
+        )
         # Kubernetes 1.20's token controller gives the account a token Secret of its own: wait for it.
         deadline = time.monotonic() + 120
         while not (secrets := api.get(f"{base}/serviceaccounts/deployer").get("secrets")):
@@ -122,10 +139,12 @@ def test_missing_deploy_permissions_are_named_with_the_role_that_grants_them(
     serving = {r.check: r for r in rows if r.step == "serving"}
     assert serving["RBAC"].detail == (
         f"9 of 14 permissions missing in {k8s_namespace}: get namespaces, list nodes, delete deployments.apps, "
-        "delete services, list replicasets.apps, get secrets, create secrets, update secrets, delete secrets")  # fmt: skip
+        "delete services, list replicasets.apps, get secrets, create secrets, update secrets, delete secrets"
+    )
     assert serving["RBAC"].fix.startswith(
         f"grant them, e.g. kubectl -n {k8s_namespace} create role gpuferry-deploy --verb=create,delete,get,list,update "
-        "--resource=deployments.apps,namespaces,nodes,replicasets.apps,secrets,services and a rolebinding")  # fmt: skip
+        "--resource=deployments.apps,namespaces,nodes,replicasets.apps,secrets,services and a rolebinding"
+    )
     # What the account may not read is a warning pointing at the RBAC row, not a second failure.
     assert serving["namespace"].status == "warn" and serving["GPU nodes"].status == "warn", table(rows)
     assert [r for r in rows if r.step != "serving" and r.status not in GREEN] == [], table(rows)
@@ -151,15 +170,16 @@ class PullOnlyRegistry:
                 if status == 401:
                     host, port = self.server.server_address[:2]
                     scope = f',scope="{scope}"' if scope else ""
-                    self.send_header("WWW-Authenticate", f'Bearer realm="http://{host}:{port}/token",'
-                                     f'service="pull-only"{scope}')  # fmt: skip
+                    self.send_header(
+                        "WWW-Authenticate", f'Bearer realm="http://{host}:{port}/token",service="pull-only"{scope}'
+                    )
                 self.end_headers()
                 self.wfile.write(data)
 
             def bearer(self) -> bool:
                 return self.headers.get("Authorization") == "Bearer pull-only"
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 if self.path.startswith("/token"):
                     basic = self.headers.get("Authorization", "").startswith("Basic ")
                     self.answer(200 if basic else 401, {"token": "pull-only"} if basic else {})
@@ -168,13 +188,14 @@ class PullOnlyRegistry:
                 else:
                     self.answer(404, {"errors": [{"code": "NOT_FOUND"}]})
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 repository = self.path.removeprefix("/v2/").split("/blobs/")[0]
                 if not self.bearer():
                     self.answer(401, {"errors": [{"code": "UNAUTHORIZED"}]}, f"repository:{repository}:pull,push")
                 else:
-                    self.answer(403, {"errors": [{"code": "DENIED", "message": "requested access to the resource "
-                                                  "is denied"}]})  # fmt: skip
+                    self.answer(
+                        403, {"errors": [{"code": "DENIED", "message": "requested access to the resource is denied"}]}
+                    )
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -1,4 +1,5 @@
-"""The checks' reading of what the systems answer (blocks/check_slurm.py, blocks/check_k8s.py), on recorded answers.
+"""The checks' reading of what the systems answer (blocks/slurm/check.py, blocks/kubernetes/check.py), on recorded
+answers.
 
 tests/golden/slurm/check_facts.txt is the one command `check` runs on a Slurm login node (``_FACTS_SH``),
 recorded from the local Slurm 22.05 as the stack's user; check_facts_refused.txt the same command for a user
@@ -16,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from blocks.check_k8s import deploy_permissions
-from blocks.check_slurm import _accounts, _partitions, _runtimes, _sections, check_slurm
 from blocks.checks import CheckRow, Probe, run_groups
-from blocks.kubernetes import KubernetesCluster
-from blocks.slurm import SlurmCluster
+from blocks.kubernetes.check import deploy_permissions
+from blocks.kubernetes.cluster import KubernetesCluster
+from blocks.slurm.check import _accounts, _partitions, _runtimes, _sections, check_slurm
+from blocks.slurm.cluster import SlurmCluster
 from tests.golden_files import GOLDEN as GOLDEN_DIR
 from tests.golden_files import check_json
 
@@ -48,8 +49,10 @@ def test_the_facts_of_a_login_node() -> None:
     assert all(rc == 0 for rc, _ in facts["sections"].values())
     assert facts["sections"]["version"] == [0, "slurm-wlm 22.05.8"]
     # "debug|up|2|gpu:fake:4": 2 nodes with 4 GPUs each; a partition without nodes or gres has none.
-    assert facts["partitions"] == {"debug": {"state": "up", "nodes": 2, "gpus": 8},
-                                   "joined": {"state": "up", "nodes": 0, "gpus": 0}}  # fmt: skip
+    assert facts["partitions"] == {
+        "debug": {"state": "up", "nodes": 2, "gpus": 8},
+        "joined": {"state": "up", "nodes": 0, "gpus": 0},
+    }
     assert facts["accounts"] == {"gpuferry": ["high", "normal"], "root": ["high", "normal"]}
     assert facts["runtimes"] == ["podman"]
 
@@ -63,13 +66,16 @@ def test_the_facts_of_a_refused_user_keep_each_sections_exit_code() -> None:
     assert sections["workdir"] == [1, "/proc/sys"]  # the nearest existing directory, not writable
 
 
-@pytest.mark.parametrize(("line", "gpus"), [
-    ("gpu|up|4|gpu:a100:8(S:0-1)", 32),  # a type and the sockets' affinity
-    ("gpu|up|2|gpu:4,shard:8", 8),  # other gres beside the GPUs
-    ("mig|up|1|gpu:1g.10gb:7", 7),
-    ("cpu|up|10|(null)", 0),
-    ("mixed|drain|3|gpu:h100:4", 12),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("line", "gpus"),
+    [
+        ("gpu|up|4|gpu:a100:8(S:0-1)", 32),  # a type and the sockets' affinity
+        ("gpu|up|2|gpu:4,shard:8", 8),  # other gres beside the GPUs
+        ("mig|up|1|gpu:1g.10gb:7", 7),
+        ("cpu|up|10|(null)", 0),
+        ("mixed|drain|3|gpu:h100:4", 12),
+    ],
+)
 def test_gpus_per_partition_from_sinfo_gres_columns(line: str, gpus: int) -> None:
     """The gres forms of sinfo's %G (Slurm's documentation: NAME[:TYPE]:COUNT[(S:SOCKETS)]), one line each."""
     (entry,) = _partitions(line).values()
@@ -97,7 +103,9 @@ def test_sections_without_their_end_marker_are_left_out() -> None:
 def slurm_rows(monkeypatch: pytest.MonkeyPatch, name: str, needs_image: bool = True, **fields: Any) -> list[CheckRow]:
     answer = recorded(name)
     monkeypatch.setattr(SlurmCluster, "run", lambda self, argv, **kwargs: (0, answer, ""))
-    cluster = SlurmCluster(**{"local": True, "workdir_root": "/srv/shared/jobs", "container_runtime": "podman", **fields})
+    cluster = SlurmCluster(
+        **{"local": True, "workdir_root": "/srv/shared/jobs", "container_runtime": "podman", **fields}
+    )
     probe = Probe("compute", "SlurmCluster", needs_image=needs_image)
     check_slurm(cluster, probe)
     return probe.rows
@@ -115,19 +123,41 @@ def test_the_recorded_login_node_passes_with_the_stacks_settings(monkeypatch: py
     assert by_check["container runtime"] == "podman (set)"
 
 
-@pytest.mark.parametrize(("fields", "check", "detail", "fix"), [
-    ({"partition": "gpu-a100"}, "partitions", "partition 'gpu-a100' does not exist; the cluster has: debug (up, "
-     "2 nodes), joined (up, 0 nodes)", "set partition to one of: debug, joined"),
-    ({"account": "ml-team"}, "account/QoS", "user 'root' is not in account 'ml-team'; their accounts: gpuferry, root",
-     "set account to one of: gpuferry, root"),
-    ({"account": "gpuferry", "qos": "premium"}, "account/QoS", "QoS 'premium' is not allowed for 'root'; allowed: "
-     "high, normal", "set qos to one of: high, normal"),
-    ({"container_runtime": "apptainer"}, "container runtime", "container_runtime='apptainer', but no apptainer on "
-     "the login node's PATH; the cluster offers: podman", "install apptainer on the nodes, or set "
-     "container_runtime to podman or auto"),
-    ({"container_runtime": "pyxis"}, "container runtime", "`srun --help` lists no --container-image (no pyxis)",
-     "install pyxis on the nodes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "check", "detail", "fix"),
+    [
+        (
+            {"partition": "gpu-a100"},
+            "partitions",
+            "partition 'gpu-a100' does not exist; the cluster has: debug (up, 2 nodes), joined (up, 0 nodes)",
+            "set partition to one of: debug, joined",
+        ),
+        (
+            {"account": "ml-team"},
+            "account/QoS",
+            "user 'root' is not in account 'ml-team'; their accounts: gpuferry, root",
+            "set account to one of: gpuferry, root",
+        ),
+        (
+            {"account": "gpuferry", "qos": "premium"},
+            "account/QoS",
+            "QoS 'premium' is not allowed for 'root'; allowed: high, normal",
+            "set qos to one of: high, normal",
+        ),
+        (
+            {"container_runtime": "apptainer"},
+            "container runtime",
+            "container_runtime='apptainer', but no apptainer on the login node's PATH; the cluster offers: podman",
+            "install apptainer on the nodes, or set container_runtime to podman or auto",
+        ),
+        (
+            {"container_runtime": "pyxis"},
+            "container runtime",
+            "`srun --help` lists no --container-image (no pyxis)",
+            "install pyxis on the nodes",
+        ),
+    ],
+)
 def test_a_setting_the_cluster_does_not_have_fails_its_row_with_the_choices(
     monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any], check: str, detail: str, fix: str
 ) -> None:
@@ -146,12 +176,17 @@ def test_a_missing_runtime_is_only_a_warning_when_the_stack_builds_no_image(monk
 def test_a_user_without_associations_an_interpreter_and_a_writable_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = slurm_rows(monkeypatch, "check_facts_refused", needs_image=False, user="nobody", account="gpuferry")
     assert {r.check: r.status for r in rows if r.status != "ok"} == {
-        "account/QoS": "warn", "python": "failed", "jobs' directory": "failed"}  # fmt: skip
+        "account/QoS": "warn",
+        "python": "failed",
+        "jobs' directory": "failed",
+    }
     rows_by = {r.check: r for r in rows}
     assert "user 'nobody' has no associations" in rows_by["account/QoS"].detail
     assert "/srv/no-such-env/bin/python: not found" in rows_by["python"].detail
-    assert rows_by["jobs' directory"].detail == "/srv/shared/jobs: its nearest existing directory (/proc/sys) is not " \
-        "writable by nobody"  # fmt: skip
+    assert (
+        rows_by["jobs' directory"].detail == "/srv/shared/jobs: its nearest existing directory (/proc/sys) is not "
+        "writable by nobody"
+    )
 
 
 # ---- Kubernetes -----------------------------------------------------------------------------------------
@@ -164,11 +199,15 @@ def test_the_permissions_a_deploy_needs_follow_the_blocks_settings() -> None:
     own_secret = deploy_permissions(KubernetesCluster())  # the store's Secret is gpuferry's to make
     assert set(own_secret) - set(plain) == {(v, "", "secrets", True) for v in ("get", "create", "update", "delete")}
     assert not any(group in ("autoscaling", "policy") for _, group, _, _ in plain)
-    full = deploy_permissions(KubernetesCluster(env_from_secret="model-store", autoscale_max_replicas=4, pdb_min_available=1))
+    full = deploy_permissions(
+        KubernetesCluster(env_from_secret="model-store", autoscale_max_replicas=4, pdb_min_available=1)
+    )
     assert set(full) - set(plain) == {
-        ("patch", "autoscaling", "horizontalpodautoscalers", True), ("delete", "autoscaling", "horizontalpodautoscalers", True),
-        ("patch", "policy", "poddisruptionbudgets", True), ("delete", "policy", "poddisruptionbudgets", True),
-    }  # fmt: skip
+        ("patch", "autoscaling", "horizontalpodautoscalers", True),
+        ("delete", "autoscaling", "horizontalpodautoscalers", True),
+        ("patch", "policy", "poddisruptionbudgets", True),
+        ("delete", "policy", "poddisruptionbudgets", True),
+    }
 
 
 def test_work_on_this_machine_does_not_count_against_a_groups_deadline() -> None:

@@ -31,8 +31,14 @@ def test_deploy_registers_the_workloads_own_deployments_with_its_form(tmp_path: 
     env.pop("PREFECT_HOME", None)
     names = [f"retrain/{name}", f"sweep/{name}"]
     try:
-        done = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "deploy", "--workload", name], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        done = subprocess.run(
+            [str(REPO / ".venv/bin/gpuferry"), "deploy", "--workload", name],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert f"registered on work pool {pool}: {', '.join(names)}" in done.stdout
         assert f"with their workload's form: {', '.join(names)}" in done.stdout

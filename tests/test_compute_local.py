@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,10 +15,11 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from blocks.compute import LocalProcesses
+from blocks.base.launch import launch_command
 from blocks.errors import ConfigurationError, JobFailed
-from blocks.launch import launch_command
-from blocks.specs import CodeRef, Resources, TrainingJob
+from blocks.local.compute import LocalProcesses
+from blocks.records import CodeRef, TrainingJob
+from blocks.specs import Resources
 
 # A stand-in job: each start appends to starts.txt, then behaves as BEHAVIOUR (a list, one per start) says.
 FAKE_JOB = textwrap.dedent(
@@ -58,14 +60,19 @@ def backend(tmp_path: Path) -> LocalProcesses:
     return LocalProcesses(workdir_root=str(tmp_path / "jobs"), poll_interval_max=0.2)
 
 
-def job(backend: LocalProcesses, key: str, *behaviour: str, secrets: dict[str, str] | None = None,
-        **resources: int) -> TrainingJob:  # fmt: skip
+def job(
+    backend: LocalProcesses, key: str, *behaviour: str, secrets: dict[str, str] | None = None, **resources: int
+) -> TrainingJob:
     code = Path(backend.workdir_root).parent / "code"
     return TrainingJob(
-        key=key, workdir=backend.job_workdir(key), command=["python", "job.py"],
-        env={"BEHAVIOUR": json.dumps(list(behaviour))}, secrets=secrets or {}, resources=Resources(**resources),
+        key=key,
+        workdir=backend.job_workdir(key),
+        command=["python", "job.py"],
+        env={"BEHAVIOUR": json.dumps(list(behaviour))},
+        secrets=secrets or {},
+        resources=Resources(**resources),
         code=CodeRef(root=str(code), archive=str(code / "unused.tar.gz"), sha256="0" * 64),
-    )  # fmt: skip
+    )
 
 
 def wait_for(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
@@ -194,15 +201,18 @@ def test_secrets_come_from_prefect_secret_blocks(backend: LocalProcesses) -> Non
     env = json.loads((Path(handle.workdir) / "checkpoints" / "env.json").read_text())
     assert env["HF_TOKEN"] == "s3cr3t-value"
     assert "s3cr3t-value" not in (Path(handle.workdir) / "job.json").read_text()
-    with pytest.raises(ConfigurationError, match="names the Prefect Secret block 'no-such-secret', which does not exist"):
+    with pytest.raises(
+        ConfigurationError, match="names the Prefect Secret block 'no-such-secret', which does not exist"
+    ):
         backend.submit(job(backend, "nosecret", "env", secrets={"HF_TOKEN": "no-such-secret"}))
 
 
 def test_the_pipelines_secrets_reach_every_attempt_through_a_0600_file_only(backend: LocalProcesses) -> None:
     planted = f"planted-{uuid.uuid4().hex}"
     secret = {"MLFLOW_TRACKING_PASSWORD": SecretStr(planted)}
-    handle = backend.submit(job(backend, "login", "75", "env-wait", max_requeues=1).model_copy(
-        update={"secret_env": secret}))  # fmt: skip
+    handle = backend.submit(
+        job(backend, "login", "75", "env-wait", max_requeues=1).model_copy(update={"secret_env": secret})
+    )
     workdir = Path(handle.workdir)
     env_json = workdir / "checkpoints" / "env.json"
     # Polls requeue a preempted local job.
@@ -218,10 +228,8 @@ def test_the_pipelines_secrets_reach_every_attempt_through_a_0600_file_only(back
     assert planted.encode() not in (supervisor / "environ").read_bytes()  # the supervisor never holds the value
     cmdlines = []
     for entry in Path("/proc").iterdir():
-        try:
+        with contextlib.suppress(OSError):
             cmdlines.append((entry / "cmdline").read_bytes())
-        except OSError:
-            pass
     assert not [c for c in cmdlines if planted.encode() in c]
     (workdir / "checkpoints" / "go").touch()
     assert backend.watch(handle, timeout_seconds=120).state == "COMPLETED"
@@ -232,9 +240,13 @@ def test_the_pipelines_secrets_reach_every_attempt_through_a_0600_file_only(back
 
 def test_a_workload_secret_cannot_shadow_the_pipelines(backend: LocalProcesses) -> None:
     shadowing = job(backend, "shadow", "0", secrets={"MLFLOW_TRACKING_PASSWORD": "some-block"}).model_copy(
-        update={"secret_env": {"MLFLOW_TRACKING_PASSWORD": SecretStr("x")}})  # fmt: skip
-    with pytest.raises(ConfigurationError, match=r"train.secrets\['MLFLOW_TRACKING_PASSWORD'\] sets a variable the "
-                                                 r"pipeline sets itself"):  # fmt: skip
+        update={"secret_env": {"MLFLOW_TRACKING_PASSWORD": SecretStr("x")}}
+    )
+    with pytest.raises(
+        ConfigurationError,
+        match=r"train.secrets\['MLFLOW_TRACKING_PASSWORD'\] sets a variable the "
+        r"pipeline sets itself",
+    ):
         backend.submit(shadowing)
     assert not (Path(shadowing.workdir) / "job.json").exists()
 
@@ -243,11 +255,30 @@ def test_a_workload_secret_cannot_shadow_the_pipelines(backend: LocalProcesses) 
     ("command", "processes", "expected"),
     [
         (["python", "train.py", "--x"], 1, ["/py", "train.py", "--x"]),
-        (["python", "train.py"], 2, ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]),
-        (["/venv/bin/python3.11", "t.py"], 2,
-         ["/venv/bin/python3.11", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "t.py"]),
-        (["bash", "run.sh"], 4,
-         ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--no-python", "bash", "run.sh"]),
+        (
+            ["python", "train.py"],
+            2,
+            ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"],
+        ),
+        (
+            ["/venv/bin/python3.11", "t.py"],
+            2,
+            ["/venv/bin/python3.11", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "t.py"],
+        ),
+        (
+            ["bash", "run.sh"],
+            4,
+            [
+                "/py",
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=4",
+                "--no-python",
+                "bash",
+                "run.sh",
+            ],
+        ),
     ],
 )
 def test_launch_command(command: list[str], processes: int, expected: list[str]) -> None:

@@ -10,10 +10,11 @@ from collections.abc import Iterable
 
 import pytest
 
-from blocks.compute import ComputeBackend
+from blocks.base.compute import ComputeBackend
+from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, JobFailed, TransientError
-from blocks.slurm_state import NOT_VISIBLE
-from blocks.specs import JobHandle, JobStatus, TrainingJob
+from blocks.records import JobHandle, JobStatus, TrainingJob
+from blocks.slurm.state import NOT_VISIBLE
 
 UNSEEN = "unseen"
 HANDLE = JobHandle(backend="scripted", job_id="7", key="k", workdir="/nonexistent", log_path="/nonexistent/log")
@@ -40,12 +41,18 @@ class Scripted(ComputeBackend):
         if isinstance(step, BaseException):
             raise step
         if step == UNSEEN:  # what SlurmCluster answers for a job neither squeue nor sacct has
-            return {h.job_id: JobStatus(job_id=h.job_id, state="PENDING", reason=NOT_VISIBLE, visible=False)
-                    for h in handles}  # fmt: skip
+            return {
+                h.job_id: JobStatus(job_id=h.job_id, state="PENDING", reason=NOT_VISIBLE, visible=False)
+                for h in handles
+            }
         return {h.job_id: JobStatus(job_id=h.job_id, state=step) for h in handles}
 
     def cancel(self, handle: JobHandle) -> None:
         self.cancelled += 1
+
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        probe.skip("checks", "a test double: nothing to reach")
+        return probe.rows
 
 
 def scripted(steps: list, tolerance: float) -> Scripted:
@@ -112,7 +119,8 @@ def test_time_in_the_queue_or_requeued_does_not_count_against_the_time_limit() -
     assert failed.value.state == "TIMEOUT" and late.cancelled == 1
     # A scheduler that enforces the limit itself (Slurm's --time) is left to do so.
     enforced = type("Enforced", (Clocked,), {"enforces_time_limit": True, "_block_type_name": "Enforced"})(
-        steps=["RUNNING"] * 6 + ["TIMEOUT"], poll_interval_start=0.001, poll_interval_max=0.001)
+        steps=["RUNNING"] * 6 + ["TIMEOUT"], poll_interval_start=0.001, poll_interval_max=0.001
+    )
     assert enforced.watch(HANDLE, timeout_seconds=30).state == "TIMEOUT" and enforced.cancelled == 0
 
 
@@ -129,9 +137,12 @@ def test_a_job_the_accounting_has_not_caught_up_with_is_not_lost() -> None:
 
 def test_a_job_the_backend_lost_fails_after_the_grace(clock: list[float]) -> None:
     backend = clocked(["PENDING", "RUNNING"] + [UNSEEN])
-    with pytest.raises(JobFailed, match=r"job 7 is lost: the clocked backend has had no record of it for 610 s "
-                                        r"\(lost_job_grace_seconds=600\), neither queued, running nor finished\. "
-                                        r"Check .*Then run it again: the job is submitted afresh\.") as lost:  # fmt: skip
+    with pytest.raises(
+        JobFailed,
+        match=r"job 7 is lost: the clocked backend has had no record of it for 610 s "
+        r"\(lost_job_grace_seconds=600\), neither queued, running nor finished\. "
+        r"Check .*Then run it again: the job is submitted afresh\.",
+    ) as lost:
         backend.watch(HANDLE, timeout_seconds=30)
     assert lost.value.state == "FAILED"
     assert clock[0] == 640  # seen at 10 and 20 s, unseen from 30 s: lost at the first poll past 600 s
@@ -142,7 +153,7 @@ def test_a_job_the_backend_lost_fails_after_the_grace(clock: list[float]) -> Non
 
 
 def test_a_lost_slurm_job_says_what_to_check() -> None:
-    from blocks.slurm import SlurmCluster
+    from blocks.slurm.cluster import SlurmCluster
 
     commands: list[list[str]] = []
     cluster = SlurmCluster(local=True)

@@ -28,13 +28,14 @@ import pytest
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
-from blocks.docker_compute import DockerCompute
-from blocks.docker_engine import Engine
+from blocks.base.mlflow_model import check_mlflow_model
+from blocks.docker.compute import DockerCompute
+from blocks.docker.engine import Engine
+from blocks.docker.gpu_alloc import GpusBusy
 from blocks.errors import ConfigurationError, JobFailed
-from blocks.gpu_alloc import GpusBusy
-from blocks.mlflow_model import check_mlflow_model
-from blocks.provision import LocalMachine
-from blocks.specs import ImageRef, Resources, TrainingJob
+from blocks.local.provider import LocalMachine
+from blocks.records import ImageRef, TrainingJob
+from blocks.specs import Resources
 from tests.fake_gpus import FakeGpus, fake_gpus
 from tests.stacks import stack_env
 
@@ -43,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # What the container sees, written to the job's directory; then the job's mode: train (digits' train.py, as
 # PID 1), wait (until the test creates `release` in the job's directory), hog (memory until killed).
-PROBE = '''\
+PROBE = """\
 import glob, json, os, sys, time
 work = os.path.dirname(os.environ["CHECKPOINT_DIR"])
 seen = {"devices": sorted(glob.glob("/dev/nvidia*")), "cwd": os.getcwd(), "pid": os.getpid(),
@@ -63,7 +64,7 @@ if mode == "hog":
     chunks = []
     while True:
         chunks.append(bytearray(16 << 20))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,11 @@ def stack() -> dict[str, str]:
 
 
 def credentials(stack: dict[str, str]) -> DockerRegistryCredentials:
-    return DockerRegistryCredentials(username=stack["REGISTRY_USER"], password=stack["REGISTRY_PASSWORD"],
-                                     registry_url=f"http://{stack['REGISTRY_URL']}")  # fmt: skip
+    return DockerRegistryCredentials(
+        username=stack["REGISTRY_USER"],
+        password=stack["REGISTRY_PASSWORD"],
+        registry_url=f"http://{stack['REGISTRY_URL']}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,20 +96,23 @@ def gpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGpus]:
 
 
 @pytest.fixture(scope="module")
-def image(stack: dict[str, str], engine: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[ImageRef]:  # fmt: skip
+def image(
+    stack: dict[str, str], engine: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ImageRef]:
     """The digits example's image with the probe, pushed; the local copies this module made are removed after."""
-    from blocks.docker_image import DockerImageBuilder
-    from blocks.workload import load_workload
+    from blocks.docker.image import DockerImageBuilder
+    from blocks.workload.source import load_workload
     from tests.examples import DIGITS
 
     context = tmp_path_factory.mktemp("image") / "digits"
     shutil.copytree(DIGITS, context, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (context / "probe.py").write_text(PROBE)
     builder = DockerImageBuilder(
-        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), credentials=credentials(stack),
-        repository="gpuferry-test/docker-compute", build_args={"BASE_IMAGE": stack["BASE_IMAGE"]},
-    )  # fmt: skip
+        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]),
+        credentials=credentials(stack),
+        repository="gpuferry-test/docker-compute",
+        build_args={"BASE_IMAGE": stack["BASE_IMAGE"]},
+    )
     ref = builder.build(load_workload(str(context)))
     assert ref.reference and "@sha256:" in ref.reference and ref.workdir == "/workload"
     yield ref
@@ -124,9 +131,13 @@ def compute(stack: dict[str, str], gpus: FakeGpus, root: Path, **fields: object)
     fields.setdefault("docker_host", DockerHost(base_url=stack["DOCKER_HOST"]))
     block = DockerCompute(
         registry_credentials=credentials(stack),
-        cdi_kind=gpus.kind, workdir_root=str(root / "jobs"), poll_interval_start=0.25, poll_interval_max=2.0,
-        stop_timeout_seconds=60, **fields,
-    )  # fmt: skip
+        cdi_kind=gpus.kind,
+        workdir_root=str(root / "jobs"),
+        poll_interval_start=0.25,
+        poll_interval_max=2.0,
+        stop_timeout_seconds=60,
+        **fields,
+    )
     nodes = LocalMachine(nvidia_smi=gpus.nvidia_smi, nvidia_ctk="/nonexistent").host_inventory()
     with_gpus = block.with_inventory(nodes)
     assert isinstance(with_gpus, DockerCompute) and with_gpus.gpu_inventory is not None
@@ -143,16 +154,29 @@ def keys(engine: docker.DockerClient) -> Iterator[list[str]]:
             container.remove(force=True)
 
 
-def make_job(c: DockerCompute, ref: ImageRef, keys: list[str], name: str, mode: str = "train",
-             hparams: dict | None = None, **resources: object) -> TrainingJob:  # fmt: skip
+def make_job(
+    c: DockerCompute,
+    ref: ImageRef,
+    keys: list[str],
+    name: str,
+    mode: str = "train",
+    hparams: dict | None = None,
+    **resources: object,
+) -> TrainingJob:
     key = f"t{uuid.uuid4().hex[:8]}-{name}"
     keys.append(key)
     return TrainingJob(
-        key=key, workdir=c.job_workdir(key), image=ref, command=["python", "probe.py", mode],
-        env={"HPARAMS": json.dumps(hparams or {"epochs": 2, "hidden": 16}), "CHECKPOINT_EVERY": "10",
-             "OMP_NUM_THREADS": "1"},
+        key=key,
+        workdir=c.job_workdir(key),
+        image=ref,
+        command=["python", "probe.py", mode],
+        env={
+            "HPARAMS": json.dumps(hparams or {"epochs": 2, "hidden": 16}),
+            "CHECKPOINT_EVERY": "10",
+            "OMP_NUM_THREADS": "1",
+        },
         resources=Resources(time_limit_minutes=20, **resources),
-    )  # fmt: skip
+    )
 
 
 def probe(job: TrainingJob, timeout: float = 600) -> dict:
@@ -169,8 +193,15 @@ def containers_of(engine: docker.DockerClient, key: str) -> list:
 
 
 @pytest.mark.parametrize("by", ["indices", "uuids"])
-def test_trains_in_the_image_on_the_gpus_asked_for(by: str, stack: dict[str, str], gpus: FakeGpus, image: ImageRef,
-                                                   engine: docker.DockerClient, tmp_path: Path, keys: list[str]) -> None:  # fmt: skip
+def test_trains_in_the_image_on_the_gpus_asked_for(
+    by: str,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    engine: docker.DockerClient,
+    tmp_path: Path,
+    keys: list[str],
+) -> None:
     c = compute(stack, gpus, tmp_path)
     devices = ["0", "2"] if by == "indices" else [gpus.uuids[3], gpus.uuids[1]]
     job = make_job(c, image, keys, by, gpu_devices=devices, mem_gb=2)
@@ -185,7 +216,8 @@ def test_trains_in_the_image_on_the_gpus_asked_for(by: str, stack: dict[str, str
     want = [0, 2] if by == "indices" else [1, 3]
     assert seen["devices"] == [f"/dev/nvidia{i}" for i in want]  # exactly the chosen devices, nothing else
     assert {k: v for k, v in seen["env"].items() if k.endswith("_UUID")} == {
-        gpus.env_name(i): gpus.uuids[i] for i in want}  # the CDI spec's own edits for those devices
+        gpus.env_name(i): gpus.uuids[i] for i in want
+    }  # the CDI spec's own edits for those devices
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "0,1" and seen["env"]["FAKE_GPU_DRIVER"] == "gpuferry-test"
     assert seen["cwd"] == "/workload" and seen["pid"] == 1  # the image's code; signals reach the job itself
     assert check_mlflow_model(Path(result.checkpoint_dir) / "final").pyfunc
@@ -200,9 +232,13 @@ def test_trains_in_the_image_on_the_gpus_asked_for(by: str, stack: dict[str, str
 
 
 def test_two_jobs_get_disjoint_gpus_and_a_third_that_does_not_fit_never_starts(
-    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    engine: docker.DockerClient,
+    tmp_path: Path,
     keys: list[str],
-) -> None:  # fmt: skip
+) -> None:
     c = compute(stack, gpus, tmp_path)
     jobs = [make_job(c, image, keys, f"pair{i}", "wait", gpus_per_node=2) for i in range(2)]
     handles: list = [None, None]
@@ -245,9 +281,13 @@ def test_two_jobs_get_disjoint_gpus_and_a_third_that_does_not_fit_never_starts(
 
 
 def test_two_jobs_that_both_share_get_the_same_gpu_and_one_that_does_not_cannot(
-    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    engine: docker.DockerClient,
+    tmp_path: Path,
     keys: list[str],
-) -> None:  # fmt: skip
+) -> None:
     c = compute(stack, gpus, tmp_path)
     pair = [make_job(c, image, keys, f"share{i}", "wait", gpu_devices=["1"], share_gpus=True) for i in range(2)]
     handles = [c.submit(job) for job in pair]
@@ -281,9 +321,13 @@ def test_two_jobs_that_both_share_get_the_same_gpu_and_one_that_does_not_cannot(
 
 
 def test_two_submits_from_two_machines_at_once_end_on_disjoint_gpus(
-    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, tmp_path: Path, keys: list[str],
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    tmp_path: Path,
+    keys: list[str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """No machine-wide lock between them (as for flows on two machines): both choose GPUs 0-1 from the same
     claims; the container created later sees the earlier one's claim, is removed, and chooses again."""
     c = compute(stack, gpus, tmp_path)
@@ -332,7 +376,7 @@ SUBMITTER = """
 import json, sys
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
-from blocks.docker_compute import DockerCompute
+from blocks.docker.compute import DockerCompute
 from blocks.specs import TrainingJob
 args = json.load(open(sys.argv[1]))
 block = DockerCompute(docker_host=DockerHost(base_url=args["base_url"]), cdi_kind=args["cdi_kind"],
@@ -346,21 +390,38 @@ block.watch(handle, on_output=lambda text: print(text, end="", flush=True))
 
 
 def test_a_retry_after_the_flow_process_was_killed_adopts_the_running_container(
-    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    engine: docker.DockerClient,
+    tmp_path: Path,
     keys: list[str],
-) -> None:  # fmt: skip
+) -> None:
     c = compute(stack, gpus, tmp_path)
     job = make_job(c, image, keys, "adopt", hparams={"epochs": 40, "batch_size": 16, "hidden": 16}, gpus_per_node=1)
-    args = {"base_url": stack["DOCKER_HOST"], "cdi_kind": gpus.kind, "workdir_root": c.workdir_root,
-            "inventory": [g.model_dump() for g in c.gpu_inventory or []], "job": job.model_dump(mode="json"),
-            "credentials": {"username": stack["REGISTRY_USER"], "password": stack["REGISTRY_PASSWORD"],
-                            "registry_url": f"http://{stack['REGISTRY_URL']}"}}  # fmt: skip
+    args = {
+        "base_url": stack["DOCKER_HOST"],
+        "cdi_kind": gpus.kind,
+        "workdir_root": c.workdir_root,
+        "inventory": [g.model_dump() for g in c.gpu_inventory or []],
+        "job": job.model_dump(mode="json"),
+        "credentials": {
+            "username": stack["REGISTRY_USER"],
+            "password": stack["REGISTRY_PASSWORD"],
+            "registry_url": f"http://{stack['REGISTRY_URL']}",
+        },
+    }
     args_file = tmp_path / "args.json"
     args_file.write_text(json.dumps(args))
     args_file.chmod(0o600)
-    output = open(tmp_path / "flow.log", "w")
-    flow = subprocess.Popen([sys.executable, "-c", SUBMITTER, str(args_file)], cwd=REPO, stdout=output,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    output = open(tmp_path / "flow.log", "w")  # noqa: SIM115 - the flow process writes to it after this returns
+    flow = subprocess.Popen(
+        [sys.executable, "-c", SUBMITTER, str(args_file)],
+        cwd=REPO,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     output.close()
     deadline = time.monotonic() + 600
     while (c.read_progress(c._handle(job.key, Path(job.workdir))) or {}).get("step", 0) < 5:
@@ -382,12 +443,17 @@ def test_a_retry_after_the_flow_process_was_killed_adopts_the_running_container(
 
 
 def test_a_stop_checkpoints_and_the_restarted_container_resumes(
-    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    engine: docker.DockerClient,
+    tmp_path: Path,
     keys: list[str],
-) -> None:  # fmt: skip
+) -> None:
     c = compute(stack, gpus, tmp_path)
-    job = make_job(c, image, keys, "resume", hparams={"epochs": 40, "batch_size": 16, "hidden": 16},
-                   gpu_devices=[gpus.uuids[2]])  # fmt: skip
+    job = make_job(
+        c, image, keys, "resume", hparams={"epochs": 40, "batch_size": 16, "hidden": 16}, gpu_devices=[gpus.uuids[2]]
+    )
     handle = c.submit(job)
     deadline = time.monotonic() + 600
     while (c.read_progress(handle) or {}).get("step", 0) < 30:
@@ -406,8 +472,9 @@ def test_a_stop_checkpoints_and_the_restarted_container_resumes(
     assert (Path(job.workdir) / "checkpoints" / "final" / "MLmodel").exists()
 
 
-def test_cancel_stops_the_job_for_good(stack: dict[str, str], gpus: FakeGpus, image: ImageRef,
-                                       engine: docker.DockerClient, tmp_path: Path, keys: list[str]) -> None:  # fmt: skip
+def test_cancel_stops_the_job_for_good(
+    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path, keys: list[str]
+) -> None:
     c = compute(stack, gpus, tmp_path)
     job = make_job(c, image, keys, "cancel", hparams={"epochs": 200, "batch_size": 16, "hidden": 16}, gpus_per_node=1)
     handle = c.submit(job)
@@ -422,8 +489,9 @@ def test_cancel_stops_the_job_for_good(stack: dict[str, str], gpus: FakeGpus, im
     assert containers_of(engine, job.key) == [] and c._requeues(handle) == 0
 
 
-def test_out_of_memory_is_an_actionable_error(stack: dict[str, str], gpus: FakeGpus, image: ImageRef,
-                                              engine: docker.DockerClient, tmp_path: Path, keys: list[str]) -> None:  # fmt: skip
+def test_out_of_memory_is_an_actionable_error(
+    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path, keys: list[str]
+) -> None:
     c = compute(stack, gpus, tmp_path, keep_finished_containers=True)
     job = make_job(c, image, keys, "oom", "hog", mem_gb=0.25, gpus_per_node=4)
     handle = c.submit(job)
@@ -442,9 +510,15 @@ def test_out_of_memory_is_an_actionable_error(stack: dict[str, str], gpus: FakeG
     assert c.watch(c.submit(after), timeout_seconds=600).state == "COMPLETED"
 
 
-def test_the_docker_api_path_and_secrets_through_a_0600_file(stack: dict[str, str], gpus: FakeGpus, image: ImageRef,
-                                                              engine: docker.DockerClient, tmp_path: Path,
-                                                              keys: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_docker_api_path_and_secrets_through_a_0600_file(
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    engine: docker.DockerClient,
+    tmp_path: Path,
+    keys: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The Docker Engine API's create (podman's Docker-compatible one: no GPUs there), a variable passed by name:
     its value reaches the job through the 0600 file, never the container's configuration."""
     token = f"tok en '$HOME' {uuid.uuid4().hex}"
@@ -465,8 +539,9 @@ def test_the_docker_api_path_and_secrets_through_a_0600_file(stack: dict[str, st
     assert token not in (Path(job.workdir) / "job.log").read_text()
 
 
-def test_a_job_without_an_image_or_on_two_nodes_is_refused_before_anything_runs(stack: dict[str, str],
-                                                                                gpus: FakeGpus, tmp_path: Path) -> None:  # fmt: skip
+def test_a_job_without_an_image_or_on_two_nodes_is_refused_before_anything_runs(
+    stack: dict[str, str], gpus: FakeGpus, tmp_path: Path
+) -> None:
     c = compute(stack, gpus, tmp_path)
     job = TrainingJob(key="t-noimage", workdir=c.job_workdir("t-noimage"), command=["python", "train.py"])
     with pytest.raises(ConfigurationError, match="runs the job in the workload's image, and the job has none"):
@@ -474,8 +549,51 @@ def test_a_job_without_an_image_or_on_two_nodes_is_refused_before_anything_runs(
     pinned = ImageRef(builder="x", content_tag="x", reference="registry.example/x:latest")
     with pytest.raises(ConfigurationError, match="is not pinned by digest"):
         c.validate_job(job.model_copy(update={"image": pinned}))
-    two = job.model_copy(update={"image": pinned.model_copy(update={"reference": "r.example/x@sha256:" + "0" * 64}),
-                                 "resources": Resources(nodes=2)})  # fmt: skip
+    two = job.model_copy(
+        update={
+            "image": pinned.model_copy(update={"reference": "r.example/x@sha256:" + "0" * 64}),
+            "resources": Resources(nodes=2),
+        }
+    )
     with pytest.raises(ConfigurationError, match="resources.nodes=2: the Docker backend runs a job on one host"):
         c.validate_job(two)
     assert not Path(job.workdir).exists()
+
+
+def test_the_check_of_a_docker_host_reads_its_engine_gpus_and_pull_login(stack: dict[str, str]) -> None:
+    """``gpuferry check`` on DockerCompute and DockerServing: which engine answers, the GPUs it offers (the inventory
+    the block knows; none in use), whether the engine takes the pull login (wrong password: a failed row naming
+    the field), the services a serving host runs. Nothing is created."""
+    from blocks.checks import Probe
+    from blocks.docker.serving import DockerServing
+    from blocks.records import GpuInfo
+
+    def rows(block: DockerCompute | DockerServing) -> dict[str, tuple[str, str, str]]:
+        probe = Probe("compute", type(block).__name__, timeout=60, needs_image=True)
+        block.self_check(probe)
+        return {r.check: (r.status, r.detail, r.fix) for r in probe.rows}
+
+    host = {"docker_host": DockerHost(base_url=stack["DOCKER_HOST"]), "registry_credentials": credentials(stack)}
+    inventory = [
+        GpuInfo(index=i, name="NVIDIA H200", memory_mib=143771, driver_version="580", uuid=f"GPU-{i}") for i in range(2)
+    ]
+    compute = rows(DockerCompute(**host, gpu_inventory=inventory))
+    assert [(k, v[0]) for k, v in compute.items()] == [("engine", "ok"), ("GPUs", "ok"), ("registry login", "ok")]
+    assert compute["engine"][1].lower().startswith("podman ") and "libpod API" in compute["engine"][1], compute
+    assert (
+        compute["GPUs"][1].startswith("0 (GPU-0, NVIDIA H200); 1 (GPU-1")
+        and "GPUs reach containers by cdi" in compute["GPUs"][1]
+    )
+    assert stack["REGISTRY_USER"] in compute["registry login"][1]
+
+    wrong = DockerRegistryCredentials(**{**credentials(stack).model_dump(), "password": "not-the-password"})
+    refused = rows(DockerCompute(**{**host, "registry_credentials": wrong}))["registry login"]
+    assert refused[0] == "failed" and "registry_credentials" in refused[2], refused
+    assert "not-the-password" not in refused[1]
+
+    serving = rows(DockerServing(**host))
+    assert serving["GPUs"][1].startswith("known at run time"), serving
+    assert serving["services"][0] == "ok"
+
+    gone = rows(DockerCompute(docker_host=DockerHost(base_url="unix:///nonexistent/podman.sock")))
+    assert list(gone) == ["engine"] and gone["engine"][0] == "failed" and "docker_host.base_url" in gone["engine"][2]

@@ -11,9 +11,9 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import docker
@@ -22,10 +22,11 @@ import pytest
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
-from blocks.docker_image import MANIFEST_TYPES, DockerImageBuilder, ImageBuildFailed, _classify_push_error
+from blocks.base.storage import write_manifest
+from blocks.docker.image import DockerImageBuilder, ImageBuildFailed
+from blocks.docker.registry import MANIFEST_TYPES, _classify_push_error
 from blocks.errors import ConfigurationError, TransientError
-from blocks.storage import write_manifest
-from blocks.workload import Workload, load_workload
+from blocks.workload.source import Workload, load_workload
 from tasks.retry import is_transient
 from tests.examples import DIABETES, DIGITS
 from tests.stacks import stack_env
@@ -69,8 +70,10 @@ def builder(stack: dict[str, str], repository: str, **kwargs: object) -> DockerI
 
 
 # A workload of the busybox base: no Python, so it names its own server (gpuferry's needs Python).
-TINY_WORKLOAD = "name: tiny\nimage: {dockerfile: Dockerfile}\ntrain: {command: [sh, -c, 'true']}\n" \
-    "promotion: {metric: m}\nserve: {command: [sh, -c, 'true'], port: 8080}\n"  # fmt: skip
+TINY_WORKLOAD = (
+    "name: tiny\nimage: {dockerfile: Dockerfile}\ntrain: {command: [sh, -c, 'true']}\n"
+    "promotion: {metric: m}\nserve: {command: [sh, -c, 'true'], port: 8080}\n"
+)
 
 
 def tiny(context: Path) -> Workload:
@@ -110,8 +113,9 @@ def context(tmp_path: Path) -> Path:
     return ctx
 
 
-def test_build_push_and_digest_read_back(stack: dict[str, str], engine: docker.DockerClient, context: Path,
-                                         repository: str) -> None:  # fmt: skip
+def test_build_push_and_digest_read_back(
+    stack: dict[str, str], engine: docker.DockerClient, context: Path, repository: str
+) -> None:
     b = builder(stack, repository)
     image = b.build(tiny(context))
 
@@ -174,7 +178,9 @@ def test_failing_step_is_named_with_the_log_tail(stack: dict[str, str], context:
     assert "about-to-fail-on-purpose" in error.log_tail.splitlines()[-1]
     assert "never-reached" not in error.log_tail
     assert not is_transient(error)
-    assert registry_manifest(stack, repository, builder(stack, repository).context(tiny(context)).tag).status_code == 404
+    assert (
+        registry_manifest(stack, repository, builder(stack, repository).context(tiny(context)).tag).status_code == 404
+    )
 
 
 def test_unknown_instruction_is_named(stack: dict[str, str], context: Path, repository: str) -> None:
@@ -183,8 +189,9 @@ def test_unknown_instruction_is_named(stack: dict[str, str], context: Path, repo
         builder(stack, repository).build(tiny(context))
 
 
-def test_wrong_password_is_a_clear_error_before_any_build(stack: dict[str, str], context: Path,
-                                                           repository: str) -> None:  # fmt: skip
+def test_wrong_password_is_a_clear_error_before_any_build(
+    stack: dict[str, str], context: Path, repository: str
+) -> None:
     wrong = "not-the-password-" + uuid.uuid4().hex[:6]
     b = builder(stack, repository, credentials=credentials(stack, wrong), docker_host=DEAD_ENGINE)
     with pytest.raises(ConfigurationError, match="refused the credentials of user") as caught:
@@ -205,12 +212,12 @@ def test_unreachable_registry_is_transient(stack: dict[str, str], context: Path,
 
 
 class _Unavailable(BaseHTTPRequestHandler):
-    def do_HEAD(self) -> None:  # noqa: N802 - http.server's naming
+    def do_HEAD(self) -> None:  # http.server's naming
         self.send_response(503)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    do_GET = do_HEAD  # noqa: N815
+    do_GET = do_HEAD  # noqa: N815 - http.server's handler name
 
     def log_message(self, *args: object) -> None:
         pass
@@ -236,7 +243,8 @@ def test_push_errors_are_classified() -> None:
     # The messages podman's Docker API sends in a push stream.
     refused = _classify_push_error(
         "trying to reuse blob sha256:3fd0 at destination: checking whether a blob sha256:3fd0 exists in "
-        "127.0.0.1:5090/x: unauthorized: authentication required", "127.0.0.1:5090/x:1"
+        "127.0.0.1:5090/x: unauthorized: authentication required",
+        "127.0.0.1:5090/x:1",
     )
     assert isinstance(refused, ConfigurationError) and "credentials.password" in str(refused)
     https = _classify_push_error('Get "https://h:5000/v2/": http: server gave HTTP response to HTTPS client', "h/x:1")
@@ -260,8 +268,9 @@ def _wait_exit(container: object, timeout: float = 600) -> int:
     return int(container.wait(timeout=timeout)["StatusCode"])  # type: ignore[attr-defined]
 
 
-def test_an_example_image_trains_then_serves_what_it_trained(stack: dict[str, str], engine: docker.DockerClient,
-                                                             tmp_path: Path) -> None:  # fmt: skip
+def test_an_example_image_trains_then_serves_what_it_trained(
+    stack: dict[str, str], engine: docker.DockerClient, tmp_path: Path
+) -> None:
     """The regressor's generated image (base + requirements): its train.py writes an MLflow model in the
     container, and gpuferry's model server, added at build time, serves it from the same image."""
     workload = load_workload(str(DIABETES))
@@ -279,10 +288,13 @@ def test_an_example_image_trains_then_serves_what_it_trained(stack: dict[str, st
     out.mkdir()
     out.chmod(0o777)
     trainer = engine.containers.run(
-        image.reference, ["python", "train.py"], detach=True, working_dir=image.workdir,
+        image.reference,
+        ["python", "train.py"],
+        detach=True,
+        working_dir=image.workdir,
         environment={"CHECKPOINT_DIR": "/ckpt", "HPARAMS": json.dumps({"alpha": 0.05})},
         volumes={str(out): {"bind": "/ckpt", "mode": "rw"}},
-    )  # fmt: skip
+    )
     try:
         assert _wait_exit(trainer) == 0, trainer.logs().decode()[-3000:]
     finally:
@@ -294,10 +306,13 @@ def test_an_example_image_trains_then_serves_what_it_trained(stack: dict[str, st
 
     port = _free_port()
     container = engine.containers.run(
-        image.reference, ["python", "-m", "runtime.serve"], detach=True,
+        image.reference,
+        ["python", "/opt/gpuferry/runtime/serve.py"],  # as every backend starts it (blocks/base/serving.py)
+        detach=True,
         environment={"MODEL_URI": "file:///model", "HOST": "0.0.0.0", "WARMUP_ITERATIONS": "1"},
-        volumes={str(model): {"bind": "/model", "mode": "ro"}}, ports={"8080/tcp": ("127.0.0.1", port)},
-    )  # fmt: skip
+        volumes={str(model): {"bind": "/model", "mode": "ro"}},
+        ports={"8080/tcp": ("127.0.0.1", port)},
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180

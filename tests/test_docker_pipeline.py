@@ -7,6 +7,7 @@ passed by name (DockerServing.pass_env) in a 0600 file."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -17,18 +18,17 @@ import httpx
 import pytest
 from prefect_docker.host import DockerHost
 
-from blocks.docker_compute import DockerCompute
-from blocks.docker_image import DockerImageBuilder
-from blocks.docker_serving import DockerServing
+from blocks.docker.compute import DockerCompute
+from blocks.docker.image import DockerImageBuilder
+from blocks.docker.serving import DockerServing
 from blocks.errors import ConfigurationError
-from blocks.provision import LocalMachine
+from blocks.local.provider import LocalMachine
 from blocks.specs import Resources, ServingSpec, TrainingSpec
 from blocks.stack import Stack
-from blocks.s3 import S3CheckpointStore
+from blocks.storage.s3 import S3CheckpointStore
 from tests.fake_gpus import FakeGpus, fake_gpus
 from tests.stacks import mlflow_server, stack_env
 from tests.test_docker_compute import credentials
-
 
 pytestmark = pytest.mark.integration
 
@@ -52,27 +52,61 @@ def docker_stack(gpus: FakeGpus, root: Path, storage: S3CheckpointStore, reposit
     host = DockerHost(base_url=registry["DOCKER_HOST"])
     return Stack(
         provider=LocalMachine(nvidia_smi=gpus.nvidia_smi, nvidia_ctk="/nonexistent"),
-        images=DockerImageBuilder(docker_host=host, credentials=credentials(registry), repository=repository,
-                                  build_args={"BASE_IMAGE": registry["BASE_IMAGE"]}),
-        compute=DockerCompute(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
-                              workdir_root=str(root / "jobs")),
+        images=DockerImageBuilder(
+            docker_host=host,
+            credentials=credentials(registry),
+            repository=repository,
+            build_args={"BASE_IMAGE": registry["BASE_IMAGE"]},
+        ),
+        compute=DockerCompute(
+            docker_host=host,
+            registry_credentials=credentials(registry),
+            cdi_kind=gpus.kind,
+            workdir_root=str(root / "jobs"),
+        ),
         storage=storage,
         tracking=mlflow_server(),
-        serving=DockerServing(docker_host=host, registry_credentials=credentials(registry), cdi_kind=gpus.kind,
-                              env={"WARMUP_ITERATIONS": "1"}, drain_seconds=5),
-    )  # fmt: skip
+        serving=DockerServing(
+            docker_host=host,
+            registry_credentials=credentials(registry),
+            cdi_kind=gpus.kind,
+            env={
+                "WARMUP_ITERATIONS": "1",
+                "MODEL_DEVICE": "cpu",
+            },  # the stand-in GPUs have no CUDA: the server runs the model on the CPU
+            drain_seconds=5,
+        ),
+    )
 
 
 @pytest.mark.usefixtures("prefect_server")
-@pytest.mark.parametrize(("case", "resources", "serving_gpus", "error"), [
-    ("serving count", {}, 3, r"asks for 3 GPU\(s\) but Docker host .* has 2: 0 \(GPU-"),
-    ("training index", {"gpu_devices": ["1", "7"]}, 1, r"names '7', which Docker host .* does not have; it has 2 GPU\(s\): 0 \(GPU-"),
-    ("training UUID", {"gpu_devices": ["GPU-00000000-nope"]}, 1, r"names 'GPU-00000000-nope', which Docker host .* does not have; it has 2 GPU\(s\): 0 \(GPU-"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("case", "resources", "serving_gpus", "error"),
+    [
+        ("serving count", {}, 3, r"asks for 3 GPU\(s\) but Docker host .* has 2: 0 \(GPU-"),
+        (
+            "training index",
+            {"gpu_devices": ["1", "7"]},
+            1,
+            r"names '7', which Docker host .* does not have; it has 2 GPU\(s\): 0 \(GPU-",
+        ),
+        (
+            "training UUID",
+            {"gpu_devices": ["GPU-00000000-nope"]},
+            1,
+            r"names 'GPU-00000000-nope', which Docker host .* does not have; it has 2 GPU\(s\): 0 \(GPU-",
+        ),
+    ],
+)
 def test_gpus_the_host_lacks_fail_the_retrain_before_anything_is_built_or_run(
-    case: str, resources: dict, serving_gpus: int, error: str, gpus: FakeGpus, tmp_path: Path,
+    case: str,
+    resources: dict,
+    serving_gpus: int,
+    error: str,
+    gpus: FakeGpus,
+    tmp_path: Path,
     s3_store: S3CheckpointStore,
-) -> None:  # fmt: skip
+) -> None:
     """Training's and serving's GPU requests are checked against the provider's inventory first: no node
     provisioned, no image built, no MLflow run, no job, no server, no front."""
     from flows.retrain import retrain
@@ -85,11 +119,17 @@ def test_gpus_the_host_lacks_fail_the_retrain_before_anything_is_built_or_run(
     service = f"digits-{tag}"
     state = retrain(
         workload=str(DIGITS),
-        training=TrainingSpec(experiment=f"gpuferry-preflight-{tag}", model_name=f"digits-preflight-{tag}",
-                              hyperparameters={"epochs": 1}, resources=Resources(**resources)),
-        serving=ServingSpec(service_name=service, gpus=serving_gpus), stack=name, force_deploy=True,
+        training=TrainingSpec(
+            experiment=f"gpuferry-preflight-{tag}",
+            model_name=f"digits-preflight-{tag}",
+            hyperparameters={"epochs": 1},
+            resources=Resources(**resources),
+        ),
+        serving=ServingSpec(service_name=service, gpus=serving_gpus),
+        stack=name,
+        force_deploy=True,
         return_state=True,
-    )  # fmt: skip
+    )
     assert state.is_failed()
     with pytest.raises(ConfigurationError, match=error):
         state.result()
@@ -118,9 +158,12 @@ def tasks_of(flow_run_id: object) -> set[str]:
 
 @pytest.mark.usefixtures("prefect_server")
 def test_retrain_on_a_docker_host_trains_and_serves_on_the_providers_gpus(
-    gpus: FakeGpus, tmp_path: Path, s3_store: S3CheckpointStore, s3_for_containers: dict[str, str],
+    gpus: FakeGpus,
+    tmp_path: Path,
+    s3_store: S3CheckpointStore,
+    s3_for_containers: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     from flows.retrain import retrain
     from tests.examples import DIGITS
 
@@ -140,15 +183,21 @@ def test_retrain_on_a_docker_host_trains_and_serves_on_the_providers_gpus(
     try:
         outcome = retrain(
             workload=str(context),
-            training=TrainingSpec(experiment=f"gpuferry-docker-{tag}", model_name=f"digits-docker-{tag}",
-                                  hyperparameters={"epochs": 3, "hidden": 16},
-                                  resources=Resources(gpu_devices=[gpus.uuids[1]], mem_gb=2)),
+            training=TrainingSpec(
+                experiment=f"gpuferry-docker-{tag}",
+                model_name=f"digits-docker-{tag}",
+                hyperparameters={"epochs": 3, "hidden": 16},
+                resources=Resources(gpu_devices=[gpus.uuids[1]], mem_gb=2),
+            ),
             serving=ServingSpec(service_name=service, gpus=1, ready_timeout_seconds=240),
-            stack=name, force_deploy=True,
-        )  # fmt: skip
+            stack=name,
+            force_deploy=True,
+        )
         assert outcome.deployed and outcome.endpoint is not None
         version = mlflow_server().client.get_model_version(f"digits-docker-{tag}", outcome.model_version.version)
-        assert version.tags["deploy.status"] == "deployed" and version.tags["deploy.backend"] == "gpuferry-docker-serving"
+        assert (
+            version.tags["deploy.status"] == "deployed" and version.tags["deploy.backend"] == "gpuferry-docker-serving"
+        )
         assert version.tags["deploy.endpoint"] == outcome.endpoint.url
         run = mlflow_server().client.get_run(outcome.run_id)
         assert run.data.tags["backend.compute"] == "gpuferry-docker-compute"
@@ -159,15 +208,17 @@ def test_retrain_on_a_docker_host_trains_and_serves_on_the_providers_gpus(
         assert server.labels["io.gpuferry.gpus"] in gpus.uuids
         final = Path(tmp_path / "jobs" / f"{run.data.tags['prefect.flow_run_id']}-train" / "checkpoints" / "final")
         example = (final / "serving_input_example.json").read_text()
-        answer = httpx.post(f"{outcome.endpoint.url}/invocations", content=example,
-                            headers={"Content-Type": "application/json"}, timeout=60)  # fmt: skip
+        answer = httpx.post(
+            f"{outcome.endpoint.url}/invocations",
+            content=example,
+            headers={"Content-Type": "application/json"},
+            timeout=60,
+        )
         assert outcome.checkpoint.uri.startswith("s3://")
         assert answer.status_code == 200, answer.text
     finally:
         serving.undeploy(service)
         for local in engine.images.list(name=builder.image_name()):
-            try:
+            with contextlib.suppress(docker.errors.APIError):
                 engine.images.remove(local.id, force=True)
-            except docker.errors.APIError:
-                pass
         engine.close()

@@ -8,6 +8,7 @@ first keeps answering.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -20,21 +21,24 @@ import httpx
 import pytest
 from prefect_docker.host import DockerHost
 
-from blocks.docker_compute import DockerCompute
-from blocks.docker_serving import DockerServing
+from blocks.base.serving import DeployOutcome, Release
+from blocks.base.storage import write_manifest
+from blocks.docker.compute import DockerCompute
+from blocks.docker.gpu_alloc import GpusBusy
+from blocks.docker.serving import DockerServing
 from blocks.errors import ConfigurationError, DeployFailed
-from blocks.gpu_alloc import GpusBusy
-from blocks.provision import LocalMachine
-from blocks.serving import DeployOutcome, Release
-from blocks.specs import ImageRef, Resources, ServerSpec, ServingSpec, TrainingJob
-from blocks.storage import write_manifest
+from blocks.local.provider import LocalMachine
+from blocks.records import ImageRef, ServerSpec, TrainingJob
+from blocks.specs import Resources, ServingSpec
 from tests.fake_gpus import FakeGpus, fake_gpus
 from tests.test_docker_compute import credentials, engine, stack  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
 
-TINY_WORKLOAD = "name: tiny\nimage: {dockerfile: Dockerfile}\ntrain: {command: [sh, -c, 'true']}\n" \
-    "promotion: {metric: m}\nserve: {command: [sh, -c, 'true'], port: 8080}\n"  # fmt: skip
+TINY_WORKLOAD = (
+    "name: tiny\nimage: {dockerfile: Dockerfile}\ntrain: {command: [sh, -c, 'true']}\n"
+    "promotion: {metric: m}\nserve: {command: [sh, -c, 'true'], port: 8080}\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +47,23 @@ def gpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGpus]:
         yield fake
 
 
-def _builder(stack: dict[str, str], repository: str, base: str):  # noqa: ANN202 - a DockerImageBuilder
-    from blocks.docker_image import DockerImageBuilder
+def _builder(stack: dict[str, str], repository: str, base: str):  # a DockerImageBuilder
+    from blocks.docker.image import DockerImageBuilder
 
-    return DockerImageBuilder(docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), credentials=credentials(stack),
-                              repository=repository, build_args={"BASE_IMAGE": base, "BASE": base})  # fmt: skip
+    return DockerImageBuilder(
+        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]),
+        credentials=credentials(stack),
+        repository=repository,
+        build_args={"BASE_IMAGE": base, "BASE": base},
+    )
 
 
 @pytest.fixture(scope="module")
-def images(stack: dict[str, str], engine: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[ImageRef, ImageRef]]:  # fmt: skip
+def images(
+    stack: dict[str, str], engine: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ImageRef, ImageRef]]:
     """(the regressor's image, an image without Python: gpuferry's server cannot start in it)."""
-    from blocks.workload import load_workload
+    from blocks.workload.source import load_workload
     from tests.examples import DIABETES
 
     good_builder = _builder(stack, "gpuferry-test/docker-serving", stack["BASE_IMAGE"])
@@ -68,10 +77,8 @@ def images(stack: dict[str, str], engine: docker.DockerClient, tmp_path_factory:
     yield good, bad
     for builder in (good_builder, bad_builder):
         for local in engine.images.list(name=builder.image_name()):
-            try:
+            with contextlib.suppress(docker.errors.APIError):
                 engine.images.remove(local.id, force=True)
-            except docker.errors.APIError:
-                pass
 
 
 def _inventory(gpus: FakeGpus) -> list:
@@ -79,15 +86,26 @@ def _inventory(gpus: FakeGpus) -> list:
 
 
 @pytest.fixture(scope="module")
-def model(stack: dict[str, str], gpus: FakeGpus, images: tuple[ImageRef, ImageRef],
-          tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:  # fmt: skip
+def model(
+    stack: dict[str, str], gpus: FakeGpus, images: tuple[ImageRef, ImageRef], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, dict]:
     """The regressor trained in its image (DockerCompute), stored as a checkpoint with its manifest."""
     root = tmp_path_factory.mktemp("train")
-    c = DockerCompute(docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), registry_credentials=credentials(stack),
-                      cdi_kind=gpus.kind, workdir_root=str(root)).with_inventory(_inventory(gpus))  # fmt: skip
+    c = DockerCompute(
+        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]),
+        registry_credentials=credentials(stack),
+        cdi_kind=gpus.kind,
+        workdir_root=str(root),
+    ).with_inventory(_inventory(gpus))
     key = f"t{uuid.uuid4().hex[:8]}-regressor"
-    job = TrainingJob(key=key, workdir=c.job_workdir(key), image=images[0], command=["python", "train.py"],
-                      env={"HPARAMS": json.dumps({"alpha": 0.05})}, resources=Resources(time_limit_minutes=10))  # fmt: skip
+    job = TrainingJob(
+        key=key,
+        workdir=c.job_workdir(key),
+        image=images[0],
+        command=["python", "train.py"],
+        env={"HPARAMS": json.dumps({"alpha": 0.05})},
+        resources=Resources(time_limit_minutes=10),
+    )
     handle = c.submit(job)
     status = c.watch(handle, timeout_seconds=600)
     final = Path(c.result(handle, status).checkpoint_dir) / "final"
@@ -98,9 +116,13 @@ def model(stack: dict[str, str], gpus: FakeGpus, images: tuple[ImageRef, ImageRe
 @pytest.fixture
 def serving(stack: dict[str, str], gpus: FakeGpus) -> Iterator[DockerServing]:
     block = DockerServing(
-        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), registry_credentials=credentials(stack),
-        cdi_kind=gpus.kind, health_interval_seconds=2, drain_seconds=10, env={"WARMUP_ITERATIONS": "1"},
-    ).with_inventory(_inventory(gpus))  # fmt: skip
+        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]),
+        registry_credentials=credentials(stack),
+        cdi_kind=gpus.kind,
+        health_interval_seconds=2,
+        drain_seconds=10,
+        env={"WARMUP_ITERATIONS": "1"},
+    ).with_inventory(_inventory(gpus))
     assert isinstance(block, DockerServing)
     yield block
     block.undeploy(service_name)
@@ -168,7 +190,7 @@ class SteadyLoad:
         return sum(1 for started, _ in self.answers if started > moment)
 
 
-def wait_for(condition, timeout: float = 300) -> None:  # noqa: ANN001
+def wait_for(condition, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -176,8 +198,11 @@ def wait_for(condition, timeout: float = 300) -> None:  # noqa: ANN001
 
 
 def test_deploy_switch_and_a_bad_image_leaves_the_old_one_serving(
-    serving: DockerServing, images: tuple[ImageRef, ImageRef], model: tuple[str, dict], engine: docker.DockerClient,
-) -> None:  # fmt: skip
+    serving: DockerServing,
+    images: tuple[ImageRef, ImageRef],
+    model: tuple[str, dict],
+    engine: docker.DockerClient,
+) -> None:
     good, bad = images
     first = serving.deploy(spec(model, gpu_devices=["1"]), release("1", good, model))
     assert first.model_version == "1" and first.previous_version is None
@@ -205,8 +230,9 @@ def test_deploy_switch_and_a_bad_image_leaves_the_old_one_serving(
     assert "python: not found" in str(caught.value)  # the tail of its log comes with the error
     assert {status for _, status in load.answers} == {200}, load.answers
     assert serving.current(service_name)["version"] == "1"
-    assert sorted(c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}"})
-                  ) == sorted([active, front])  # fmt: skip
+    assert sorted(
+        c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}"})
+    ) == sorted([active, front])
     tags = DeployOutcome.from_error(release("2", bad, model), caught.value).tags()
     assert tags["deploy.status"] == "failed" and tags["deploy.failed_version"] == "2"
     assert tags["deploy.reason"].startswith("DeployFailed: v2 of")
@@ -228,36 +254,48 @@ def test_deploy_switch_and_a_bad_image_leaves_the_old_one_serving(
 
 
 def test_a_front_that_cannot_reach_the_new_version_goes_back_to_the_old_one(
-    serving: DockerServing, images: tuple[ImageRef, ImageRef], model: tuple[str, dict], engine: docker.DockerClient,
+    serving: DockerServing,
+    images: tuple[ImageRef, ImageRef],
+    model: tuple[str, dict],
+    engine: docker.DockerClient,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """The new version answered on its own port, but not through the front (made so here: the readiness check
     through the front never succeeds): the front is pointed back at v1, v2 is removed, no request is lost."""
-    import blocks.docker_serving as module
+    import blocks.docker.serving as module
 
     first = serving.deploy(spec(model), release("1", images[0], model))
-    real_ready = module._ready
-    monkeypatch.setattr(module, "_ready", lambda url, path="/readyz": url != first.url and real_ready(url, path))
+    real_ready = module.is_ready
+    monkeypatch.setattr(module, "is_ready", lambda url, path="/readyz": url != first.url and real_ready(url, path))
     impatient = serving.model_copy(update={"front_ready_seconds": 3})
     with SteadyLoad(first.url, model[1]) as load:
-        with pytest.raises(DeployFailed, match=r"v2 of .* was removed, v1 keeps serving: the service's front "
-                                               r"gpuferry-front-.* did not answer /readyz through to v2-"):  # fmt: skip
+        with pytest.raises(
+            DeployFailed,
+            match=r"v2 of .* was removed, v1 keeps serving: the service's front "
+            r"gpuferry-front-.* did not answer /readyz through to v2-",
+        ):
             impatient.deploy(spec(model), release("2", images[0], model))
         failed = time.monotonic()
         wait_for(lambda: load.after(failed) >= 20)
     assert {status for _, status in load.answers} == {200}, [a for a in load.answers if a[1] != 200][:5]
     front = engine.containers.get(serving.front_name(service_name))
     v1 = engine.containers.get(serving.active_name(service_name))
-    assert front.exec_run(["cat", "/tmp/gpuferry-front/target"]).output.decode().strip() == \
-        v1.labels["io.gpuferry.front-target"]  # fmt: skip
+    assert (
+        front.exec_run(["cat", "/tmp/gpuferry-front/target"]).output.decode().strip()
+        == v1.labels["io.gpuferry.front-target"]
+    )
     assert serving.current(service_name)["version"] == "1"
-    assert sorted(c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}"})
-                  ) == sorted([front.name, v1.name])  # fmt: skip
+    assert sorted(
+        c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={service_name}"})
+    ) == sorted([front.name, v1.name])
 
 
 def test_gpus_the_host_lacks_or_that_others_hold_fail_before_a_container_starts(
-    serving: DockerServing, images: tuple[ImageRef, ImageRef], model: tuple[str, dict], engine: docker.DockerClient,
-) -> None:  # fmt: skip
+    serving: DockerServing,
+    images: tuple[ImageRef, ImageRef],
+    model: tuple[str, dict],
+    engine: docker.DockerClient,
+) -> None:
     with pytest.raises(ConfigurationError, match=r"names '5', which Docker host .* does not have; it has 2 GPU\(s\)"):
         serving.deploy(spec(model, gpu_devices=["5"]), release("1", images[0], model))
     with pytest.raises(ConfigurationError, match=r"asks for 3 GPU\(s\) but Docker host .* has 2"):
@@ -272,20 +310,33 @@ def test_gpus_the_host_lacks_or_that_others_hold_fail_before_a_container_starts(
 
 
 def test_a_training_job_and_a_server_on_the_same_host_get_disjoint_gpus(
-    serving: DockerServing, stack: dict[str, str], gpus: FakeGpus, images: tuple[ImageRef, ImageRef],
-    model: tuple[str, dict], engine: docker.DockerClient, tmp_path: Path,
-) -> None:  # fmt: skip
+    serving: DockerServing,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    images: tuple[ImageRef, ImageRef],
+    model: tuple[str, dict],
+    engine: docker.DockerClient,
+    tmp_path: Path,
+) -> None:
     """Training and serving choose from one record, the engine's labels: neither takes the other's GPU."""
-    compute = DockerCompute(docker_host=DockerHost(base_url=stack["DOCKER_HOST"]), cdi_kind=gpus.kind,
-                            registry_credentials=credentials(stack), workdir_root=str(tmp_path / "jobs"),
-                            stop_timeout_seconds=5).with_inventory(_inventory(gpus))  # fmt: skip
+    compute = DockerCompute(
+        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]),
+        cdi_kind=gpus.kind,
+        registry_credentials=credentials(stack),
+        workdir_root=str(tmp_path / "jobs"),
+        stop_timeout_seconds=5,
+    ).with_inventory(_inventory(gpus))
     assert isinstance(compute, DockerCompute)
 
     def job(name: str) -> TrainingJob:
         key = f"t{uuid.uuid4().hex[:8]}-{name}"
-        return TrainingJob(key=key, workdir=compute.job_workdir(key), image=images[0],
-                           command=["python", "-c", "import time; time.sleep(900)"],
-                           resources=Resources(time_limit_minutes=20, gpus_per_node=1))  # fmt: skip
+        return TrainingJob(
+            key=key,
+            workdir=compute.job_workdir(key),
+            image=images[0],
+            command=["python", "-c", "import time; time.sleep(900)"],
+            resources=Resources(time_limit_minutes=20, gpus_per_node=1),
+        )
 
     trainer = job("holds")
     handle = compute.submit(trainer)
@@ -298,8 +349,11 @@ def test_a_training_job_and_a_server_on_the_same_host_get_disjoint_gpus(
         assert devices(engine, serving.active_name(service_name)) != held  # the other GPU
         # The host is full now: a second job (or server) is refused before it starts, naming both holders.
         late = job("late")
-        with pytest.raises(GpusBusy, match=r"GPU 0 .* by container gpuferry-(job|serve)-.*GPU 1 .* by container "
-                                           r"gpuferry-(job|serve)-.*Free: none"):  # fmt: skip
+        with pytest.raises(
+            GpusBusy,
+            match=r"GPU 0 .* by container gpuferry-(job|serve)-.*GPU 1 .* by container "
+            r"gpuferry-(job|serve)-.*Free: none",
+        ):
             compute.submit(late)
         assert engine.containers.list(all=True, filters={"label": f"io.gpuferry.job-key={late.key}"}) == []
         with pytest.raises(GpusBusy, match=r"by container gpuferry-job-"):

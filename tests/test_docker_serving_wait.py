@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from prefect_docker.host import DockerHost
 
-from blocks import docker_serving
-from blocks.docker_serving import DockerServing
+from blocks.docker import serving as docker_serving
+from blocks.docker.serving import DockerServing
 from blocks.errors import DeployFailed
 
 

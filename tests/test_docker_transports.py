@@ -23,15 +23,16 @@ import httpx
 import pytest
 from prefect_docker.host import DockerHost
 
-from blocks.docker_compute import DockerCompute
-from blocks.docker_serving import DockerServing
-from blocks.docker_transport import DockerTls
-from blocks.ssh_credentials import SshCredentials
+from blocks.base.serving import Release
+from blocks.base.storage import write_manifest
+from blocks.docker.compute import DockerCompute
+from blocks.docker.serving import DockerServing
+from blocks.docker.transport import DockerTls
 from blocks.errors import ConfigurationError
-from blocks.provision import LocalMachine
-from blocks.serving import Release
-from blocks.specs import ImageRef, ServerSpec, ServingSpec
-from blocks.storage import write_manifest
+from blocks.local.provider import LocalMachine
+from blocks.records import ImageRef, ServerSpec
+from blocks.specs import ServingSpec
+from blocks.ssh.credentials import SshCredentials
 from tests.engine_transports import SshEngine, TlsEngine, ssh_engine, tls_engine
 from tests.fake_gpus import FakeGpus
 from tests.test_docker_compute import (  # noqa: F401 - fixtures
@@ -87,9 +88,14 @@ def _used(served: object) -> int:
 
 
 def test_trains_on_the_gpu_asked_for_and_serves_the_model_over_the_transport(
-    transport: tuple[dict, object], stack: dict[str, str], gpus: FakeGpus, image: ImageRef,
-    engine: docker.DockerClient, tmp_path: Path, keys: list[str],
-) -> None:  # fmt: skip
+    transport: tuple[dict, object],
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    image: ImageRef,
+    engine: docker.DockerClient,
+    tmp_path: Path,
+    keys: list[str],
+) -> None:
     fields, served = transport
     before = _used(served)
     c = compute(stack, gpus, tmp_path, **fields)
@@ -110,9 +116,16 @@ def test_trains_on_the_gpu_asked_for_and_serves_the_model_over_the_transport(
     example = json.loads((final / "serving_input_example.json").read_text())
 
     serving = DockerServing(
-        registry_credentials=credentials(stack), cdi_kind=gpus.kind, health_interval_seconds=2, drain_seconds=5,
-        env={"WARMUP_ITERATIONS": "1"}, **fields,
-    ).with_inventory(LocalMachine(nvidia_smi=gpus.nvidia_smi, nvidia_ctk="/nonexistent").host_inventory())  # fmt: skip
+        registry_credentials=credentials(stack),
+        cdi_kind=gpus.kind,
+        health_interval_seconds=2,
+        drain_seconds=5,
+        env={
+            "WARMUP_ITERATIONS": "1",
+            "MODEL_DEVICE": "cpu",
+        },  # the stand-in GPUs have no CUDA: the server runs the model on the CPU
+        **fields,
+    ).with_inventory(LocalMachine(nvidia_smi=gpus.nvidia_smi, nvidia_ctk="/nonexistent").host_inventory())
     assert isinstance(serving, DockerServing)
     service = f"digits-{uuid.uuid4().hex[:6]}"
     try:
@@ -131,16 +144,22 @@ def test_trains_on_the_gpu_asked_for_and_serves_the_model_over_the_transport(
 
 
 def test_tls_without_a_client_certificate_or_with_another_ca_is_refused_naming_the_fields(
-    tls: TlsEngine, stack: dict[str, str], gpus: FakeGpus, tmp_path: Path,
-) -> None:  # fmt: skip
+    tls: TlsEngine,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    tmp_path: Path,
+) -> None:
     no_cert = compute(stack, gpus, tmp_path, **tls_fields(tls, client_cert=None, client_key=None))
     # TLS 1.3 sends the refusal after the handshake: the client reads the alert, or the connection's end first.
-    with pytest.raises(ConfigurationError, match=r"refused this client's certificate .* set tls\.client_cert and "
-                                                 r"tls\.client_key .*(CERTIFICATE_REQUIRED|SSLEOFError)"):  # fmt: skip
-        no_cert.engine().client  # noqa: B018
+    with pytest.raises(
+        ConfigurationError,
+        match=r"refused this client's certificate .* set tls\.client_cert and "
+        r"tls\.client_key .*(CERTIFICATE_REQUIRED|SSLEOFError)",
+    ):
+        no_cert.engine().client  # noqa: B018 - the property connects, which is what fails
     wrong_ca = compute(stack, gpus, tmp_path, **tls_fields(tls, ca_cert=tls.other_ca_cert))
     with pytest.raises(ConfigurationError, match=r"not one tls\.ca_cert signed .*CERTIFICATE_VERIFY_FAILED"):
-        wrong_ca.engine().client  # noqa: B018
+        wrong_ca.engine().client  # noqa: B018 - the property connects, which is what fails
     with pytest.raises(ValueError, match=r"set client_cert and client_key together"):
         DockerTls(ca_cert=tls.ca_cert, client_cert=tls.client_cert).check()
     with pytest.raises(ValueError, match=r"TLS needs base_url tcp://"):
@@ -148,24 +167,32 @@ def test_tls_without_a_client_certificate_or_with_another_ca_is_refused_naming_t
 
 
 def test_ssh_refuses_a_host_key_not_in_known_hosts_and_a_key_it_was_not_given(
-    ssh: SshEngine, stack: dict[str, str], gpus: FakeGpus, tmp_path: Path,
-) -> None:  # fmt: skip
+    ssh: SshEngine,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    tmp_path: Path,
+) -> None:
     other_host = compute(stack, gpus, tmp_path, **ssh_fields(ssh, known_hosts=ssh.other_known_hosts))
     with pytest.raises(ConfigurationError, match=r"SSH host key of the Docker engine's host 127\.0\.0\.1:\d+ CHANGED"):
-        other_host.engine().client  # noqa: B018
+        other_host.engine().client  # noqa: B018 - the property connects, which is what fails
     stranger = tmp_path / "stranger"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
     refused = compute(stack, gpus, tmp_path, **ssh_fields(ssh, private_key=stranger.read_text()))
     with pytest.raises(ConfigurationError, match=r"SSH login as root@127\.0\.0\.1:\d+ was refused"):
-        refused.engine().client  # noqa: B018
+        refused.engine().client  # noqa: B018 - the property connects, which is what fails
     with pytest.raises(ValueError, match=r"it must be ssh://USER@HOST\[:PORT\]"):
-        DockerCompute(docker_host=DockerHost(base_url="ssh://127.0.0.1:22"), ssh=SshCredentials(
-            private_key=ssh.private_key, known_hosts=ssh.known_hosts))  # fmt: skip
+        DockerCompute(
+            docker_host=DockerHost(base_url="ssh://127.0.0.1:22"),
+            ssh=SshCredentials(private_key=ssh.private_key, known_hosts=ssh.known_hosts),
+        )
 
 
 def test_ssh_logs_in_as_the_credentials_user_when_base_url_names_none(
-    ssh: SshEngine, stack: dict[str, str], gpus: FakeGpus, tmp_path: Path,
-) -> None:  # fmt: skip
+    ssh: SshEngine,
+    stack: dict[str, str],
+    gpus: FakeGpus,
+    tmp_path: Path,
+) -> None:
     logins = ssh.logins()
     fields = ssh_fields(ssh, user="root")
     fields["docker_host"] = DockerHost(base_url=ssh.url.replace("ssh://root@", "ssh://"))

@@ -21,16 +21,18 @@ from botocore.exceptions import ClientError
 from prefect.filesystems import LocalFileSystem
 from prefect_aws import AwsClientParameters, AwsCredentials
 
-from blocks.compute import LocalProcesses
-from blocks.ec2 import GPU_INSTANCE_TYPES, RUN_TAG, Ec2Provider, _explain
+from blocks.aws.ec2 import RUN_TAG, Ec2Provider, _explain
+from blocks.aws.instance_types import GPU_INSTANCE_TYPES
+from blocks.base.provider import STATE_ACQUIRED, STATE_READY, NodeRequirements
 from blocks.errors import ConfigurationError, TransientError
-from blocks.images import CurrentEnvironment
-from blocks.provision import STATE_ACQUIRED, STATE_READY, NodeRequirements
-from blocks.serving import LocalServing
-from blocks.specs import JobHandle, TrainingJob, TrainingSpec
+from blocks.local.compute import LocalProcesses
+from blocks.local.images import CurrentEnvironment
+from blocks.local.serving import LocalServing
+from blocks.local.storage import LocalCheckpointStore
+from blocks.records import JobHandle, TrainingJob
+from blocks.specs import TrainingSpec
 from blocks.stack import Stack
-from blocks.storage import LocalCheckpointStore
-from blocks.tracking import MlflowTracking
+from blocks.tracking.mlflow import MlflowTracking
 from tasks.provision import inventory_rows
 from tasks.retry import is_transient
 from tests.examples import DIABETES
@@ -78,9 +80,11 @@ def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def credentials(moto_endpoint: str) -> AwsCredentials:
     return AwsCredentials(
-        aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
         aws_client_parameters=AwsClientParameters(endpoint_url=moto_endpoint),
-    )  # fmt: skip
+    )
 
 
 def provider(credentials: AwsCredentials, **settings: object) -> Ec2Provider:
@@ -159,16 +163,20 @@ def test_job_shape_and_bad_settings_leave_no_instance(credentials: AwsCredential
 
 def test_ec2_errors_are_classified_for_the_task_retries() -> None:
     def error(code: str, status: int) -> ClientError:
-        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
-                           "RunInstances")  # fmt: skip
+        return ClientError(
+            {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "RunInstances"
+        )
 
     assert is_transient(_explain(error("RequestLimitExceeded", 503), "launch"))  # throttling: botocore's own, transient
     assert is_transient(_explain(error("InternalError", 500), "launch"))
     assert is_transient(_explain(error("Unavailable", 503), "launch"))  # any 5xx
     capacity = _explain(error("InsufficientInstanceCapacity", 500), "launch 1 p5.48xlarge instance(s)")
     assert isinstance(capacity, TransientError) and "another subnet" in str(capacity)
-    config_errors = [("InvalidAMIID.NotFound", "ami_id"), ("VcpuLimitExceeded", "quota"),
-                     ("UnauthorizedOperation", "ec2:RunInstances")]  # fmt: skip
+    config_errors = [
+        ("InvalidAMIID.NotFound", "ami_id"),
+        ("VcpuLimitExceeded", "quota"),
+        ("UnauthorizedOperation", "ec2:RunInstances"),
+    ]
     for code, field in config_errors:
         explained = _explain(error(code, 400), "launch")
         assert isinstance(explained, ConfigurationError) and field in str(explained) and not is_transient(explained)
@@ -192,10 +200,13 @@ def test_failure_after_acquire_still_terminates_the_runs_instances(
     prefix = f"flowtest-{uuid.uuid4().hex[:8]}"
     block = provider(credentials, instance_type="g4dn.xlarge", name_prefix=prefix)
     stack = Stack.model_construct(
-        provider=block, images=CurrentEnvironment(), compute=FailingTraining(),
+        provider=block,
+        images=CurrentEnvironment(),
+        compute=FailingTraining(),
         storage=LocalCheckpointStore(filesystem=LocalFileSystem(basepath=str(tmp_path / "storage"))),
-        tracking=MlflowTracking(), serving=LocalServing(),
-    )  # fmt: skip
+        tracking=MlflowTracking(),
+        serving=LocalServing(),
+    )
     monkeypatch.setattr(retrain_module, "load_stack", lambda name: stack)
 
     with pytest.raises(ConfigurationError, match="the training job was rejected"):
@@ -225,7 +236,7 @@ ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHn6 root@ip-10-0-1-17
 
 
 def test_host_keys_are_read_from_cloud_init_console_output() -> None:
-    from blocks.ec2 import console_host_keys
+    from blocks.aws.access import console_host_keys
 
     assert console_host_keys(CLOUD_INIT_CONSOLE) == [
         ("ecdsa-sha2-nistp256", "AAAAE2VjZHNhLXNoYTItbmlzdHAyNTYAAAAIbmlzdHAyNTYAAABBBOb4"),
@@ -238,28 +249,37 @@ def test_bootstrap_goes_over_ssh_to_the_instances_private_addresses(
     credentials: AwsCredentials, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """moto's instances cannot be reached over SSH: SshHosts' bootstrap/release are recorded, not run."""
-    from blocks.ec2 import Ec2SshAccess
-    from blocks.slurm_join import SlurmJoin
-    from blocks.ssh_hosts import SshHosts
+    from blocks.aws.access import Ec2SshAccess
+    from blocks.hosts.provider import SshHosts
+    from blocks.hosts.slurm_join import SlurmJoin
 
     calls: list[tuple[str, list[tuple[str, str, int, str]], list[str], dict[str, str]]] = []
 
-    def record(action: str):  # noqa: ANN202
+    def record(action: str):
         def method(self: SshHosts, nodes: list, *args: object) -> object:
             states = {n.name: s for n, s in ((n, instances_of(block, key).get(n.name)) for n in nodes)}
-            calls.append((action, [(h.name, h.address, h.port, h.user) for h in self.hosts], [n.name for n in nodes],
-                          states))  # fmt: skip
+            calls.append(
+                (action, [(h.name, h.address, h.port, h.user) for h in self.hosts], [n.name for n in nodes], states)
+            )
             assert self.slurm == join and self.credentials.known_hosts == known_hosts
-            return [n.model_copy(update={"state": STATE_READY, "labels": {**n.labels, "bootstrap": "changed"}})
-                    for n in nodes] if action == "bootstrap" else None  # fmt: skip
+            return (
+                [
+                    n.model_copy(update={"state": STATE_READY, "labels": {**n.labels, "bootstrap": "changed"}})
+                    for n in nodes
+                ]
+                if action == "bootstrap"
+                else None
+            )
+
         return method
 
     monkeypatch.setattr(SshHosts, "bootstrap", record("bootstrap"))
     monkeypatch.setattr(SshHosts, "release", record("release"))
     join = SlurmJoin(slurm_conf="SlurmctldHost=ctl(10.0.0.2)\nMaxNodeCount=20\n", features=["joined"])
     known_hosts = "10.0.0.9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHn6\n"
-    ssh = Ec2SshAccess(user="ec2-user", private_key="-----BEGIN OPENSSH PRIVATE KEY-----\n...", known_hosts=known_hosts,
-                       slurm=join)  # fmt: skip
+    ssh = Ec2SshAccess(
+        user="ec2-user", private_key="-----BEGIN OPENSSH PRIVATE KEY-----\n...", known_hosts=known_hosts, slurm=join
+    )
     block = provider(credentials, ssh=ssh)
     key = f"run-{uuid.uuid4().hex[:8]}"
     nodes = block.acquire(2, NodeRequirements(gpus=4), key)
@@ -281,9 +301,53 @@ def test_bootstrap_goes_over_ssh_to_the_instances_private_addresses(
     console = provider(credentials, ssh=ssh.model_copy(update={"known_hosts": None, "host_key_timeout_seconds": 0.5}))
     fresh = console.acquire(1, NodeRequirements(), key)
     try:
-        with pytest.raises(TransientError, match=rf"no SSH host keys in the console output of {fresh[0].name} .*"
-                                                 r"set ssh.known_hosts"):  # fmt: skip
+        with pytest.raises(
+            TransientError,
+            match=rf"no SSH host keys in the console output of {fresh[0].name} .*"
+            r"set ssh.known_hosts",
+        ):
             console.bootstrap(fresh, NodeRequirements())
         assert len(calls) == 2  # nothing was tried over SSH
     finally:
         console.release(fresh)
+
+
+def test_the_check_reads_credentials_instance_type_and_ami_and_names_what_is_missing(
+    credentials: AwsCredentials,
+) -> None:
+    """``gpuferry check`` on EC2: whose credentials, whether the region offers the type, whether the AMI exists;
+    read-only (nothing is launched), each failure naming the field to fix."""
+    from blocks.checks import Probe
+
+    ec2 = provider(credentials).client()
+    instance = ec2.run_instances(ImageId=AMI, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    ami = ec2.create_image(InstanceId=instance, Name="gpuferry-check-ami")["ImageId"]
+    ec2.terminate_instances(InstanceIds=[instance])
+
+    def rows(block: Ec2Provider) -> dict[str, tuple[str, str, str]]:
+        probe = Probe("provider", "Ec2Provider", timeout=60)
+        block.self_check(probe)
+        return {r.check: (r.status, r.detail, r.fix) for r in probe.rows}
+
+    good = rows(provider(credentials, ami_id=ami))
+    assert {k: v[0] for k, v in good.items()} == {"credentials": "ok", "instance type": "ok", "AMI": "ok"}, good
+    assert "account 123456789012" in good["credentials"][1] and "region us-east-1" in good["credentials"][1]
+    assert good["instance type"][1] == "g5.12xlarge offered in us-east-1 (4x NVIDIA A10G)"
+    assert good["AMI"][1] == f"{ami} (gpuferry-check-ami)"
+    launched = {i["InstanceId"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
+
+    bad = rows(provider(credentials, subnet_id="subnet-00000000", key_name="nobody"))
+    assert bad["AMI"][0] == "failed" and AMI in bad["AMI"][1] and "set ami_id" in bad["AMI"][2]
+    assert bad["subnet"][0] == "failed" and "subnet-00000000" in bad["subnet"][1] and "subnet_id" in bad["subnet"][2]
+    assert bad["key pair"][0] == "failed" and "nobody" in bad["key pair"][1]
+
+    elsewhere = AwsCredentials(
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="af-south-1",  # moto's offerings there have no g5
+        aws_client_parameters=credentials.aws_client_parameters,
+    )
+    offered = rows(provider(elsewhere, ami_id=ami))["instance type"]
+    assert offered[:2] == ("failed", "af-south-1 does not offer g5.12xlarge") and "region_name" in offered[2]
+    after = {i["InstanceId"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
+    assert after == launched  # the checks launched nothing

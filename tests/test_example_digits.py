@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from blocks.mlflow_model import check_mlflow_model
+from blocks.base.mlflow_model import check_mlflow_model
 from runtime import contract
 from tests.examples import DIGITS, example_module
 
@@ -138,9 +138,7 @@ def jobs(job_env: dict[str, str], tmp_path: Path) -> Iterator[Jobs]:
 
 
 @pytest.fixture(scope="module")
-def default_run(
-    job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Jobs, Job]]:
+def default_run(job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Jobs, Job]]:
     """An uninterrupted run with the default hparams and CHECKPOINT_EVERY."""
     started = Jobs(job_env, tmp_path_factory.mktemp("default-run"))
     yield started, started.run({})

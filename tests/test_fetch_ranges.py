@@ -24,9 +24,9 @@ def test_ranges_written_in_any_order_are_hashed_in_file_order(tmp_path: Path) ->
         data = rng.randbytes(rng.randint(0, 6000))
         cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, 7)))) if len(data) > 1 else []
         pieces = []  # per range: its pieces in the order its stream delivers them
-        for start, end in zip([0, *cuts], [*cuts, len(data)]):
+        for start, end in zip([0, *cuts], [*cuts, len(data)], strict=True):
             bounds = list(range(start, end, rng.randint(1, 900))) + [end]
-            pieces.append([(a, data[a:b]) for a, b in zip(bounds, bounds[1:])])
+            pieces.append([(a, data[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)])
         with open(tmp_path / f"f{trial}", "wb+") as f:
             digest = _InOrderDigest(f.fileno())
             while any(pieces):
@@ -85,7 +85,7 @@ class _Store:
         entry = {"path": "model.bin", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         self.manifest = contract.manifest_bytes({"format": contract.MANIFEST_FORMAT, "files": [entry]})
 
-    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict:
+    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict:  # noqa: N803 - boto3's names
         if Key.endswith(contract.MANIFEST_FILENAME):
             return {"Body": _Body(self.manifest, None)}
         start, end = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", Range).groups())
@@ -128,7 +128,7 @@ class _Files:
         entries = [{"path": p, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for p, d in objects.items()]
         self.manifest = contract.manifest_bytes({"format": contract.MANIFEST_FORMAT, "files": entries})
 
-    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict:
+    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict:  # noqa: N803 - boto3's names
         if Key.endswith(contract.MANIFEST_FILENAME):
             return {"Body": _Body(self.manifest, None)}
         path = Key.removeprefix("ckpt/")

@@ -8,8 +8,9 @@ import pytest
 from prefect import flow
 
 from blocks.errors import ConfigurationError, TransientError
-from blocks.specs import CheckpointRef, Resources, ServingSpec, TrainingSpec
-from blocks.storage import LocalCheckpointStore
+from blocks.local.storage import LocalCheckpointStore
+from blocks.records import CheckpointRef
+from blocks.specs import Resources, ServingSpec, TrainingSpec
 from flows.retrain import retrain
 from tasks.upload import upload_checkpoint
 from tests.examples import DIGITS
@@ -43,11 +44,11 @@ def test_a_remote_cluster_with_a_file_tracking_uri_is_refused_before_the_cluster
     from prefect_aws.client_parameters import AwsClientParameters
     from pydantic import SecretStr
 
-    from blocks.s3 import S3CheckpointStore
-    from blocks.slurm import SlurmCluster
-    from blocks.ssh_credentials import SshCredentials
+    from blocks.slurm.cluster import SlurmCluster
+    from blocks.ssh.credentials import SshCredentials
     from blocks.stack import Stack
-    from blocks.tracking import MlflowTracking
+    from blocks.storage.s3 import S3CheckpointStore
+    from blocks.tracking.mlflow import MlflowTracking
 
     contacted: list[str] = []
 
@@ -63,17 +64,29 @@ def test_a_remote_cluster_with_a_file_tracking_uri_is_refused_before_the_cluster
     tracking_db = tmp_path / "mlflow.db"
     stack = Stack.embedded()
     login = SshCredentials(user="alice", private_key=SecretStr("unused"))
-    stack.compute = SlurmCluster(host="login.hpc.invalid", credentials=login,
-                                 workdir_root="/shared/gpuferry", partition="gpu")  # fmt: skip
-    stack.storage = S3CheckpointStore(bucket=S3Bucket(bucket_name="models", credentials=AwsCredentials(
-        aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key="unused", region_name="us-east-1",
-        aws_client_parameters=AwsClientParameters(endpoint_url="http://s3.hpc.invalid:9000"))))  # fmt: skip
+    stack.compute = SlurmCluster(
+        host="login.hpc.invalid", credentials=login, workdir_root="/shared/gpuferry", partition="gpu"
+    )
+    stack.storage = S3CheckpointStore(
+        bucket=S3Bucket(
+            bucket_name="models",
+            credentials=AwsCredentials(
+                aws_access_key_id="AKIDEXAMPLE",
+                aws_secret_access_key="unused",
+                region_name="us-east-1",
+                aws_client_parameters=AwsClientParameters(endpoint_url="http://s3.hpc.invalid:9000"),
+            ),
+        )
+    )
     stack.tracking = MlflowTracking(tracking_uri=f"sqlite:///{tracking_db}")
     name = f"remote-sqlite-{uuid.uuid4().hex[:8]}"
     stack.save(name)
     before = _side_effects(gpuferry_home)
-    with pytest.raises(ConfigurationError, match=r"tracking.tracking_uri='sqlite:///.*mlflow.db' is a file on this "
-                                                 r"machine: the jobs on the Slurm cluster \(login.hpc.invalid\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"tracking.tracking_uri='sqlite:///.*mlflow.db' is a file on this "
+        r"machine: the jobs on the Slurm cluster \(login.hpc.invalid\)",
+    ):
         retrain(workload=str(DIGITS), stack=name)
     assert contacted == []
     assert not tracking_db.exists()  # no MLflow experiment or run was made
@@ -159,15 +172,17 @@ def test_saved_stack_is_loaded_by_name(tmp_path: Path) -> None:
 
 
 def test_container_serving_needs_a_stack_that_builds_an_image(gpuferry_home: Path) -> None:
-    from blocks.kubernetes import KubernetesCluster
+    from blocks.kubernetes.cluster import KubernetesCluster
     from blocks.plan import plan_run
     from blocks.specs import PromotionPolicy
     from blocks.stack import Stack
-    from blocks.workload import load_workload
+    from blocks.workload.source import load_workload
     from flows.retrain import preflight
 
     blocks = Stack.embedded()
     blocks.serving = KubernetesCluster(namespace="serving")
     run = plan_run(load_workload(str(DIGITS)), TrainingSpec(), ServingSpec(), PromotionPolicy())
-    with pytest.raises(ConfigurationError, match=r"stack.images \(CurrentEnvironment\) builds none.*DockerImageBuilder"):
+    with pytest.raises(
+        ConfigurationError, match=r"stack.images \(CurrentEnvironment\) builds none.*DockerImageBuilder"
+    ):
         preflight(blocks, run)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from blocks.workload import load_workload
+from blocks.workload.source import load_workload
 from deployments.forms import _flow_schema, workload_schema
 from tests.examples import DIABETES, DIGITS
 
@@ -47,24 +47,39 @@ def test_nested_hyperparameters_are_closed_ordered_and_named_at_every_level() ->
     assert [(k, v["position"]) for k, v in optimizer["properties"].items()] == [("kind", 0), ("lr", 1), ("schedule", 2)]
     assert optimizer["additionalProperties"] is False
     assert optimizer["properties"]["schedule"]["propertyNames"] == {"enum": ["warmup_steps", "decay"]}
-    assert form["default"]["optimizer"] == {"kind": "sgd", "lr": 0.01, "schedule": {"warmup_steps": 100, "decay": "cosine"}}
+    assert form["default"]["optimizer"] == {
+        "kind": "sgd",
+        "lr": 0.01,
+        "schedule": {"warmup_steps": 100, "decay": "cosine"},
+    }
 
     def refused(hyperparameters: dict) -> str:
         with pytest.raises(ValidationError) as info:
             validate({"training": {"hyperparameters": hyperparameters}}, schema, raise_on_error=True)
         return str(info.value)
 
-    assert validate({"training": {"hyperparameters": {"optimizer": {"schedule": {"decay": "none"}}, "layers": [8]}}},
-                    schema, raise_on_error=True) == []  # fmt: skip
+    assert (
+        validate(
+            {"training": {"hyperparameters": {"optimizer": {"schedule": {"decay": "none"}}, "layers": [8]}}},
+            schema,
+            raise_on_error=True,
+        )
+        == []
+    )
     assert refused({"optimizer": {"schedule": {"decay": "step"}}}) == (
         "Validation failed for field 'training.hyperparameters.optimizer.schedule.decay'. Failure reason: 'step' is "
-        "not one of ['none', 'cosine', 'linear']")  # fmt: skip
+        "not one of ['none', 'cosine', 'linear']"
+    )
     assert refused({"optimizer": {"schedule": {"warmpu": 3}}}) == (
         "Validation failed for field 'training.hyperparameters.optimizer.schedule'. Failure reason: 'warmpu' is not "
-        "one of ['warmup_steps', 'decay']")  # fmt: skip
+        "one of ['warmup_steps', 'decay']"
+    )
     assert "field 'training.hyperparameters.layers[1]'. Failure reason: 0 is less than the minimum of 1" in refused(
-        {"layers": [4, 0]})  # fmt: skip
+        {"layers": [4, 0]}
+    )
     # The run's own check agrees, and a nested object left out gets its fields' defaults.
     assert workload.definition.schema.validate({"optimizer": {"lr": 0.1}}) == {
-        "epochs": 3, "layers": [64, 32], "optimizer": {"kind": "sgd", "lr": 0.1, "schedule": {"warmup_steps": 100,
-                                                                                            "decay": "cosine"}}}  # fmt: skip
+        "epochs": 3,
+        "layers": [64, 32],
+        "optimizer": {"kind": "sgd", "lr": 0.1, "schedule": {"warmup_steps": 100, "decay": "cosine"}},
+    }

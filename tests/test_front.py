@@ -78,8 +78,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = self._body()
-        seen = {"version": self.server.name, "bytes": len(body), "connection": self.headers.get("Connection"),
-                "expect": self.headers.get("Expect")}  # fmt: skip
+        seen = {
+            "version": self.server.name,
+            "bytes": len(body),
+            "connection": self.headers.get("Connection"),
+            "expect": self.headers.get("Expect"),
+        }
         self._answer(200, json.dumps(seen).encode(), **{"Content-Type": "application/json"})
 
     def do_HEAD(self) -> None:
@@ -119,8 +123,14 @@ def run_front(tmp_path: Path) -> Iterator:
 
     def start(target: str, connect_timeout: float = 10) -> tuple[str, Path]:
         port, target_file = free_port(), tmp_path / "front" / "target"
-        env = {**os.environ, "PYTHONPATH": str(REPO), front.PORT_ENV: str(port), front.TARGET_ENV: target,
-               front.TARGET_FILE_ENV: str(target_file), front.CONNECT_TIMEOUT_ENV: str(connect_timeout)}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            front.PORT_ENV: str(port),
+            front.TARGET_ENV: target,
+            front.TARGET_FILE_ENV: str(target_file),
+            front.CONNECT_TIMEOUT_ENV: str(connect_timeout),
+        }
         process = subprocess.Popen([sys.executable, "-m", "runtime.front"], env=env, stderr=subprocess.PIPE)
         started.append(process)
         deadline = time.monotonic() + 60
@@ -148,7 +158,7 @@ def set_target(target_file: Path, target: str) -> None:
 
 def test_a_switch_under_steady_load_loses_no_request_and_what_starts_after_it_reaches_the_new_version(
     run_front,
-) -> None:  # fmt: skip
+) -> None:
     with Version("v1") as v1, Version("v2") as v2:
         url, target_file = run_front(v1.target)
         answers: list[tuple[float, str, int]] = []  # (when the request started, version, status)
@@ -164,7 +174,9 @@ def test_a_switch_under_steady_load_loses_no_request_and_what_starts_after_it_re
                         reply = client.post(f"{url}/invocations", json={"inputs": [[1, 2]]})
                     else:
                         reply = httpx.post(f"{url}/invocations", json={"inputs": [[1, 2]]}, timeout=30)
-                    answers.append((started, reply.json()["version"] if reply.status_code == 200 else "", reply.status_code))
+                    answers.append(
+                        (started, reply.json()["version"] if reply.status_code == 200 else "", reply.status_code)
+                    )
                 except httpx.HTTPError as exc:
                     failures.append(repr(exc))
             if client is not None:
@@ -265,7 +277,9 @@ class ClosesKeptConnections:
             while b"\r\n\r\n" not in data:
                 data += conn.recv(65536)
             head, _, body = data.partition(b"\r\n\r\n")
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            )
             while len(body) < length:
                 body += conn.recv(65536)
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -286,8 +300,9 @@ def test_a_kept_connection_the_version_closed_is_tried_again_on_a_new_one(run_fr
 
 def test_set_refuses_what_is_not_host_and_port(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), front.TARGET_FILE_ENV: str(tmp_path / "target")}
-    bad = subprocess.run([sys.executable, "-m", "runtime.front", "set", "no-port"], env=env, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "runtime.front", "set", "no-port"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "'no-port' is not host:port" in bad.stderr
     assert not (tmp_path / "target").exists()
     set_target(tmp_path / "target", "v2-abc123-digits:8080")
@@ -295,7 +310,7 @@ def test_set_refuses_what_is_not_host_and_port(tmp_path: Path) -> None:
     assert front.parse_target("v2-abc123-digits:8080") == ("v2-abc123-digits", 8080)
 
 
-def wait_for(condition, timeout: float = 120) -> None:  # noqa: ANN001
+def wait_for(condition, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"

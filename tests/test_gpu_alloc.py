@@ -1,18 +1,28 @@
-"""GPU bookkeeping of a host without a scheduler (blocks/gpu_alloc.py): pure, no engine."""
+"""GPU bookkeeping of a host without a scheduler (blocks/docker/gpu_alloc.py): pure, no engine."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
+from blocks.base.nvidia import parse_nvidia_smi
+from blocks.docker.gpu_alloc import (
+    Claim,
+    GpuRequest,
+    GpusBusy,
+    HostGpu,
+    choose,
+    inventory_of,
+    parse_claim_label,
+    resolve,
+)
 from blocks.errors import ConfigurationError
-from blocks.gpu_alloc import Claim, GpuRequest, GpusBusy, HostGpu, choose, inventory_of, parse_claim_label, resolve
-from blocks.provision import parse_nvidia_smi
 from blocks.specs import Resources, ServingSpec
 from tasks.retry import is_transient
 
-QUERY = "".join(f"{i}, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-0000000{i}-aaaa-bbbb-cccc-00000000000{i}\n"
-                for i in range(4))  # fmt: skip
+QUERY = "".join(
+    f"{i}, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-0000000{i}-aaaa-bbbb-cccc-00000000000{i}\n" for i in range(4)
+)
 HOST = inventory_of(parse_nvidia_smi(QUERY))
 UUID = [g.uuid for g in HOST]
 
@@ -68,8 +78,11 @@ def test_an_index_or_uuid_the_host_lacks_fails_naming_what_it_has() -> None:
 
 def test_a_third_request_that_does_not_fit_names_the_holders() -> None:
     claims = [Claim("container job-a", (UUID[0], UUID[1])), Claim("container job-b", (UUID[2], UUID[3]))]
-    with pytest.raises(GpusBusy, match=r"cannot give 1 GPU\(s\) now: GPU 0 .* by container job-a.*GPU 3 .* by "
-                                       r"container job-b\. Free: none of 4") as caught:  # fmt: skip
+    with pytest.raises(
+        GpusBusy,
+        match=r"cannot give 1 GPU\(s\) now: GPU 0 .* by container job-a.*GPU 3 .* by "
+        r"container job-b\. Free: none of 4",
+    ) as caught:
         choose(HOST, GpuRequest(count=1), claims, host="gpu1")
     assert not is_transient(caught.value)
     with pytest.raises(GpusBusy, match=r"gpu_devices \['2'\].*GPU 2 .* by container job-b"):

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from blocks.docker.context import DOCKERFILE, build_context, generated_dockerfile
 from blocks.errors import ConfigurationError
-from blocks.images import DOCKERFILE, CurrentEnvironment, build_context, generated_dockerfile
-from blocks.workload import load_workload
+from blocks.local.images import CurrentEnvironment
+from blocks.workload.source import load_workload
 
 WORKLOAD = """\
 name: ctx-test
@@ -24,8 +25,10 @@ promotion: {{metric: m}}
 def workload(root: Path, image: str = "{dockerfile: Dockerfile}", serve: str = "", files: dict[str, str] | None = None):
     root.mkdir(parents=True, exist_ok=True)
     (root / "gpuferry.yaml").write_text(WORKLOAD.format(image=image, serve=serve))
-    defaults = {"Dockerfile": "ARG BASE_IMAGE=debian\nFROM ${BASE_IMAGE}\nWORKDIR /srv/app\nCOPY . .\n",
-                "train.py": "print('train')\n"}  # fmt: skip
+    defaults = {
+        "Dockerfile": "ARG BASE_IMAGE=debian\nFROM ${BASE_IMAGE}\nWORKDIR /srv/app\nCOPY . .\n",
+        "train.py": "print('train')\n",
+    }
     for name, content in {**defaults, **(files or {})}.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(content)
@@ -47,8 +50,13 @@ def test_the_tag_is_stable_and_follows_every_byte_the_engine_sees(tmp_path: Path
 
 def test_dockerignore_follows_dockers_own_rules(tmp_path: Path) -> None:
     # Docker matches `*.md` at the context's root only; `**/*.log` everywhere; `!` re-includes.
-    files = {".dockerignore": "*.md\n**/*.log\n!keep.log\n", "notes.md": "a", "docs/guide.md": "b", "x/y.log": "c",
-             "keep.log": "d"}  # fmt: skip
+    files = {
+        ".dockerignore": "*.md\n**/*.log\n!keep.log\n",
+        "notes.md": "a",
+        "docs/guide.md": "b",
+        "x/y.log": "c",
+        "keep.log": "d",
+    }
     ctx = build_context(workload(tmp_path / "w", files=files))
     names = set(members(ctx.tar))
     assert "notes.md" not in names and "x/y.log" not in names
@@ -67,15 +75,18 @@ def test_gpuferrys_model_server_goes_into_the_final_stage(tmp_path: Path) -> Non
     assert dockerfile.startswith("ARG BASE_IMAGE=debian\nFROM ${BASE_IMAGE}\nWORKDIR /srv/app\nCOPY . .\n")
     assert "COPY .gpuferry/runtime /opt/gpuferry/runtime" in dockerfile
     assert "ENV PYTHONPATH=/opt/gpuferry${PYTHONPATH:+:${PYTHONPATH}}" in dockerfile
-    assert dockerfile.rstrip().endswith("RUN python -m runtime.check")
+    assert dockerfile.rstrip().endswith("RUN python /opt/gpuferry/runtime/check.py")
     assert ".gpuferry/runtime/serve.py" in files and ".gpuferry/runtime/contract.py" in files
     own = build_context(workload(tmp_path / "own", serve="serve: {command: [python, serve.py], port: 9000}"))
-    assert "runtime.check" not in members(own.tar)[DOCKERFILE].decode()  # its own server: no check
+    assert "runtime/check.py" not in members(own.tar)[DOCKERFILE].decode()  # its own server: no check
 
 
 def test_a_generated_dockerfile_installs_the_requirements_and_the_servers(tmp_path: Path) -> None:
-    w = workload(tmp_path / "w", image="{base: 'python:3.11-slim', requirements: requirements.txt}",
-                 files={"requirements.txt": "scikit-learn\n"})
+    w = workload(
+        tmp_path / "w",
+        image="{base: 'python:3.11-slim', requirements: requirements.txt}",
+        files={"requirements.txt": "scikit-learn\n"},
+    )
     ctx = build_context(w, {"BASE_IMAGE": "localhost/base:1"})
     dockerfile = members(ctx.tar)[DOCKERFILE].decode()
     assert dockerfile.startswith(generated_dockerfile("python:3.11-slim", "requirements.txt"))

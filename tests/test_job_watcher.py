@@ -5,6 +5,7 @@ real watcher process."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -16,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from blocks.compute import ComputeBackend
+from blocks.base.compute import ComputeBackend
+from blocks.checks import CheckRow, Probe
 from blocks.errors import JobFailed
-from blocks.slurm_state import NOT_VISIBLE
-from blocks.specs import JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.records import JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.slurm.state import NOT_VISIBLE
 from deployments.job_watcher import JOB_LABEL, STACK_LABEL, JobWatcher, Waiting, waiting_from
 from tasks.waiting import TIME_LIMIT_LABEL, VERDICT_LABEL, record_verdict, verdict_from
 from tests import private_worker
@@ -29,7 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def handle(job_id: str) -> JobHandle:
-    return JobHandle(backend="fake", job_id=job_id, key=job_id, workdir=f"/jobs/{job_id}", log_path=f"/jobs/{job_id}/log")
+    return JobHandle(
+        backend="fake", job_id=job_id, key=job_id, workdir=f"/jobs/{job_id}", log_path=f"/jobs/{job_id}/log"
+    )
 
 
 class FakeCompute:
@@ -45,8 +49,13 @@ class FakeCompute:
 
 
 def waiting(job_id: str, stack: str, time_limit_seconds: float | None = None) -> Waiting:
-    return Waiting(flow_run_id=uuid.uuid4(), flow_run_name=f"run-{job_id}", stack=stack, handle=handle(job_id),
-                   time_limit_seconds=time_limit_seconds)  # fmt: skip
+    return Waiting(
+        flow_run_id=uuid.uuid4(),
+        flow_run_name=f"run-{job_id}",
+        stack=stack,
+        handle=handle(job_id),
+        time_limit_seconds=time_limit_seconds,
+    )
 
 
 def test_resumes_only_runs_whose_job_ended_with_one_poll_per_stack() -> None:
@@ -57,8 +66,11 @@ def test_resumes_only_runs_whose_job_ended_with_one_poll_per_stack() -> None:
         "": FakeCompute({"e1": "REQUEUED"}),
     }
     resumed: list[tuple[str, str]] = []
-    watcher = JobWatcher(load_compute=computes.__getitem__, read=lambda: runs,
-                         on_ended=lambda w, s: resumed.append((w.handle.job_id, s.state)) or True)  # fmt: skip
+    watcher = JobWatcher(
+        load_compute=computes.__getitem__,
+        read=lambda: runs,
+        on_ended=lambda w, s: resumed.append((w.handle.job_id, s.state)) or True,
+    )
     ended = watcher.poll_once()
     assert sorted(resumed) == [("a2", "COMPLETED"), ("a3", "FAILED")]
     assert sorted(w.handle.job_id for w in ended) == ["a2", "a3"]
@@ -77,7 +89,9 @@ def test_a_failing_stack_does_not_stop_the_others() -> None:
         return computes[stack]
 
     resumed: list[str] = []
-    watcher = JobWatcher(load_compute=load, read=lambda: runs, on_ended=lambda w, s: resumed.append(w.handle.job_id) or True)
+    watcher = JobWatcher(
+        load_compute=load, read=lambda: runs, on_ended=lambda w, s: resumed.append(w.handle.job_id) or True
+    )
     watcher.poll_once()
     assert resumed == ["y1"]
     watcher.poll_once()  # the failed stack's backend is loaded afresh; the working one is reused
@@ -121,8 +135,11 @@ class Timelines(ComputeBackend):
         for h in handles:
             timeline = self.timelines[h.job_id]
             step = timeline[min(self.round, len(timeline) - 1)]
-            statuses[h.job_id] = (JobStatus(job_id=h.job_id, state="PENDING", reason=NOT_VISIBLE, visible=False)
-                                  if step == UNSEEN else JobStatus(job_id=h.job_id, state=step))  # fmt: skip
+            statuses[h.job_id] = (
+                JobStatus(job_id=h.job_id, state="PENDING", reason=NOT_VISIBLE, visible=False)
+                if step == UNSEEN
+                else JobStatus(job_id=h.job_id, state=step)
+            )
         return statuses
 
     def cancel(self, handle: JobHandle) -> None:
@@ -131,9 +148,14 @@ class Timelines(ComputeBackend):
     def result(self, handle: JobHandle, status: JobStatus, *, gpus: int = 0, cpus: int = 1) -> JobResult:
         return JobResult(handle=handle, status=status, checkpoint_dir=f"{handle.workdir}/checkpoints")
 
+    def self_check(self, probe: Probe) -> list[CheckRow]:
+        probe.skip("checks", "a test double: nothing to reach")
+        return probe.rows
 
-def watch_rounds(watcher: JobWatcher, backend: Timelines, runs: list[Waiting], clock: list[float],
-                 every: float = 10.0) -> None:  # fmt: skip
+
+def watch_rounds(
+    watcher: JobWatcher, backend: Timelines, runs: list[Waiting], clock: list[float], every: float = 10.0
+) -> None:
     """Rounds ``every`` (fake) seconds apart until no run waits: a resumed run no longer does (the server's part)."""
     while runs:
         for done in watcher.poll_once():
@@ -146,22 +168,30 @@ def watch_rounds(watcher: JobWatcher, backend: Timelines, runs: list[Waiting], c
 def test_a_lost_job_fails_its_run_after_the_grace_and_a_lagging_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    backend = Timelines(timelines={
-        "fresh": [UNSEEN] * 30 + ["PENDING"] * 50 + ["RUNNING", "COMPLETED"],  # sacct 300 s behind, then queued
-        "flicker": ([UNSEEN] * 40 + ["RUNNING"]) * 2 + ["COMPLETED"],  # unseen 400 s, twice: never 600 s in a row
-        "lost": ["RUNNING"] + [UNSEEN],  # the controller lost it
-    })  # fmt: skip
+    backend = Timelines(
+        timelines={
+            "fresh": [UNSEEN] * 30 + ["PENDING"] * 50 + ["RUNNING", "COMPLETED"],  # sacct 300 s behind, then queued
+            "flicker": ([UNSEEN] * 40 + ["RUNNING"]) * 2 + ["COMPLETED"],  # unseen 400 s, twice: never 600 s in a row
+            "lost": ["RUNNING"] + [UNSEEN],  # the controller lost it
+        }
+    )
     runs = [waiting(job_id, "hpc") for job_id in backend.timelines]
     resumed: list[tuple[str, str, float]] = []
     failed: list[tuple[str, JobFailed, float]] = []
-    watcher = JobWatcher(load_compute=lambda stack: backend, read=lambda: list(runs),
-                         on_ended=lambda w, s: resumed.append((w.handle.job_id, s.state, clock[0])) or True,
-                         on_failed=lambda w, f: failed.append((w.handle.job_id, f, clock[0])) or True)  # fmt: skip
+    watcher = JobWatcher(
+        load_compute=lambda stack: backend,
+        read=lambda: list(runs),
+        on_ended=lambda w, s: resumed.append((w.handle.job_id, s.state, clock[0])) or True,
+        on_failed=lambda w, f: failed.append((w.handle.job_id, f, clock[0])) or True,
+    )
     watch_rounds(watcher, backend, runs, clock)
     assert [(job, at) for job, _, at in failed] == [("lost", 620.0)]  # unseen from 10 s on: failed past 600 s
     failure = failed[0][1]
-    assert failure.state == "FAILED" and "job lost is lost: the timelines backend has had no record of it for 610 s" \
-        " (lost_job_grace_seconds=600)" in str(failure)  # fmt: skip
+    assert (
+        failure.state == "FAILED"
+        and "job lost is lost: the timelines backend has had no record of it for 610 s (lost_job_grace_seconds=600)"
+        in str(failure)
+    )
     assert sorted(resumed) == [("flicker", "COMPLETED", 820.0), ("fresh", "COMPLETED", 810.0)]
     assert backend.cancelled == ["lost"]  # in case it shows up again; its secret files go
     assert watcher._watchdogs == {}  # nothing kept for runs that no longer wait
@@ -179,13 +209,17 @@ def test_a_long_queue_and_requeues_never_end_a_wait_the_time_limit_counts_per_at
     timelines = {"patient": patient + ["COMPLETED"], "overrun": ["PENDING"] * day + ["RUNNING"] * 90 + ["COMPLETED"]}
     for enforced in (False, True):
         backend = type("Backend", (Timelines,), {"enforces_time_limit": enforced, "_block_type_name": f"B{enforced}"})(
-            timelines=timelines)  # fmt: skip
+            timelines=timelines
+        )
         runs = [waiting(job_id, "hpc", time_limit_seconds=3600) for job_id in timelines]
         resumed: list[tuple[str, str, float]] = []
         failed: list[tuple[str, JobFailed, float]] = []
-        watcher = JobWatcher(load_compute=lambda stack: backend, read=lambda: list(runs),
-                             on_ended=lambda w, s: resumed.append((w.handle.job_id, s.state, clock[0])) or True,
-                             on_failed=lambda w, f: failed.append((w.handle.job_id, f, clock[0])) or True)  # fmt: skip
+        watcher = JobWatcher(
+            load_compute=lambda stack, backend=backend: backend,
+            read=lambda runs=runs: list(runs),
+            on_ended=lambda w, s, resumed=resumed: resumed.append((w.handle.job_id, s.state, clock[0])) or True,
+            on_failed=lambda w, f, failed=failed: failed.append((w.handle.job_id, f, clock[0])) or True,
+        )
         clock[0] = 0.0
         watch_rounds(watcher, backend, runs, clock, every=60.0 * minute)
         assert ("patient", "COMPLETED", 60.0 * len(patient)) in resumed  # 4 days and 100 min after it was queued
@@ -218,7 +252,9 @@ def test_the_resumed_train_step_fails_with_the_watchers_verdict() -> None:
 
     @flow(name="verdict-probe")
     def resumed(key: str, verdict_on: str) -> JobResult:
-        record_verdict(flow_run.get_id(), handle(verdict_on), JobFailed(f"job {verdict_on} is lost: check", state="FAILED"))
+        record_verdict(
+            flow_run.get_id(), handle(verdict_on), JobFailed(f"job {verdict_on} is lost: check", state="FAILED")
+        )
         return train_suspending(backend, TrainingJob(key=key, workdir=f"/jobs/{key}", command=["true"]), stack="hpc")
 
     with pytest.raises(JobFailed, match="^job lost-1 is lost: check$"):
@@ -253,11 +289,13 @@ def test_the_suspension_has_no_expiry_of_its_own(monkeypatch: pytest.MonkeyPatch
 
     @flow(name="suspend-probe")
     def long_queue() -> str:
-        try:
-            train_suspending(backend, TrainingJob(key="queued-1", workdir="/jobs/queued-1", command=["true"]),
-                             stack="hpc", timeout_seconds=1800)  # fmt: skip
-        except Suspending:
-            pass
+        with contextlib.suppress(Suspending):
+            train_suspending(
+                backend,
+                TrainingJob(key="queued-1", workdir="/jobs/queued-1", command=["true"]),
+                stack="hpc",
+                timeout_seconds=1800,
+            )
         return str(flow_run.get_id())
 
     run_id = long_queue()
@@ -275,17 +313,30 @@ def test_the_suspension_has_no_expiry_of_its_own(monkeypatch: pytest.MonkeyPatch
 def test_a_suspended_retrain_is_resumed_by_the_watcher_and_completes_with_one_job(world: World) -> None:
     """retrain(wait="suspend"): submit, suspend (no process), the watcher resumes it when the job ends."""
     w = world
-    watcher = subprocess.Popen([sys.executable, "-m", "deployments.job_watcher", "--interval", "5"], cwd=REPO, env=w.env,
-                               stdout=open(w.tmp / "watcher.log", "wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "deployments.job_watcher", "--interval", "5"],
+        cwd=REPO,
+        env=w.env,
+        stdout=open(w.tmp / "watcher.log", "wb"),  # noqa: SIM115 - the watcher process owns it
+        stderr=subprocess.STDOUT,
+    )
     try:
         w.start_worker(f"suspend-{w.uid}")
         with w.client() as client:
             deployment = client.read_deployment_by_name(w.deployment)
-            run = client.create_flow_run_from_deployment(deployment.id, parameters={
-                "stack": w.stack, "wait": "suspend",
-                "training": {"experiment": f"suspend-{w.uid}", "model_name": f"suspend-{w.uid}",
-                             "hyperparameters": {"epochs": 3}, "resources": {"mem_gb": 2, "gpus_per_node": 1}},
-            })  # fmt: skip
+            run = client.create_flow_run_from_deployment(
+                deployment.id,
+                parameters={
+                    "stack": w.stack,
+                    "wait": "suspend",
+                    "training": {
+                        "experiment": f"suspend-{w.uid}",
+                        "model_name": f"suspend-{w.uid}",
+                        "hyperparameters": {"epochs": 3},
+                        "resources": {"mem_gb": 2, "gpus_per_node": 1},
+                    },
+                },
+            )
         private_worker.wait_until("the run to end", lambda: state_of(w, run.id) in FINAL, timeout=DEADLINE, interval=2)
         logs = log_tail(w, "suspend") + (w.tmp / "watcher.log").read_text()[-3000:]
         assert state_of(w, run.id) == "COMPLETED", logs

@@ -27,9 +27,13 @@ REPO = Path(__file__).resolve().parent.parent
 # What the kubelet (1.20) sets at start, each host-wide: pkg/kubelet/cm/container_manager_linux.go,
 # setupKernelTunables. kube-proxy (iptables mode) sets route_localnet, which is per network namespace.
 KUBELET_SYSCTLS = {
-    "vm/overcommit_memory": "1", "vm/panic_on_oom": "0", "kernel/panic": "10", "kernel/panic_on_oops": "1",
-    "kernel/keys/root_maxkeys": "1000000", "kernel/keys/root_maxbytes": "25000000",
-}  # fmt: skip
+    "vm/overcommit_memory": "1",
+    "vm/panic_on_oom": "0",
+    "kernel/panic": "10",
+    "kernel/panic_on_oops": "1",
+    "kernel/keys/root_maxkeys": "1000000",
+    "kernel/keys/root_maxbytes": "25000000",
+}
 HOST_SYSCTLS = (*KUBELET_SYSCTLS, "net/ipv4/conf/all/route_localnet")
 
 
@@ -38,27 +42,42 @@ def _pids() -> dict[str, str]:
 
 
 def _in_node_net(k8s: dict[str, str], *cmd: str) -> str:
-    return subprocess.run(["nsenter", f"--net={k8s['K8S_NODE_NETNS']}", *cmd], check=True, capture_output=True,
-                          text=True, timeout=60).stdout  # fmt: skip
+    return subprocess.run(
+        ["nsenter", f"--net={k8s['K8S_NODE_NETNS']}", *cmd], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
 
 
 def _k8s_sh(k8s: dict[str, str], command: str) -> subprocess.CompletedProcess[str]:
     """`scripts/k8s.sh COMMAND` with the settings the stack was started with."""
     settings = {
-        "GPUFERRY_STACKS": str(stacks_root()), "GPUFERRY_K8S_API_PORT": k8s["K8S_API_URL"].rsplit(":", 1)[1],
-        "GPUFERRY_K8S_NODE": k8s["K8S_NODE"], "GPUFERRY_K8S_NODE_GPUS": k8s["K8S_NODE_GPUS"],
+        "GPUFERRY_STACKS": str(stacks_root()),
+        "GPUFERRY_K8S_API_PORT": k8s["K8S_API_URL"].rsplit(":", 1)[1],
+        "GPUFERRY_K8S_NODE": k8s["K8S_NODE"],
+        "GPUFERRY_K8S_NODE_GPUS": k8s["K8S_NODE_GPUS"],
         "GPUFERRY_K8S_NODE_MIG_PROFILE": k8s["K8S_NODE_MIG_RESOURCE"].removeprefix("nvidia.com/mig-"),
-        "GPUFERRY_K8S_NODE_MIG_COUNT": k8s["K8S_NODE_MIG_COUNT"], "GPUFERRY_K8S_NODE_IP": k8s["K8S_NODE_IP"],
-        "GPUFERRY_K8S_POD_CIDR": k8s["K8S_POD_CIDR"], "GPUFERRY_K8S_SERVICE_CIDR": k8s["K8S_SERVICE_CIDR"],
+        "GPUFERRY_K8S_NODE_MIG_COUNT": k8s["K8S_NODE_MIG_COUNT"],
+        "GPUFERRY_K8S_NODE_IP": k8s["K8S_NODE_IP"],
+        "GPUFERRY_K8S_POD_CIDR": k8s["K8S_POD_CIDR"],
+        "GPUFERRY_K8S_SERVICE_CIDR": k8s["K8S_SERVICE_CIDR"],
         "GPUFERRY_K8S_CGROUP_ROOT": k8s["K8S_CGROUP_ROOT"],
-    }  # fmt: skip
-    return subprocess.run(["bash", str(REPO / "scripts" / "k8s.sh"), command], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **settings})  # fmt: skip
+    }
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "k8s.sh"), command],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **settings},
+    )
 
 
 def _kubectl(k8s: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    out = subprocess.run([k8s["K8S_KUBECTL"], "--kubeconfig", k8s["KUBECONFIG"], *args], input=stdin,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [k8s["K8S_KUBECTL"], "--kubeconfig", k8s["KUBECONFIG"], *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -111,8 +130,14 @@ def _of_the_stack(p: dict[str, object], run: str, cache: str) -> bool:
 
 def test_up_again_changes_nothing(k8s: dict[str, str]) -> None:
     before, env_before = _pids(), (stacks_root() / "k8s" / "env").read_text()
-    assert {"etcd.pid", "kube-apiserver.pid", "kubelet.pid", "kube-proxy.pid", "containerd.pid",
-            "fake-gpu-plugin.pid"} <= set(before)  # fmt: skip
+    assert {
+        "etcd.pid",
+        "kube-apiserver.pid",
+        "kubelet.pid",
+        "kube-proxy.pid",
+        "containerd.pid",
+        "fake-gpu-plugin.pid",
+    } <= set(before)
     out = _k8s_sh(k8s, "up")
     assert out.returncode == 0, out.stderr
     assert "starting" not in out.stderr, out.stderr
@@ -137,12 +162,22 @@ def test_the_node_keeps_its_rules_mounts_and_tunables_to_its_namespaces(k8s: dic
     assert ours == [f"{run}/ns", f"{run}/ns/mnt", f"{run}/ns/net"], ours
     # Inside the node, each kernel tunable the kubelet sets is a file of the stack's own holding the value the
     # kubelet wants (so it writes none of them on the host).
-    node_mounts = subprocess.run(["nsenter", f"--mount={k8s['K8S_NODE_MNTNS']}", "findmnt", "-rn", "-o", "TARGET"],
-                                 check=True, capture_output=True, text=True, timeout=60).stdout.splitlines()  # fmt: skip
+    node_mounts = subprocess.run(
+        ["nsenter", f"--mount={k8s['K8S_NODE_MNTNS']}", "findmnt", "-rn", "-o", "TARGET"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.splitlines()
     for name, wanted in KUBELET_SYSCTLS.items():
         assert f"/proc/sys/{name}" in node_mounts, name
-        seen = subprocess.run(["nsenter", f"--mount={k8s['K8S_NODE_MNTNS']}", "cat", f"/proc/sys/{name}"],
-                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
+        seen = subprocess.run(
+            ["nsenter", f"--mount={k8s['K8S_NODE_MNTNS']}", "cat", f"/proc/sys/{name}"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
         assert seen == wanted, name
 
 
@@ -153,9 +188,15 @@ def test_down_leaves_nothing_behind_and_up_brings_the_node_back(k8s: dict[str, s
     root = k8s["K8S_CGROUP_ROOT"]
     # A pod on the node, so that `down` has a pod to take away too (its processes, cgroups, overlay mount).
     name = f"down-{uuid.uuid4().hex[:8]}"
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": {
-        "containers": [{"name": "pause", "image": k8s["K8S_PAUSE_IMAGE"], "imagePullPolicy": "Never"}],
-        "terminationGracePeriodSeconds": 0}}  # fmt: skip
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "containers": [{"name": "pause", "image": k8s["K8S_PAUSE_IMAGE"], "imagePullPolicy": "Never"}],
+            "terminationGracePeriodSeconds": 0,
+        },
+    }
     try:
         _kubectl(k8s, "apply", "-f", "-", stdin=json.dumps(pod))
         _kubectl(k8s, "wait", "--for=condition=Ready", f"pod/{name}", "--timeout=240s")
@@ -178,8 +219,9 @@ def test_down_leaves_nothing_behind_and_up_brings_the_node_back(k8s: dict[str, s
         after = _processes()
         assert not (in_node | in_pod | daemons) & set(after)
         # (Only processes older than `down`: a namespace made since may have been given a freed inode number.)
-        assert not [p["cmdline"] for key, p in after.items()
-                    if key in before and (p["net"] == node_net or p["mnt"] == node_mnt)]  # fmt: skip
+        assert not [
+            p["cmdline"] for key, p in after.items() if key in before and (p["net"] == node_net or p["mnt"] == node_mnt)
+        ]
         assert not [p["cmdline"] for p in after.values() if _of_the_stack(p, run, cache)]
         assert glob.glob(f"/sys/fs/cgroup/*{root}") == [] and not Path(f"/sys/fs/cgroup{root}").exists()
         # No mount at or below the run directory, nor any naming it (overlays of its containerd).
@@ -190,8 +232,20 @@ def test_down_leaves_nothing_behind_and_up_brings_the_node_back(k8s: dict[str, s
         assert _sysctls() == sysctls
     finally:
         up = _k8s_sh(k8s, "up")  # the stack back for the tests after this one, whatever happened above
-        subprocess.run([k8s["K8S_KUBECTL"], "--kubeconfig", k8s["KUBECONFIG"], "delete", "pod", name,
-                        "--ignore-not-found", "--wait=false"], capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            [
+                k8s["K8S_KUBECTL"],
+                "--kubeconfig",
+                k8s["KUBECONFIG"],
+                "delete",
+                "pod",
+                name,
+                "--ignore-not-found",
+                "--wait=false",
+            ],
+            capture_output=True,
+            timeout=60,
+        )
     assert up.returncode == 0, up.stderr
     assert (stacks_root() / "k8s" / "env").read_text() == env_before
     # The node is back: Ready, untainted, its GPUs and MIG slices advertised; the host still untouched.

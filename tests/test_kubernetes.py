@@ -26,16 +26,24 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from blocks import k8s_manifests as m
-from blocks.errors import ConfigurationError, DeployFailed, TransientError
-from blocks.k8s_api import ApplyConflict
-from blocks.kubernetes import KubernetesCluster, RolledBack
-from blocks.s3 import S3CheckpointStore
-from blocks.serving import Release
-from blocks.specs import ImageRef, ServingSpec
+from blocks.base.serving import Release
+from blocks.errors import ConfigurationError, DeployFailed, RolledBack, TransientError
+from blocks.kubernetes import manifests as m
+from blocks.kubernetes.api import ApplyConflict
+from blocks.kubernetes.cluster import KubernetesCluster
+from blocks.records import ImageRef
+from blocks.specs import ServingSpec
+from blocks.storage.s3 import S3CheckpointStore
 from tests.k8s_node import (
-    PULL_SECRET, ServiceLoad, in_pod, in_pod_env, in_pod_gpu_nodes, pods, ready_pods, write_test_models,
-)  # fmt: skip
+    PULL_SECRET,
+    ServiceLoad,
+    in_pod,
+    in_pod_env,
+    in_pod_gpu_nodes,
+    pods,
+    ready_pods,
+    write_test_models,
+)
 from tests.private_worker import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -66,9 +74,11 @@ def rel(workload_image: str) -> Rel:
 
     def make(version: str, hidden: int = 16, image: str | None = None) -> Release:
         return Release(
-            model_name="digits-mlp", version=version, model_uri=f"file:///models/model-{hidden}",
+            model_name="digits-mlp",
+            version=version,
+            model_uri=f"file:///models/model-{hidden}",
             image=ImageRef(builder="docker", content_tag=version, reference=image or workload_image, built=True),
-        )  # fmt: skip
+        )
 
     return make
 
@@ -82,11 +92,17 @@ def cluster(k8s: dict[str, str], k8s_namespace: str, models: Path) -> Callable[.
     """``cluster(**fields)``: the block on the test's namespace, pulling with its secret, models mounted."""
 
     def make(**fields: Any) -> KubernetesCluster:
-        env = {"WARMUP_ITERATIONS": "1", **fields.pop("env", {})}
+        # The node's GPUs are stand-ins without CUDA: the servers run their models on the CPU.
+        env = {"WARMUP_ITERATIONS": "1", "MODEL_DEVICE": "cpu", **fields.pop("env", {})}
         fields = {
-            "rollout_timeout_seconds": 240, "cpu_request": "10m", "memory_request": "64Mi",
-            "image_pull_secret": PULL_SECRET, "host_path_mounts": {str(models): "/models"}, "env": env, **fields,
-        }  # fmt: skip
+            "rollout_timeout_seconds": 240,
+            "cpu_request": "10m",
+            "memory_request": "64Mi",
+            "image_pull_secret": PULL_SECRET,
+            "host_path_mounts": {str(models): "/models"},
+            "env": env,
+            **fields,
+        }
         return admin(k8s, namespace=k8s_namespace, **fields)
 
     return make
@@ -152,10 +168,11 @@ def test_deploy_update_and_redeploy_same_version_on_mig_slices(
         nodes = in_pod_gpu_nodes(k8s, k8s_namespace, pod)
         caps_major = nodes.get(f"/dev/nvidia-caps/nvidia-cap{gi_cap}", (None,))[0]
         assert nodes == {
-            "/dev/nvidiactl": (195, 255), f"/dev/nvidia{parent}": (195, parent),
+            "/dev/nvidiactl": (195, 255),
+            f"/dev/nvidia{parent}": (195, parent),
             f"/dev/nvidia-caps/nvidia-cap{gi_cap}": (caps_major, gi_cap),
             f"/dev/nvidia-caps/nvidia-cap{gi_cap + 1}": (caps_major, gi_cap + 1),
-        }, (mig, nodes)  # fmt: skip
+        }, (mig, nodes)
     # The smoke request went through the API server to one of the new pods.
     assert sum(predictions_answered(block, p) for p in pods) == 1
 
@@ -171,8 +188,10 @@ def test_deploy_update_and_redeploy_same_version_on_mig_slices(
     assert second.model_version == "2" and second.previous_version == "1" and second.detail["changed"] is True
     current = block.current("digits")
     assert current["version"] == "2" and current["available_replicas"] == 2
-    by_revision = {int(rs["metadata"]["annotations"]["deployment.kubernetes.io/revision"]): rs
-                   for rs in replicasets(block, "digits")}  # fmt: skip
+    by_revision = {
+        int(rs["metadata"]["annotations"]["deployment.kubernetes.io/revision"]): rs
+        for rs in replicasets(block, "digits")
+    }
     assert sorted(by_revision) == [1, 2]
     assert by_revision[1]["spec"]["replicas"] == 0 and by_revision[2]["spec"]["replicas"] == 2
     pods = ready_pods(block, "digits")
@@ -257,8 +276,16 @@ def test_the_stores_credentials_reach_the_pods_in_a_secret_of_the_deploys_own(
     block.undeploy("digits")
     assert api.get_or_none(secret_path) is None
     # A Secret of that name that is not gpuferry's is left alone: a clear error before anything is applied.
-    api.request("POST", secret_path.rsplit("/", 1)[0], body={
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "digits-model-store"}, "stringData": {"K": "v"}})  # fmt: skip
+    api.request(
+        "POST",
+        secret_path.rsplit("/", 1)[0],
+        body={
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "digits-model-store"},
+            "stringData": {"K": "v"},
+        },
+    )
     with pytest.raises(ConfigurationError, match="digits-model-store exists and is not gpuferry's"):
         block.deploy(spec, rel("1").model_copy(update={"store_env": store_env}))
     assert block.current("digits") is None and api.get(secret_path)["data"] == {"K": "dg=="}
@@ -268,9 +295,29 @@ def make_ca(path: Path, name: str) -> bytes:
     """A CA certificate (PEM) at ``path``, as a store with a private CA has one (its key thrown away)."""
     import subprocess
 
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                    "-keyout", str(path.with_suffix(".key")), "-out", str(path), "-subj", f"/CN={name}", "-days", "2"],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            str(path.with_suffix(".key")),
+            "-out",
+            str(path),
+            "-subj",
+            f"/CN={name}",
+            "-days",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return path.read_bytes()
 
 
@@ -287,8 +334,11 @@ def test_the_stores_ca_reaches_the_pods_as_a_file_and_a_new_one_restarts_them(
     ca = tmp_path / "store-ca.pem"
     first = make_ca(ca, "first store CA")
     planted = "planted-" + uuid.uuid4().hex
-    store_env = {"AWS_ACCESS_KEY_ID": SecretStr("gpuferry-test"), "AWS_SECRET_ACCESS_KEY": SecretStr(planted),
-                 "AWS_CA_BUNDLE": SecretStr(str(ca))}  # fmt: skip
+    store_env = {
+        "AWS_ACCESS_KEY_ID": SecretStr("gpuferry-test"),
+        "AWS_SECRET_ACCESS_KEY": SecretStr(planted),
+        "AWS_CA_BUNDLE": SecretStr(str(ca)),
+    }
     block.deploy(spec, rel("1").model_copy(update={"store_env": store_env}))
     secret = api.get(secret_path)
     assert base64.b64decode(secret["data"][m.STORE_CA_KEY]) == first and "AWS_CA_BUNDLE" not in secret["data"]
@@ -319,11 +369,43 @@ def node_certificate(tmp: Path, address: str) -> tuple[Path, Path]:
     ca = stacks_root() / "s3" / "tls"
     key, csr, cert, ext = (tmp / name for name in ("node.key", "node.csr", "node.crt", "node.ext"))
     ext.write_text(f"subjectAltName=IP:{address}\nbasicConstraints=critical,CA:FALSE\n")
-    for cmd in (["openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key),
-                 "-out", str(csr), "-subj", f"/CN={address}"],
-                ["openssl", "x509", "-req", "-sha256", "-days", "2", "-in", str(csr), "-CA", str(ca / "ca.crt"),
-                 "-CAkey", str(ca / "ca.key"), "-set_serial", f"0x{uuid.uuid4().hex}", "-extfile", str(ext),
-                 "-out", str(cert)]):  # fmt: skip
+    for cmd in (
+        [
+            "openssl",
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(csr),
+            "-subj",
+            f"/CN={address}",
+        ],
+        [
+            "openssl",
+            "x509",
+            "-req",
+            "-sha256",
+            "-days",
+            "2",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca / "ca.crt"),
+            "-CAkey",
+            str(ca / "ca.key"),
+            "-set_serial",
+            f"0x{uuid.uuid4().hex}",
+            "-extfile",
+            str(ext),
+            "-out",
+            str(cert),
+        ],
+    ):
         subprocess.run(cmd, check=True, capture_output=True, timeout=60)
     return cert, key
 
@@ -339,9 +421,13 @@ def store_over_https(store: S3CheckpointStore, endpoint: str, ca: Path) -> S3Che
 
 
 def test_a_pod_fetches_its_checkpoint_over_https_trusting_the_stores_ca_file(
-    k8s: dict[str, str], cluster: Callable[..., KubernetesCluster], models: Path, s3_store: S3CheckpointStore,
-    workload_image: str, tmp_path: Path,
-) -> None:  # fmt: skip
+    k8s: dict[str, str],
+    cluster: Callable[..., KubernetesCluster],
+    models: Path,
+    s3_store: S3CheckpointStore,
+    workload_image: str,
+    tmp_path: Path,
+) -> None:
     """A user's MinIO or Ceph behind a private CA: the store block's https endpoint and ``verify_cert_path`` are all
     the pods get (``reader_env``), and the server fetches and checks the checkpoint from there at start-up. The
     s3 stack's own certificate names only loopback, which pods do not share: they reach the stack through a relay
@@ -359,10 +445,13 @@ def test_a_pod_fetches_its_checkpoint_over_https_trusting_the_stores_ca_file(
 
         def release(version: str, store: S3CheckpointStore) -> Release:
             return Release(
-                model_name="digits-mlp", version=version, model_uri=ref.uri, checkpoint_sha256=ref.sha256,
+                model_name="digits-mlp",
+                version=version,
+                model_uri=ref.uri,
+                checkpoint_sha256=ref.sha256,
                 image=ImageRef(builder="docker", content_tag=version, reference=workload_image, built=True),
                 store_env=store.reader_env(),
-            )  # fmt: skip
+            )
 
         block, spec = cluster(), ServingSpec(service_name="digits", smoke_request=SMOKE, ready_timeout_seconds=120)
         block.deploy(spec, release("1", trusted))
@@ -443,8 +532,15 @@ def test_no_failed_request_through_the_service_during_a_rollout_and_a_rollback(
         with pytest.raises(RolledBack) as failed:
             block.deploy(bad_smoke, rel("3", 32))
         # Once v3's pods are gone (they drain first), every answer is v2's.
-        wait_until("v3's pods to be gone", lambda: not [p for p in pods(block, "digits") if
-                   p["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "3"], timeout=120)  # fmt: skip
+        wait_until(
+            "v3's pods to be gone",
+            lambda: (
+                not [
+                    p for p in pods(block, "digits") if p["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "3"
+                ]
+            ),
+            timeout=120,
+        )
         after = len(load.answers)
         _wait_for_answers(load, after + 40)
     finally:
@@ -496,19 +592,25 @@ def test_hpa_and_pdb_in_the_api_versions_the_server_serves(
 
 def unpulled(version: str = "1") -> Release:
     return Release(
-        model_name="digits-mlp", version=version, model_uri="file:///models/model-16",
+        model_name="digits-mlp",
+        version=version,
+        model_uri="file:///models/model-16",
         image=ImageRef(builder="test", content_tag=version, reference=UNPULLED, built=True),
-    )  # fmt: skip
+    )
 
 
 def test_no_node_offers_the_gpu_resource(k8s: dict[str, str], cluster: Callable[..., KubernetesCluster]) -> None:
     block = cluster()
     more = int(k8s["K8S_NODE_GPUS"]) + 1  # more GPUs than the node has
-    for spec, resource in ((ServingSpec(service_name="digits", smoke_request=SMOKE, mig_profile="2g.20gb"), "nvidia.com/mig-2g.20gb"),
-                           (ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=more), "nvidia.com/gpu"),
-                           (ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=1), "nvidia.com/gpu.shared")):  # fmt: skip
+    for spec, resource in (
+        (ServingSpec(service_name="digits", smoke_request=SMOKE, mig_profile="2g.20gb"), "nvidia.com/mig-2g.20gb"),
+        (ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=more), "nvidia.com/gpu"),
+        (ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=1), "nvidia.com/gpu.shared"),
+    ):
         b = cluster(gpu_resource=resource) if resource.endswith("shared") else block
-        with pytest.raises(ConfigurationError, match=f"no schedulable node offers .* {resource} .*nvidia.com/gpu=") as e:
+        with pytest.raises(
+            ConfigurationError, match=f"no schedulable node offers .* {resource} .*nvidia.com/gpu="
+        ) as e:
             b.deploy(spec, unpulled())
         assert k8s["K8S_NODE"] in str(e.value)
         assert f"nvidia.com/gpu={k8s['K8S_NODE_GPUS']}" in str(e.value)
@@ -516,7 +618,9 @@ def test_no_node_offers_the_gpu_resource(k8s: dict[str, str], cluster: Callable[
     # Nothing was applied.
     assert block._api().get_or_none(f"/apis/apps/v1/namespaces/{block.namespace}/deployments/digits") is None
     with pytest.raises(ConfigurationError, match="node_selector"):
-        cluster(node_selector={"pool": "a100"}).deploy(ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=1), unpulled())
+        cluster(node_selector={"pool": "a100"}).deploy(
+            ServingSpec(service_name="digits", smoke_request=SMOKE, gpus=1), unpulled()
+        )
 
 
 def test_mig_typo_fails_before_any_call(cluster: Callable[..., KubernetesCluster]) -> None:
@@ -554,7 +658,9 @@ def test_conflict_with_another_field_manager(
     assert isinstance(conflict.value, ConfigurationError)
     assert deployment(block, "digits")["spec"]["replicas"] == 3  # nothing of ours was applied
 
-    forced = cluster(force_conflicts=True).deploy(ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=2), rel("1"))
+    forced = cluster(force_conflicts=True).deploy(
+        ServingSpec(service_name="digits", smoke_request=SMOKE, replicas=2), rel("1")
+    )
     assert forced.detail["available_replicas"] == 2
 
 
@@ -605,7 +711,7 @@ class FlakyProxy:
                 self.end_headers()
                 self.wfile.write(content)
 
-            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _any
+            do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _any  # noqa: N815 - http.server's handler names
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -636,7 +742,8 @@ def test_api_5xx_and_timeouts_are_retried(
     cluster: Callable[..., KubernetesCluster], proxy: FlakyProxy, rel: Rel
 ) -> None:
     block = cluster(kubeconfig=SecretStr(proxy.kubeconfig()), request_timeout_seconds=1.5, api_retries=4)
-    # The first requests of the deploy (preflight, discovery, the apply) fail: 503, a hang, 503.
+    # The deploy's first request (discovery's GET /version) fails four times: 503, a hang, 503, 503; the fifth
+    # attempt (api_retries=4) passes.
     proxy.plan = ["503", "hang", "503", "503"]
     endpoint = block.deploy(ServingSpec(service_name="digits", smoke_request=SMOKE), rel("1"))
     assert endpoint.model_version == "1"

@@ -10,8 +10,10 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from blocks.serving import LocalServing, Release
-from blocks.specs import ServerSpec, ServingSpec
+from blocks.base.serving import Release
+from blocks.local.serving import LocalServing
+from blocks.records import ServerSpec
+from blocks.specs import ServingSpec
 
 # A workload's own server that answers every prediction with the environment it runs in.
 ENV_SERVER = """
@@ -51,11 +53,17 @@ def test_the_server_gets_the_contract_and_what_it_asks_for_not_the_orchestrators
     serving = LocalServing(state_dir=str(tmp_path / "serving"), drain_seconds=2, pass_env=["GPUFERRY_TEST_PASSED"])
     service = f"envprobe-{uuid.uuid4().hex[:8]}"
     release = Release(
-        model_name="envprobe", version="1", model_uri="s3://models/envprobe/1",
-        server=ServerSpec(command=["python", "server.py"], workdir=str(tmp_path), prediction_path="/predict",
-                          env={"FROM_SERVE_SECTION": "yes"}),
+        model_name="envprobe",
+        version="1",
+        model_uri="s3://models/envprobe/1",
+        server=ServerSpec(
+            command=["python", "server.py"],
+            workdir=str(tmp_path),
+            prediction_path="/predict",
+            env={"FROM_SERVE_SECTION": "yes"},
+        ),
         store_env={"AWS_ACCESS_KEY_ID": SecretStr("the-stores-key")},
-    )  # fmt: skip
+    )
     endpoint = serving.deploy(ServingSpec(service_name=service, smoke_request={"inputs": [[1.0]]}), release)
     try:
         env = httpx.post(f"{endpoint.url}/predict", json={"inputs": [[1.0]]}, timeout=30).json()["env"]

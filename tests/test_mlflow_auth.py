@@ -30,11 +30,12 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from pydantic import SecretStr
 
-from blocks._proc import free_port
-from blocks.compute import LocalProcesses, inherited_environment
+from blocks.base.compute import inherited_environment
+from blocks.base.proc import free_port
 from blocks.errors import ConfigurationError
-from blocks.specs import CheckpointRef, CodeRef, TrainingJob
-from blocks.tracking import MlflowTracking
+from blocks.local.compute import LocalProcesses
+from blocks.records import CheckpointRef, CodeRef, TrainingJob
+from blocks.tracking.mlflow import MlflowTracking
 from runtime import contract
 from tasks.retry import is_transient
 from tasks.track import finish_run, start_run
@@ -61,33 +62,57 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
     root = tmp_path_factory.mktemp("mlflow-auth")
     password, token = f"planted-pw-{uuid.uuid4().hex}", f"planted-token-{uuid.uuid4().hex}"
     ini = root / "basic_auth.ini"
-    ini.write_text(textwrap.dedent(f"""\
+    ini.write_text(
+        textwrap.dedent(f"""\
         [mlflow]
         default_permission = READ
         database_uri = sqlite:///{root}/basic_auth.db
         admin_username = {ADMIN}
         admin_password = {password}
         authorization_function = tests.mlflow_token_auth:authenticate
-        """))  # fmt: skip
+        """)
+    )
     ini.chmod(0o600)
     port = free_port()
-    env = {**inherited_environment(), "PYTHONPATH": str(REPO), "MLFLOW_AUTH_CONFIG_PATH": str(ini),
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex,
-           "GPUFERRY_TEST_MLFLOW_TOKEN": token,
-           # webhooks to a loopback receiver (test_the_webhook_registers_with_the_stacks_login)
-           "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
-           "GPUFERRY_TEST_MLFLOW_TOKEN_USER": ADMIN}  # fmt: skip
-    argv = [str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-            "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-            "--artifacts-destination", (root / "artifacts").as_uri()]  # fmt: skip
+    env = {
+        **inherited_environment(),
+        "PYTHONPATH": str(REPO),
+        "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex,
+        "GPUFERRY_TEST_MLFLOW_TOKEN": token,
+        # webhooks to a loopback receiver (test_the_webhook_registers_with_the_stacks_login)
+        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+        "GPUFERRY_TEST_MLFLOW_TOKEN_USER": ADMIN,
+    }
+    argv = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--app-name",
+        "basic-auth",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{root}/mlflow.db",
+        "--artifacts-destination",
+        (root / "artifacts").as_uri(),
+    ]
     log = open(root / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     uri = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
         if proc.poll() is not None:
-            raise AssertionError(f"mlflow server exited {proc.returncode}:\n{(root / 'server.log').read_text()[-3000:]}")
+            raise AssertionError(
+                f"mlflow server exited {proc.returncode}:\n{(root / 'server.log').read_text()[-3000:]}"
+            )
         try:
             return httpx.get(f"{uri}/health", timeout=5).status_code == 200
         except httpx.TransportError:
@@ -98,8 +123,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer]:
         # The server requires a login: an anonymous request is refused.
         assert httpx.get(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30).status_code == 401
         reader, reader_password = "reader", f"reader-{uuid.uuid4().hex}"
-        made = httpx.post(f"{uri}/api/2.0/mlflow/users/create", json={"username": reader, "password": reader_password},
-                          auth=(ADMIN, password), timeout=30)  # fmt: skip
+        made = httpx.post(
+            f"{uri}/api/2.0/mlflow/users/create",
+            json={"username": reader, "password": reader_password},
+            auth=(ADMIN, password),
+            timeout=30,
+        )
         assert made.status_code == 200, made.text
         yield AuthServer(uri, password, token, reader, reader_password)
     finally:
@@ -113,12 +142,16 @@ def _checkpoint(tag: str) -> CheckpointRef:
 
 
 @pytest.mark.parametrize("login", ["basic", "token"])
-def test_a_login_logs_a_run_and_registers_a_version(server: AuthServer, login: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_login_logs_a_run_and_registers_a_version(
+    server: AuthServer, login: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
         monkeypatch.delenv(name, raising=False)  # only the block's login counts
-    given = ({"username": ADMIN, "password": SecretStr(server.password)} if login == "basic"
-             else {"token": SecretStr(server.token)})  # fmt: skip
+    given = (
+        {"username": ADMIN, "password": SecretStr(server.password)}
+        if login == "basic"
+        else {"token": SecretStr(server.token)}
+    )
     tracking = MlflowTracking(tracking_uri=server.uri, **given)
     tag = uuid.uuid4().hex[:8]
     run_id = tracking.start_run(f"auth-{tag}", f"retrain-{tag}", {"prefect.flow_run_id": tag})
@@ -132,22 +165,32 @@ def test_a_login_logs_a_run_and_registers_a_version(server: AuthServer, login: s
     assert not {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"} & set(os.environ)
     # What a job gets to log in with.
     secrets = {k: v.get_secret_value() for k, v in tracking.job_secrets().items()}
-    assert secrets == ({"MLFLOW_TRACKING_USERNAME": ADMIN, "MLFLOW_TRACKING_PASSWORD": server.password}
-                       if login == "basic" else {"MLFLOW_TRACKING_TOKEN": server.token})  # fmt: skip
+    assert secrets == (
+        {"MLFLOW_TRACKING_USERNAME": ADMIN, "MLFLOW_TRACKING_PASSWORD": server.password}
+        if login == "basic"
+        else {"MLFLOW_TRACKING_TOKEN": server.token}
+    )
 
 
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({}, r"requires a login \(HTTP 401\) and the tracking block has none: set tracking.username \+ "
-             r"tracking.password \(basic auth\) or tracking.token"),
-        ({"username": ADMIN, "password": "wrong"}, r"refused the login of tracking.username='admin' and its "
-                                                   r"password \(HTTP 401\): fix tracking.username"),
+        (
+            {},
+            r"requires a login \(HTTP 401\) and the tracking block has none: set tracking.username \+ "
+            r"tracking.password \(basic auth\) or tracking.token",
+        ),
+        (
+            {"username": ADMIN, "password": "wrong"},
+            r"refused the login of tracking.username='admin' and its "
+            r"password \(HTTP 401\): fix tracking.username",
+        ),
         ({"token": "wrong"}, r"refused the login of tracking.token \(HTTP 401\)"),
     ],
 )
-def test_a_refused_login_fails_at_once_naming_the_fields(server: AuthServer, given: dict, message: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_refused_login_fails_at_once_naming_the_fields(
+    server: AuthServer, given: dict, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     tracking = MlflowTracking(tracking_uri=server.uri, http_max_retries=10, **given)
@@ -165,16 +208,21 @@ def test_an_account_without_the_permission_is_told_so(server: AuthServer) -> Non
     run_id = admin.start_run(f"auth-admins-{uuid.uuid4().hex[:8]}", "admins", {})
     reader = MlflowTracking(tracking_uri=server.uri, username=server.reader, password=SecretStr(server.reader_password))
     assert reader.run_metrics(run_id) == {}  # it may read
-    with pytest.raises(ConfigurationError, match=r"refused the request \(HTTP 403.*tracking.username='reader' "
-                                                 r"and its password lacks the permission"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"refused the request \(HTTP 403.*tracking.username='reader' "
+        r"and its password lacks the permission",
+    ):
         reader.log(run_id, metrics={"x": 1.0})
 
 
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"username": ADMIN, "password": "refused-value", "token": "t"},
-         "give username \\+ password \\(basic auth\\) or token"),
+        (
+            {"username": ADMIN, "password": "refused-value", "token": "t"},
+            "give username \\+ password \\(basic auth\\) or token",
+        ),
         ({"username": ADMIN}, "tracking.username and tracking.password go together"),
         ({"password": "refused-value"}, "tracking.username and tracking.password go together"),
         ({"token": "t", "tracking_uri": "sqlite:///mlflow.db"}, "is a local store: point tracking_uri at the server"),
@@ -188,7 +236,7 @@ def test_credentials_are_checked_when_the_block_is_made(given: dict, message: st
 
 
 # A training job that logs to the server with the login its backend hands it (and checks how it got it).
-JOB = '''import os, stat, sys
+JOB = """import os, stat, sys
 from pathlib import Path
 from mlflow import MlflowClient
 secret_file = Path(os.environ["CHECKPOINT_DIR"]).parent / ".secret.env"
@@ -198,17 +246,20 @@ assert password not in Path("/proc/self/cmdline").read_bytes()
 assert password in secret_file.read_bytes()
 print(f"login from {secret_file.name}, mode {mode:o}", flush=True)
 MlflowClient().log_metric(os.environ["MLFLOW_RUN_ID"], "logged_by_job", 1.0)
-'''
+"""
 
 
 @flow(name="auth-training")
 def _logged_training(tracking: MlflowTracking, compute: LocalProcesses, code: str, key: str) -> str:
     run_id = start_run(tracking, "auth-training", key, params={"lr": 0.1}, tags={})
     job = TrainingJob(
-        key=key, workdir=compute.job_workdir(key), command=["python", "job.py"],
+        key=key,
+        workdir=compute.job_workdir(key),
+        command=["python", "job.py"],
         env={contract.MLFLOW_TRACKING_URI: tracking.tracking_uri, contract.MLFLOW_RUN_ID: run_id},
-        secret_env=tracking.job_secrets(), code=CodeRef(root=code, archive=f"{code}/unused.tar.gz", sha256="0" * 64),
-    )  # fmt: skip
+        secret_env=tracking.job_secrets(),
+        code=CodeRef(root=code, archive=f"{code}/unused.tar.gz", sha256="0" * 64),
+    )
     train(compute, job, timeout_seconds=300)
     finish_run(tracking, run_id)
     return run_id
@@ -247,7 +298,9 @@ def test_a_local_job_logs_in_with_its_secret_file_and_the_password_is_nowhere_el
         "a command line": list(seen),
         "the flow run's Prefect logs": [m.encode() for m in messages],
         "the flow run's parameters": [parameters.encode()],
-        "the MLflow run's params and tags": [f"{k}={v}".encode() for k, v in {**run.data.params, **run.data.tags}.items()],
+        "the MLflow run's params and tags": [
+            f"{k}={v}".encode() for k, v in {**run.data.params, **run.data.tags}.items()
+        ],
         "a file the backend left": [p.read_bytes() for p in workdir.rglob("*") if p.is_file()],
     }
     for place, contents in places.items():
@@ -260,8 +313,11 @@ def test_the_check_logs_in_as_the_block_does(server: AuthServer, login: str, mon
 
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    given = {"basic": {"username": ADMIN, "password": SecretStr(server.password)},
-             "token": {"token": SecretStr(server.token)}, "none": {}}[login]  # fmt: skip
+    given = {
+        "basic": {"username": ADMIN, "password": SecretStr(server.password)},
+        "token": {"token": SecretStr(server.token)},
+        "none": {},
+    }[login]
     rows = {row.check: row for row in MlflowTracking(tracking_uri=server.uri, **given).self_check(Probe("track", "x"))}
     if login == "none":
         refused = [row for row in rows.values() if row.status == "failed"]
@@ -286,7 +342,9 @@ def test_the_webhook_registers_with_the_stacks_login(server: AuthServer, monkeyp
     tracking = stack_tracking(name)
     assert (tracking.tracking_uri, tracking.username) == (server.uri, ADMIN)
     webhook_id = register_webhook(tracking, "http://127.0.0.1:9/mlflow", "s3cr3t", name)
-    assert find_webhook(stack_tracking(name, server.uri.replace("127.0.0.1", "localhost")), name).webhook_id == webhook_id
+    assert (
+        find_webhook(stack_tracking(name, server.uri.replace("127.0.0.1", "localhost")), name).webhook_id == webhook_id
+    )
     # A block without a login: MLflow's own variables, as for every MlflowTracking.
     anonymous = MlflowTracking(tracking_uri=server.uri)
     with pytest.raises(MlflowException, match=r"401"):  # MLflow's webhook calls bypass the store's refusal message

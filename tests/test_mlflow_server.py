@@ -16,11 +16,13 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from pydantic import SecretStr
 
+from blocks.base.storage import MANIFEST
 from blocks.errors import ConfigurationError
-from blocks.s3 import S3CheckpointStore
-from blocks.specs import CheckpointRef, PromotionPolicy
-from blocks.storage import MANIFEST, manifest_bytes
-from blocks.tracking import MlflowTracking
+from blocks.records import CheckpointRef
+from blocks.specs import PromotionPolicy
+from blocks.storage.s3 import S3CheckpointStore
+from blocks.tracking.mlflow import MlflowTracking
+from runtime.contract import manifest_bytes
 from tasks.track import log_run, register_model
 from tests.stacks import mlflow_login_in_environment, mlflow_server, stack_env
 
@@ -52,8 +54,11 @@ def test_run_and_version_record_the_checkpoint(
     run_id = tracking.start_run(f"gpuferry-test-{tag}", f"retrain-{tag}", tags)
     assert tracking.start_run(f"gpuferry-test-{tag}", f"retrain-{tag}", tags) == run_id  # same flow run, same run
     # What the flow records on the run.
-    tracking.log(run_id, metrics={"val_accuracy": 0.93}, tags={
-        "checkpoint_uri": ref.uri, "checkpoint_sha256": ref.sha256, "checkpoint_size_bytes": str(ref.size_bytes)})
+    tracking.log(
+        run_id,
+        metrics={"val_accuracy": 0.93},
+        tags={"checkpoint_uri": ref.uri, "checkpoint_sha256": ref.sha256, "checkpoint_size_bytes": str(ref.size_bytes)},
+    )
     model = f"digits-{tag}"
     version = tracking.register(model, run_id, ref, "val_accuracy", 0.93)
     assert tracking.register(model, run_id, ref, "val_accuracy", 0.93) == version  # idempotent per run
@@ -86,8 +91,9 @@ def test_run_and_version_record_the_checkpoint(
     tracking.client.delete_experiment(run.info.experiment_id)
 
 
-def test_artifacts_go_to_the_s3_stack(mlflow_env: dict[str, str], tmp_path: Path,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_artifacts_go_to_the_s3_stack(
+    mlflow_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The server keeps run artifacts in the s3 stack's bucket (RGW checks the server's keys and signatures)."""
     mlflow_login_in_environment(monkeypatch)  # MLflow's artifact client takes its login from there only
     tag = uuid.uuid4().hex[:8]
@@ -100,9 +106,12 @@ def test_artifacts_go_to_the_s3_stack(mlflow_env: dict[str, str], tmp_path: Path
     try:
         s3_env = stack_env("s3")
         s3 = boto3.client(
-            "s3", endpoint_url=s3_env["S3_ENDPOINT_URL"], aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"], region_name=s3_env["AWS_DEFAULT_REGION"],
-        )  # fmt: skip
+            "s3",
+            endpoint_url=s3_env["S3_ENDPOINT_URL"],
+            aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"],
+            region_name=s3_env["AWS_DEFAULT_REGION"],
+        )
         bucket, _, prefix = mlflow_env["MLFLOW_ARTIFACTS_DESTINATION"].removeprefix("s3://").partition("/")
         key = f"{prefix}{experiment_id}/{run_id}/artifacts/notes/notes.txt"
         assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == f"run {tag}".encode()

@@ -21,13 +21,14 @@ import pytest
 from mlflow import MlflowClient
 from prefect.artifacts import Artifact
 
-from blocks._proc import alive
+from blocks.base.mlflow_model import NoModel
+from blocks.base.proc import alive
+from blocks.base.storage import MANIFEST, local_path, verify_checkpoint
 from blocks.errors import ConfigurationError, DeployFailed
-from blocks.mlflow_model import NoModel
-from blocks.serving import LocalServing
-from blocks.specs import PipelineResult, ServingSpec, TrainingSpec
+from blocks.local.serving import LocalServing
+from blocks.records import PipelineResult
+from blocks.specs import ServingSpec, TrainingSpec
 from blocks.stack import Stack
-from blocks.storage import MANIFEST, local_path, verify_checkpoint
 from flows.deploy_model import deploy_model
 from flows.retrain import retrain
 from tests.examples import DIABETES, DIGITS, example_module
@@ -118,8 +119,10 @@ def test_run_records_params_metrics_the_workload_and_its_code(runs: dict) -> Non
 def test_deploy_outcome_recorded_on_the_run_and_the_version(runs: dict) -> None:
     good, worse = runs["good"], runs["worse"]
     client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
-    for tags in (client.get_run(good.run_id).data.tags,
-                 client.get_model_version("digits-e2e", good.model_version.version).tags):  # fmt: skip
+    for tags in (
+        client.get_run(good.run_id).data.tags,
+        client.get_model_version("digits-e2e", good.model_version.version).tags,
+    ):
         assert tags["deploy.status"] == "deployed"
         assert tags["deploy.version"] == good.model_version.version
         assert tags["deploy.endpoint"] == runs["good_server"]["url"]
@@ -162,10 +165,12 @@ def test_artifacts_written(runs: dict) -> None:
 def test_the_regressor_runs_through_the_same_paths_and_minimises_rmse() -> None:
     stack = Stack.embedded()
     try:
-        good = retrain(workload=str(DIABETES), training=TrainingSpec(model_name="diabetes-e2e",
-                                                                      hyperparameters={"alpha": 0.01}))  # fmt: skip
-        bad = retrain(workload=str(DIABETES), training=TrainingSpec(model_name="diabetes-e2e",
-                                                                     hyperparameters={"alpha": 50.0}))  # fmt: skip
+        good = retrain(
+            workload=str(DIABETES), training=TrainingSpec(model_name="diabetes-e2e", hyperparameters={"alpha": 0.01})
+        )
+        bad = retrain(
+            workload=str(DIABETES), training=TrainingSpec(model_name="diabetes-e2e", hyperparameters={"alpha": 50.0})
+        )
         assert good.model_version.metric == "val_rmse" and good.model_version.promoted and good.deployed
         assert bad.model_version.value > good.model_version.value  # a larger RMSE: worse
         assert not bad.model_version.promoted and not bad.deployed
@@ -187,9 +192,12 @@ def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serv
     # The smoke request sends 3 features where the model takes 64: the new server answers 422.
     serving = ServingSpec(service_name="digits-refused", smoke_request={"inputs": [[0.0, 1.0, 2.0]]})
     with pytest.raises(DeployFailed, match="smoke test: /invocations answered 422"):
-        retrain(workload=str(DIGITS), training=TrainingSpec(model_name="digits-e2e-refused",
-                                                             hyperparameters={"epochs": 1}),
-                serving=serving, force_deploy=True)  # fmt: skip
+        retrain(
+            workload=str(DIGITS),
+            training=TrainingSpec(model_name="digits-e2e-refused", hyperparameters={"epochs": 1}),
+            serving=serving,
+            force_deploy=True,
+        )
     client = MlflowClient(tracking_uri=Stack.embedded().tracking.tracking_uri)
     (version,) = client.search_model_versions("name = 'digits-e2e-refused'")
     run = client.get_run(version.run_id)
@@ -206,11 +214,16 @@ def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serv
     # deploy-model serves the same version with its own input example as the smoke request: the record is
     # replaced, on the version and on its source run (deploy-model has no run of its own), and the failure's
     # fields go.
-    endpoint = deploy_model(model_name="digits-e2e-refused", version=str(version.version),
-                            serving=ServingSpec(service_name="digits-refused"))  # fmt: skip
+    endpoint = deploy_model(
+        model_name="digits-e2e-refused",
+        version=str(version.version),
+        serving=ServingSpec(service_name="digits-refused"),
+    )
     try:
-        for tags in (client.get_run(version.run_id).data.tags,
-                     client.get_model_version("digits-e2e-refused", version.version).tags):  # fmt: skip
+        for tags in (
+            client.get_run(version.run_id).data.tags,
+            client.get_model_version("digits-e2e-refused", version.version).tags,
+        ):
             assert tags["deploy.status"] == "deployed" and tags["deploy.endpoint"] == endpoint.url
             assert not any(k in tags for k in ("deploy.reason", "deploy.message", "deploy.failed_version"))
     finally:
@@ -220,8 +233,9 @@ def test_failed_deploy_fails_the_flow_and_mlflow_says_why_then_deploy_model_serv
 def test_hyperparameters_the_schema_refuses_stop_the_run_before_anything_runs() -> None:
     experiment = f"schema-{uuid.uuid4().hex[:8]}"
     with pytest.raises(ConfigurationError) as info:
-        retrain(workload=str(DIGITS), training=TrainingSpec(experiment=experiment,
-                                                             hyperparameters={"lr": 0, "epochz": 3}))  # fmt: skip
+        retrain(
+            workload=str(DIGITS), training=TrainingSpec(experiment=experiment, hyperparameters={"lr": 0, "epochz": 3})
+        )
     message = str(info.value)
     assert "hyperparameters.lr: 0 is less than or equal to the minimum of 0" in message
     assert "hyperparameters.epochz: not a declared hyperparameter; valid: epochs, lr, batch_size" in message
@@ -256,33 +270,43 @@ def test_serving_preflight_stops_the_run_before_anything_trains() -> None:
     jobs = Path(stack.compute.job_workdir("x")).parent
     before = set(jobs.iterdir()) if jobs.exists() else set()
     with pytest.raises(ConfigurationError, match="python='/nonexistent/bin/python3': no such executable"):
-        retrain(workload=str(DIGITS), training=TrainingSpec(model_name="digits-e2e-preflight", experiment=experiment),
-                stack=name)  # fmt: skip
+        retrain(
+            workload=str(DIGITS),
+            training=TrainingSpec(model_name="digits-e2e-preflight", experiment=experiment),
+            stack=name,
+        )
     client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
     assert client.get_experiment_by_name(experiment) is None  # no run was started
     assert (set(jobs.iterdir()) if jobs.exists() else set()) == before  # no job was submitted
 
 
-def test_a_workload_from_a_git_url_trains_the_commit_its_ref_names(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_workload_from_a_git_url_trains_the_commit_its_ref_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run of ``git+file://REPO@TAG#subdirectory=PATH`` trains the tagged commit's files, not the branch's newer
     ones, and the MLflow run and the registered version say which commit and which code archive it was."""
     import shutil
     import subprocess
 
-    from blocks.workload import code_archive
+    from blocks.workload.source import code_archive
 
     monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
     repo = tmp_path / "models"
     shutil.copytree(DIABETES, repo / "regressors" / "diabetes", ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "regressors" / "diabetes" / ".settings").mkdir()  # a hidden file the commit holds is part of the code
     (repo / "regressors" / "diabetes" / ".settings" / "notes.txt").write_text("committed\n")
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@example.invalid", "PATH": "/usr/bin:/bin"}  # fmt: skip
+    env = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.invalid",
+        "PATH": "/usr/bin:/bin",
+    }
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
-                              text=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     git("init", "-q", "-b", "main")
     git("add", ".")
@@ -299,8 +323,11 @@ def test_a_workload_from_a_git_url_trains_the_commit_its_ref_names(tmp_path: Pat
     model = f"diabetes-git-{uuid.uuid4().hex[:8]}"
     stack = Stack.embedded()
     try:
-        result = retrain(workload=source, training=TrainingSpec(model_name=model, hyperparameters={"alpha": 0.05}),
-                         serving=ServingSpec(service_name=model))  # fmt: skip
+        result = retrain(
+            workload=source,
+            training=TrainingSpec(model_name=model, hyperparameters={"alpha": 0.05}),
+            serving=ServingSpec(service_name=model),
+        )
         client = MlflowClient(tracking_uri=stack.tracking.tracking_uri)
         run = client.get_run(result.run_id)
         assert run.info.status == "FINISHED"

@@ -30,19 +30,19 @@ import pytest
 from prefect.artifacts import Artifact
 from pydantic import SecretStr
 
-from blocks import k8s_manifests as m
-from blocks.docker_image import DockerImageBuilder
+from blocks.base.provider import ClusterManaged
+from blocks.docker.image import DockerImageBuilder
 from blocks.errors import ConfigurationError, RolledBack
-from blocks.kubernetes import KubernetesCluster
-from blocks.provision import ClusterManaged
-from blocks.s3 import S3CheckpointStore
-from blocks.slurm import SlurmCluster
+from blocks.kubernetes import manifests as m
+from blocks.kubernetes.cluster import KubernetesCluster
+from blocks.slurm.cluster import SlurmCluster
 from blocks.specs import Resources, ServingSpec, TrainingSpec
 from blocks.stack import Stack
-from blocks.tracking import MlflowTracking
+from blocks.storage.s3 import S3CheckpointStore
+from blocks.tracking.mlflow import MlflowTracking
 from flows.retrain import retrain
-from tests.k8s_node import PULL_SECRET, ready_pods
 from tests.examples import DIABETES, DIGITS, example_module
+from tests.k8s_node import PULL_SECRET, ready_pods
 from tests.stacks import mlflow_server, stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
@@ -52,9 +52,13 @@ SECRET = "model-store"  # the Secret holding the pod's S3 endpoint and credentia
 
 def serving_block(k8s: dict[str, str], namespace: str, **fields: Any) -> KubernetesCluster:
     fields = {
-        "rollout_timeout_seconds": 400, "cpu_request": "10m", "memory_request": "64Mi",
-        "env_from_secret": SECRET, "image_pull_secret": PULL_SECRET, **fields,
-    }  # fmt: skip
+        "rollout_timeout_seconds": 400,
+        "cpu_request": "10m",
+        "memory_request": "64Mi",
+        "env_from_secret": SECRET,
+        "image_pull_secret": PULL_SECRET,
+        **fields,
+    }
     return KubernetesCluster(kubeconfig=SecretStr(Path(k8s["KUBECONFIG"]).read_text()), namespace=namespace, **fields)
 
 
@@ -62,17 +66,27 @@ def serving_block(k8s: dict[str, str], namespace: str, **fields: Any) -> Kuberne
 RESOURCES = Resources(gpus_per_node=1, mem_gb=2, time_limit_minutes=20)
 
 
-def save_stack(serving: KubernetesCluster, images: Any, compute: SlurmCluster, storage: Any,
-               tracking: MlflowTracking) -> str:  # fmt: skip
+def save_stack(
+    serving: KubernetesCluster, images: Any, compute: SlurmCluster, storage: Any, tracking: MlflowTracking
+) -> str:
     name = f"k8s-pipeline-{uuid.uuid4().hex[:8]}"
-    Stack(provider=ClusterManaged(cluster_name="gpuferry-test"), images=images, compute=compute, storage=storage,
-          tracking=tracking, serving=serving).save(name)  # fmt: skip
+    Stack(
+        provider=ClusterManaged(cluster_name="gpuferry-test"),
+        images=images,
+        compute=compute,
+        storage=storage,
+        tracking=tracking,
+        serving=serving,
+    ).save(name)
     return name
 
 
 def with_store_secret(block: KubernetesCluster, namespace: str, s3_for_pods: dict[str, str]) -> None:
-    block._api().request("POST", f"/api/v1/namespaces/{namespace}/secrets", body={
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET}, "stringData": s3_for_pods})  # fmt: skip
+    block._api().request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/secrets",
+        body={"apiVersion": "v1", "kind": "Secret", "metadata": {"name": SECRET}, "stringData": s3_for_pods},
+    )
 
 
 def ready_pod(block: KubernetesCluster, name: str) -> str:
@@ -82,16 +96,21 @@ def ready_pod(block: KubernetesCluster, name: str) -> str:
 
 
 def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
-    k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder, s3_store: S3CheckpointStore,
-    s3_for_pods: dict[str, str], slurm_in_images: SlurmCluster,
-) -> None:  # fmt: skip
+    k8s: dict[str, str],
+    k8s_namespace: str,
+    workload_builder: DockerImageBuilder,
+    s3_store: S3CheckpointStore,
+    s3_for_pods: dict[str, str],
+    slurm_in_images: SlurmCluster,
+) -> None:
     block = serving_block(k8s, k8s_namespace, env={"WARMUP_ITERATIONS": "1"})
     with_store_secret(block, k8s_namespace, s3_for_pods)
     tracking = mlflow_server()
     tag = uuid.uuid4().hex[:8]
     model, experiment = f"digits-k8s-{tag}", f"gpuferry-k8s-{tag}"
-    training = TrainingSpec(model_name=model, experiment=experiment, hyperparameters={"epochs": 15, "lr": 0.05},
-                            resources=RESOURCES)  # fmt: skip
+    training = TrainingSpec(
+        model_name=model, experiment=experiment, hyperparameters={"epochs": 15, "lr": 0.05}, resources=RESOURCES
+    )
     serving = ServingSpec(service_name="digits", replicas=1, ready_timeout_seconds=300)
 
     # ---- a first version: built, trained, stored, registered, served --------------------------------
@@ -136,9 +155,13 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     crashing = serving_block(k8s, k8s_namespace, env={"WARMUP_ITERATIONS": "1", "MAX_QUEUE": "0"})
     bad_stack = save_stack(crashing, workload_builder, slurm_in_images, s3_store, tracking)
     with pytest.raises(RolledBack, match="CrashLoopBackOff") as failed:
-        retrain(workload=str(DIGITS), training=training.model_copy(update={"hyperparameters": {"epochs": 1}}),
-                serving=serving,
-                stack=bad_stack, force_deploy=True)  # fmt: skip
+        retrain(
+            workload=str(DIGITS),
+            training=training.model_copy(update={"hyperparameters": {"epochs": 1}}),
+            serving=serving,
+            stack=bad_stack,
+            force_deploy=True,
+        )
     assert failed.value.failed_version == "2" and failed.value.rolled_back_to == "1"
 
     run = client.get_run(client.get_model_version(model, "2").run_id)
@@ -164,26 +187,39 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
 
 
 def test_the_regressor_trains_on_slurm_and_serves_on_kubernetes(
-    k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder, s3_store: S3CheckpointStore,
-    s3_for_pods: dict[str, str], slurm_in_images: SlurmCluster,
-) -> None:  # fmt: skip
+    k8s: dict[str, str],
+    k8s_namespace: str,
+    workload_builder: DockerImageBuilder,
+    s3_store: S3CheckpointStore,
+    s3_for_pods: dict[str, str],
+    slurm_in_images: SlurmCluster,
+) -> None:
     # No env_from_secret: the deploy puts the store's credentials into a Secret of the service's own.
-    block = serving_block(k8s, k8s_namespace, env_from_secret=None, env={"AWS_ENDPOINT_URL": s3_for_pods["AWS_ENDPOINT_URL"]})
+    block = serving_block(
+        k8s, k8s_namespace, env_from_secret=None, env={"AWS_ENDPOINT_URL": s3_for_pods["AWS_ENDPOINT_URL"]}
+    )
     tracking = mlflow_server()
     tag = uuid.uuid4().hex[:8]
     model = f"diabetes-k8s-{tag}"
     stack = save_stack(block, workload_builder, slurm_in_images, s3_store, tracking)
-    outcome = retrain(workload=str(DIABETES), stack=stack,
-                      training=TrainingSpec(model_name=model, experiment=f"gpuferry-k8s-{tag}",
-                                            hyperparameters={"alpha": 0.05}, resources=RESOURCES),
-                      serving=ServingSpec(replicas=1, ready_timeout_seconds=300))  # fmt: skip
+    outcome = retrain(
+        workload=str(DIABETES),
+        stack=stack,
+        training=TrainingSpec(
+            model_name=model, experiment=f"gpuferry-k8s-{tag}", hyperparameters={"alpha": 0.05}, resources=RESOURCES
+        ),
+        serving=ServingSpec(replicas=1, ready_timeout_seconds=300),
+    )
 
     assert outcome.deployed and outcome.model_version.version == "1"
     assert outcome.endpoint.url == f"http://diabetes.{k8s_namespace}.svc.cluster.local:80"  # the workload's service
     assert outcome.image.reference and "@sha256:" in outcome.image.reference  # its own, from its requirements
     run = tracking.client.get_run(outcome.run_id)
     assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster"
-    assert run.data.metrics["val_rmse"] == pytest.approx(outcome.model_version.value) and 0 < outcome.model_version.value < 80
+    assert (
+        run.data.metrics["val_rmse"] == pytest.approx(outcome.model_version.value)
+        and 0 < outcome.model_version.value < 80
+    )
     assert run.data.params["alpha"] == "0.05"
 
     # The Secret holds the store's keys; the Deployment and the pod name it and hold none of them.
@@ -217,14 +253,19 @@ def test_no_gpu_node_stops_the_retrain_before_it_trains(
     k8s: dict[str, str], k8s_namespace: str, workload_builder: DockerImageBuilder
 ) -> None:
     stack = Stack.embedded()
-    stack.images = workload_builder  # a stack serving on Kubernetes builds an image (not reached: the check comes first)
+    stack.images = (
+        workload_builder  # a stack serving on Kubernetes builds an image (not reached: the check comes first)
+    )
     stack.serving = serving_block(k8s, k8s_namespace)
     name = f"k8s-preflight-{uuid.uuid4().hex[:8]}"
     stack.save(name)
     experiment = f"gpuferry-k8s-preflight-{uuid.uuid4().hex[:8]}"
     with pytest.raises(ConfigurationError, match=r"no schedulable node offers 1 × nvidia.com/mig-2g.20gb"):
-        retrain(workload=str(DIGITS), training=TrainingSpec(model_name="digits-k8s-preflight", experiment=experiment),
-                serving=ServingSpec(mig_profile="2g.20gb"), stack=name)  # fmt: skip
+        retrain(
+            workload=str(DIGITS),
+            training=TrainingSpec(model_name="digits-k8s-preflight", experiment=experiment),
+            serving=ServingSpec(mig_profile="2g.20gb"),
+            stack=name,
+        )
     assert stack.tracking.client.get_experiment_by_name(experiment) is None
     assert stack.serving.current("digits") is None  # nothing was applied either
-

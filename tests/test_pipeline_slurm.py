@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from blocks.provision import ClusterManaged
+from blocks.base.provider import ClusterManaged
 from blocks.specs import Resources, TrainingSpec
 from blocks.stack import Stack
 from flows.retrain import retrain
@@ -48,11 +48,14 @@ def test_retrain_trains_on_a_remote_slurm_cluster() -> None:
     try:
         outcome = retrain(
             workload=str(DIGITS),
-            training=TrainingSpec(model_name=f"digits-slurm-{uuid.uuid4().hex[:6]}", hyperparameters={"epochs": 3},
-                                  resources=Resources(mem_gb=2, gpus_per_node=1)),
+            training=TrainingSpec(
+                model_name=f"digits-slurm-{uuid.uuid4().hex[:6]}",
+                hyperparameters={"epochs": 3},
+                resources=Resources(mem_gb=2, gpus_per_node=1),
+            ),
             stack="slurm-pipeline-test",
             force_deploy=True,
-        )  # fmt: skip
+        )
         run = stack.tracking.client.get_run(outcome.run_id)
         assert run.data.tags["backend.compute"] == "gpuferry-slurm-cluster"
         assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)
@@ -61,8 +64,11 @@ def test_retrain_trains_on_a_remote_slurm_cluster() -> None:
         # The job really went through Slurm: sacct knows it by the pipeline's key.
         sacct = subprocess.run(
             ["sacct", "-X", "-n", "-P", "-S", "now-1hour", "-o", "JobID,JobName%100,State"],
-            env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         key = f"{run.data.tags['prefect.flow_run_id']}-train"
         mine = [line.split("|") for line in sacct.splitlines() if line.split("|")[1:2] == [key]]
         assert [state for _, _, state in mine] == ["COMPLETED"], sacct

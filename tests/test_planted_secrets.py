@@ -25,13 +25,13 @@ from tests.test_slurm_cluster import slurm
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
 # Checks that the job got the secret (by its hash, which is no secret), then trains: the workload's own code.
-PROBE = '''import hashlib, os, runpy, sys
+PROBE = """import hashlib, os, runpy, sys
 if hashlib.sha256(os.environ["API_TOKEN"].encode()).hexdigest() != os.environ["TOKEN_SHA256"]:
     sys.exit("API_TOKEN is not the planted secret")
 print("API_TOKEN received", flush=True)
 sys.argv = ["train.py"]
 runpy.run_path("train.py", run_name="__main__")
-'''
+"""
 
 
 def _workload(tmp_path: Path, secret_block: str, token: str) -> Path:
@@ -62,9 +62,11 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path, monkeypa
     send_logs_now()
     lines = CommandLines()
     try:
-        outcome = retrain(workload=str(_workload(tmp_path, block, token)), stack="slurm-planted-test",
-                          training=TrainingSpec(model_name=f"planted-{uuid.uuid4().hex[:6]}",
-                                                resources=Resources(mem_gb=1)))  # fmt: skip
+        outcome = retrain(
+            workload=str(_workload(tmp_path, block, token)),
+            stack="slurm-planted-test",
+            training=TrainingSpec(model_name=f"planted-{uuid.uuid4().hex[:6]}", resources=Resources(mem_gb=1)),
+        )
         seen = lines.stop()
         assert len(seen) > 10  # the sampler saw the processes
         client = stack.tracking.client
@@ -87,15 +89,17 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path, monkeypa
         artifacts = Path(client.download_artifacts(outcome.run_id, "", str(tmp_path / "artifacts")))
         version = client.get_model_version(outcome.model_version.name, outcome.model_version.version)
         # Slurm's record of the job: its submit line, comment and directory.
-        acct = slurm(env, "sacct", "-n", "-P", f"--name={key}", "-S", "now-1hour", "-o",
-                     "SubmitLine%500,Comment%300,WorkDir%300")  # fmt: skip
+        acct = slurm(
+            env, "sacct", "-n", "-P", f"--name={key}", "-S", "now-1hour", "-o", "SubmitLine%500,Comment%300,WorkDir%300"
+        )
         assert key in acct
         places: dict[str, list[bytes]] = {
             # Command lines of every process while it ran (the worker's, SSH's, the jobs', the store's).
             "a command line": list(seen),
             "the run's Prefect logs": [m.encode() for m in messages],
-            "the MLflow run's params and tags": [f"{k}={v}".encode() for k, v in
-                                                 {**run.data.params, **run.data.tags}.items()],  # fmt: skip
+            "the MLflow run's params and tags": [
+                f"{k}={v}".encode() for k, v in {**run.data.params, **run.data.tags}.items()
+            ],
             # The model is in the store, not among the run's artifacts; whatever is there is read too.
             "the MLflow run's artifacts": [p.read_bytes() for p in artifacts.rglob("*") if p.is_file()],
             # The checkpoint the cluster stored (the model that will be served), every object of it.
@@ -109,8 +113,9 @@ def test_planted_secrets_reach_the_job_and_nothing_else(tmp_path: Path, monkeypa
 
         # Every file gpuferry wrote on the cluster (the secret files were removed when the job and the store
         # ended): grep reads the values from stdin, not from its command line.
-        rc, out, err = stack.compute.run(["grep", "-rlF", "-f", "-", root], stdin="\n".join(planted).encode(),
-                                         check=False)  # fmt: skip
+        rc, out, err = stack.compute.run(
+            ["grep", "-rlF", "-f", "-", root], stdin="\n".join(planted).encode(), check=False
+        )
         assert rc == 1, f"grep: rc={rc} {out} {err}"  # 1: no file holds any of them
     finally:
         lines.stop()

@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -23,8 +23,8 @@ import httpx
 import numpy as np
 import pytest
 
-from blocks._proc import free_port
-from blocks.storage import write_manifest
+from blocks.base.proc import free_port
+from blocks.base.storage import write_manifest
 from deployments import mlflow_events
 from deployments.poll_registry import RegistryPoller
 from deployments.webhook import sign
@@ -87,8 +87,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     with temporary_settings({PREFECT_API_URL: w.api_url}):
         deploy = subprocess.run(
             [str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--all"],
-            cwd=REPO, env=w.env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=REPO,
+            env=w.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         save_stack(w)
         register_versions(w, 3)
@@ -104,7 +108,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 w.receiver.terminate()
                 w.receiver.wait(30)
             finish_runs(w)
-            from blocks.serving import LocalServing
+            from blocks.local.serving import LocalServing
 
             LocalServing(state_dir=str(w.serving_dir)).undeploy(w.model)
             w.tracking.client.delete_registered_model(w.model)
@@ -120,15 +124,19 @@ def finish_runs(w: World) -> None:
             if not (run.state and run.state.is_final()):
                 with w.client() as client:
                     client.set_flow_run_state(run.id, Cancelled(message="test teardown"), force=True)
-        wait_for("the runs to end", lambda: all(
-            r.state and r.state.is_final() for r in w.runs_of("deploy-model/on-champion", model_name=w.model)
-        ), timeout=60)  # fmt: skip
+        wait_for(
+            "the runs to end",
+            lambda: all(
+                r.state and r.state.is_final() for r in w.runs_of("deploy-model/on-champion", model_name=w.model)
+            ),
+            timeout=60,
+        )
     except Exception as exc:  # noqa: BLE001 - best effort; the test's own failure is what matters
         print(f"teardown: {exc}")
 
 
 def save_stack(w: World) -> None:
-    from blocks.serving import LocalServing
+    from blocks.local.serving import LocalServing
     from blocks.stack import Stack
 
     stack = Stack.embedded()
@@ -165,10 +173,25 @@ def start_receiver(w: World) -> None:
     w.receiver_url = f"http://127.0.0.1:{port}"
     log = open(w.tmp / "receiver.log", "wb")  # noqa: SIM115 - closed with the process
     w.receiver = subprocess.Popen(
-        [PY, "-m", "deployments.webhook", "--port", str(port), "--stack", w.stack, "--register",
-         "--webhook-name", w.stack, "--model", w.model],
-        cwd=REPO, env={**w.env, "GPUFERRY_WEBHOOK_SECRET": SECRET}, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            PY,
+            "-m",
+            "deployments.webhook",
+            "--port",
+            str(port),
+            "--stack",
+            w.stack,
+            "--register",
+            "--webhook-name",
+            w.stack,
+            "--model",
+            w.model,
+        ],
+        cwd=REPO,
+        env={**w.env, "GPUFERRY_WEBHOOK_SECRET": SECRET},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
     def up() -> bool:
         assert w.receiver.poll() is None, (w.tmp / "receiver.log").read_text()[-3000:]
@@ -207,8 +230,14 @@ def counts(w: World) -> dict[str, int]:
     return httpx.get(f"{w.receiver_url}/healthz", timeout=10).json()
 
 
-def signed_post(w: World, payload: dict, delivery_id: str, secret: str = SECRET, timestamp: int | None = None,
-                signature: str | None = None) -> httpx.Response:  # fmt: skip
+def signed_post(
+    w: World,
+    payload: dict,
+    delivery_id: str,
+    secret: str = SECRET,
+    timestamp: int | None = None,
+    signature: str | None = None,
+) -> httpx.Response:
     body = json.dumps(payload).encode()
     ts = str(int(time.time()) if timestamp is None else timestamp)
     headers = {
@@ -221,8 +250,12 @@ def signed_post(w: World, payload: dict, delivery_id: str, secret: str = SECRET,
 
 
 def alias_payload(model: str, version: str, alias: str = "champion") -> dict:
-    return {"entity": "model_version_alias", "action": "created", "timestamp": datetime.now(timezone.utc).isoformat(),
-            "data": {"name": model, "alias": alias, "version": version}}  # fmt: skip
+    return {
+        "entity": "model_version_alias",
+        "action": "created",
+        "timestamp": datetime.now(UTC).isoformat(),
+        "data": {"name": model, "alias": alias, "version": version},
+    }
 
 
 def wait_completed(w: World, run_id: Any) -> Any:
@@ -239,7 +272,7 @@ def wait_completed(w: World, run_id: Any) -> Any:
 
 
 def serving(w: World) -> dict | None:
-    from blocks.serving import LocalServing
+    from blocks.local.serving import LocalServing
 
     return LocalServing(state_dir=str(w.serving_dir)).current(w.model)  # the model's name: no service recorded
 
@@ -273,7 +306,7 @@ def test_weekly_retrain_is_scheduled_for_the_next_monday_3am(world: World) -> No
         # Ask the scheduler for the runs now instead of waiting for its next loop.
         response = client.request("POST", "/deployments/{id}/schedule", path_params={"id": dep.id}, json={})
         assert response.status_code in (200, 201), response.text
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     monday_3am = (now + timedelta(days=-now.weekday())).replace(hour=3, minute=0, second=0, microsecond=0)
     expected = monday_3am if monday_3am > now else monday_3am + timedelta(days=7)
     runs = world.runs_of("retrain/weekly")
@@ -286,12 +319,19 @@ def test_weekly_retrain_is_scheduled_for_the_next_monday_3am(world: World) -> No
 def test_alias_set_in_mlflow_deploys_that_version(world: World) -> None:
     set_at = time.monotonic()
     world.tracking.client.set_registered_model_alias(world.model, "champion", "1")
-    run = wait_for("a deploy-model run for v1", lambda: world.runs_of("deploy-model/on-champion", model_name=world.model))
+    run = wait_for(
+        "a deploy-model run for v1", lambda: world.runs_of("deploy-model/on-champion", model_name=world.model)
+    )
     created_s = time.monotonic() - set_at
     assert len(run) == 1
     run = run[0]
-    assert run.parameters == {"model_name": world.model, "version": "1", "alias": "champion", "stack": world.stack,
-                              "skip_if_moved": True}  # fmt: skip
+    assert run.parameters == {
+        "model_name": world.model,
+        "version": "1",
+        "alias": "champion",
+        "stack": world.stack,
+        "skip_if_moved": True,
+    }
     assert run.created_by and run.created_by.type == "AUTOMATION"
 
     def running() -> bool:
@@ -302,8 +342,10 @@ def test_alias_set_in_mlflow_deploys_that_version(world: World) -> None:
     wait_for("the run to start", running)
     running_s = time.monotonic() - set_at
     wait_completed(world, run.id)
-    print(f"alias set → run created {created_s:.2f} s, → running {running_s:.2f} s, → completed "
-          f"{time.monotonic() - set_at:.2f} s")  # fmt: skip
+    print(
+        f"alias set → run created {created_s:.2f} s, → running {running_s:.2f} s, → completed "
+        f"{time.monotonic() - set_at:.2f} s"
+    )
     current = serving(world)
     assert current is not None and current["version"] == "1" and current["model_name"] == world.model
     answer = httpx.post(f"{current['url']}/invocations", json={"inputs": [[0.5, 0.5, 0.5]]}, timeout=30)
@@ -316,8 +358,9 @@ def test_forged_and_stale_webhooks_are_rejected(world: World) -> None:
     forged = signed_post(world, payload, "forged-1", secret="not-the-secret")
     unsigned = httpx.post(f"{world.receiver_url}/mlflow", json=payload, timeout=30)
     stale = signed_post(world, payload, "stale-1", timestamp=int(time.time()) - 3600)
-    tampered = signed_post(world, payload, "tampered-1", signature=sign(SECRET, "tampered-1", str(int(time.time())),
-                                                                         b'{"other": "body"}'))  # fmt: skip
+    tampered = signed_post(
+        world, payload, "tampered-1", signature=sign(SECRET, "tampered-1", str(int(time.time())), b'{"other": "body"}')
+    )
     assert [forged.status_code, unsigned.status_code, stale.status_code, tampered.status_code] == [401] * 4
     after = counts(world)
     assert after["rejected"] - before["rejected"] == 4
@@ -335,28 +378,34 @@ def test_duplicates_and_both_bridges_deploy_once(world: World) -> None:
     again = signed_post(world, alias_payload(world.model, "1"), delivery)
     assert (first.status_code, first.json()["status"]) == (200, "emitted")
     assert (again.status_code, again.json()["status"]) == (200, "duplicate")
-    copy = mlflow_events.alias_set_event(world.model, "1", "champion", stack=world.stack, via="webhook",
-                                         id_parts=("mlflow-webhook", delivery))  # fmt: skip
+    copy = mlflow_events.alias_set_event(
+        world.model, "1", "champion", stack=world.stack, via="webhook", id_parts=("mlflow-webhook", delivery)
+    )
     assert str(copy["id"]) == first.json()["event_id"]
     mlflow_events.emit(copy)
     mlflow_events.flush()
 
     # The same change seen by the webhook and by the poller: the poller finds it reported already.
     tracking = world.tracking
-    poller = RegistryPoller(tracking.alias_map, tracking_uri=world.tracking_uri, stack=world.stack,
-                            models=[world.model])  # fmt: skip
+    poller = RegistryPoller(
+        tracking.alias_map, tracking_uri=world.tracking_uri, stack=world.stack, models=[world.model]
+    )
     assert poller.poll_once() == []  # the first poll records champion → v1
     tracking.client.set_registered_model_alias(world.model, "champion", "3")
-    wait_for("the webhook's event for v3",
-             lambda: mlflow_events.recently_emitted(world.model, "3", "champion", timedelta(minutes=5)))  # fmt: skip
+    wait_for(
+        "the webhook's event for v3",
+        lambda: mlflow_events.recently_emitted(world.model, "3", "champion", timedelta(minutes=5)),
+    )
     assert poller.poll_once() == []
     assert poller.seen == {world.model: {"champion": "3"}}
 
     v3 = wait_for("the v3 run", lambda: world.runs_of("deploy-model/on-champion", model_name=world.model, version="3"))
     # The repeated v1 delivery makes one more run (its copies are dropped); the automation may evaluate it
     # after the v3 event, so wait for it rather than assume the order.
-    wait_for("the repeated v1 delivery's run", lambda: len(
-        world.runs_of("deploy-model/on-champion", model_name=world.model, version="1")) >= 2)  # fmt: skip
+    wait_for(
+        "the repeated v1 delivery's run",
+        lambda: len(world.runs_of("deploy-model/on-champion", model_name=world.model, version="1")) >= 2,
+    )
     v1 = world.runs_of("deploy-model/on-champion", model_name=world.model, version="1")
     v3 = world.runs_of("deploy-model/on-champion", model_name=world.model, version="3")
     assert len(v1) == 2 and len(v3) == 1  # the first alias set, and the one repeated delivery

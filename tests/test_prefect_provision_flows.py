@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
+from blocks.base.provider import NodeRequirements
 from blocks.errors import ConfigurationError
-from blocks.provision import NodeRequirements
 from flows.provision import provision, release
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

@@ -44,20 +44,26 @@ def prefect() -> dict[str, str]:
     if not Path(CHROMIUM).exists():
         _missing(f"{CHROMIUM} missing: `make prefect-up` installs Debian's chromium")
     try:
-        import playwright.sync_api  # noqa: F401
+        import playwright.sync_api  # noqa: F401 - only whether it imports
     except ImportError:
         _missing("playwright is not installed in this environment (the test extra of pyproject.toml)")
     deploy = subprocess.run(
         [str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "weekly"],
-        cwd=REPO, env={**_env_without_home(), "PREFECT_API_URL": env["PREFECT_API_URL"]},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**_env_without_home(), "PREFECT_API_URL": env["PREFECT_API_URL"]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
     forms = subprocess.run(
         [str(REPO / ".venv/bin/python"), "-m", "deployments.forms", "--deployment", DEPLOYMENT],
-        cwd=REPO, env={**_env_without_home(), "PREFECT_API_URL": env["PREFECT_API_URL"]},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**_env_without_home(), "PREFECT_API_URL": env["PREFECT_API_URL"]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert forms.returncode == 0, forms.stdout[-3000:] + forms.stderr[-3000:]
     return env
 
@@ -106,7 +112,7 @@ SERVICES = ("digits", "diabetes")  # the examples' services, as their gpuferry.y
 @pytest.fixture
 def worker_serving(prefect: dict[str, str]) -> Iterator[None]:
     """A run that gets promoted starts an inference server in the worker's home: stop the ones this test started."""
-    from blocks.serving import LocalServing
+    from blocks.local.serving import LocalServing
 
     serving = LocalServing(state_dir=str(Path(prefect["GPUFERRY_WORKER_HOME"]) / "serving"), drain_seconds=5)
     before = {name: serving.current(name) for name in SERVICES}
@@ -228,8 +234,12 @@ def open_custom_run(page: Any, ui: str, flow: str, deployment: str) -> None:
 
 
 def hyperparameter_labels(page: Any) -> list[str]:
-    box = form_property(page, page.locator(".schema-form-property__label", has_text="Hyperparameters of").first
-                        .inner_text().removesuffix(" (Optional)"))  # fmt: skip
+    box = form_property(
+        page,
+        page.locator(".schema-form-property__label", has_text="Hyperparameters of")
+        .first.inner_text()
+        .removesuffix(" (Optional)"),
+    )
     labels = box.locator(".schema-form-property .schema-form-property__label").all_inner_texts()
     return [label.removesuffix(" (Optional)") for label in labels]
 
@@ -243,8 +253,9 @@ def submit_and_read_toast(page: Any) -> str:
     return toast.locator(".toast-flow-run-create__message--emphasized").first.inner_text().strip()
 
 
-def test_each_workload_deployment_has_its_own_form(prefect: dict[str, str], page: Any, worker_serving: None,
-                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_each_workload_deployment_has_its_own_form(
+    prefect: dict[str, str], page: Any, worker_serving: None, tmp_path: Path
+) -> None:
     """After `python -m deployments.forms` the UI shows each workload's hyperparameters (types, enums, defaults,
     in the file's order), the server refuses a value the workload's schema does not allow, and the runs made
     from the forms train what was filled in."""
@@ -253,16 +264,29 @@ def test_each_workload_deployment_has_its_own_form(prefect: dict[str, str], page
 
     deploy = subprocess.run(
         [str(REPO / ".venv/bin/prefect"), "--no-prompt", "deploy", "--name", "weekly", "--name", "diabetes"],
-        cwd=REPO, env={**_env_without_home(), "PREFECT_API_URL": prefect["PREFECT_API_URL"]},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**_env_without_home(), "PREFECT_API_URL": prefect["PREFECT_API_URL"]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
     forms = subprocess.run(
-        [str(REPO / ".venv/bin/python"), "-m", "deployments.forms", "--deployment", "retrain/weekly",
-         "--deployment", "retrain/diabetes"],
-        cwd=REPO, env={**_env_without_home(), "PREFECT_API_URL": prefect["PREFECT_API_URL"]},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(REPO / ".venv/bin/python"),
+            "-m",
+            "deployments.forms",
+            "--deployment",
+            "retrain/weekly",
+            "--deployment",
+            "retrain/diabetes",
+        ],
+        cwd=REPO,
+        env={**_env_without_home(), "PREFECT_API_URL": prefect["PREFECT_API_URL"]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert forms.returncode == 0 and "2 deployment(s)" in forms.stdout, forms.stdout + forms.stderr
     ui = prefect["PREFECT_UI_URL"].rstrip("/")
     with screenshot_on_failure(page, tmp_path):
@@ -288,8 +312,12 @@ def test_each_workload_deployment_has_its_own_form(prefect: dict[str, str], page
         form_property(page, "Epochs").locator("input").fill("2")
         form_property(page, "Lr").locator("input").fill("-1")
         page.get_by_role("button", name="Submit", exact=True).click()
-        refused = page.get_by_text(re.compile(r"Validation failed for field 'training\.hyperparameters\.lr'\. "
-                                              r"Failure reason: -1 is less than or equal to the minimum of 0"))
+        refused = page.get_by_text(
+            re.compile(
+                r"Validation failed for field 'training\.hyperparameters\.lr'\. "
+                r"Failure reason: -1 is less than or equal to the minimum of 0"
+            )
+        )
         expect(refused.first).to_be_visible()
         form_property(page, "Lr").locator("input").fill("0.1")
         digits_run = submit_and_read_toast(page)
@@ -297,12 +325,20 @@ def test_each_workload_deployment_has_its_own_form(prefect: dict[str, str], page
     with SyncPrefectClient(prefect["PREFECT_API_URL"]) as client:
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-        runs = {r.name: r for r in client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[diabetes_run, digits_run])))}  # fmt: skip
+        runs = {
+            r.name: r
+            for r in client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[diabetes_run, digits_run]))
+            )
+        }
         schema = client.read_deployment_by_name("retrain/weekly").parameter_openapi_schema
     assert runs[diabetes_run].parameters["workload"] == "examples/diabetes"
     assert runs[diabetes_run].parameters["training"]["hyperparameters"] == {
-        "alpha": 0.05, "l1_ratio": 0.5, "max_iter": 10000, "standardize": True}  # fmt: skip
+        "alpha": 0.05,
+        "l1_ratio": 0.5,
+        "max_iter": 10000,
+        "standardize": True,
+    }
     digits = runs[digits_run].parameters["training"]["hyperparameters"]
     assert (digits["optimizer"], digits["epochs"], digits["lr"]) == ("adam", 2, 0.1)
     assert schema["properties"]["workload"]["enum"] == ["examples/digits"]
@@ -311,9 +347,12 @@ def test_each_workload_deployment_has_its_own_form(prefect: dict[str, str], page
         from prefect.client.schemas.filters import FlowRunFilterDeploymentId
 
         deployment = client.read_deployment_by_name("retrain/weekly")
-        recent = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])), limit=200)  # fmt: skip
-    refused_runs = [r for r in recent if (r.parameters.get("training") or {}).get("hyperparameters", {}).get("lr") == -1]
+        recent = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])), limit=200
+        )
+    refused_runs = [
+        r for r in recent if (r.parameters.get("training") or {}).get("hyperparameters", {}).get("lr") == -1
+    ]
     assert refused_runs == []
 
     def final() -> bool:
@@ -342,13 +381,13 @@ def test_the_stack_is_picked_from_the_saved_stacks(prefect: dict[str, str], page
     from prefect.filesystems import LocalFileSystem
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from blocks.compute import LocalProcesses
-    from blocks.images import CurrentEnvironment
-    from blocks.provision import LocalMachine
-    from blocks.serving import LocalServing
+    from blocks.local.compute import LocalProcesses
+    from blocks.local.images import CurrentEnvironment
+    from blocks.local.provider import LocalMachine
+    from blocks.local.serving import LocalServing
+    from blocks.local.storage import LocalCheckpointStore
     from blocks.stack import Stack
-    from blocks.storage import LocalCheckpointStore
-    from blocks.tracking import MlflowTracking
+    from blocks.tracking.mlflow import MlflowTracking
     from deployments import skeleton
     from tests import private_worker
 
@@ -358,20 +397,30 @@ def test_the_stack_is_picked_from_the_saved_stacks(prefect: dict[str, str], page
     skeleton.write(workload)
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     serving = LocalServing(state_dir=str(tmp_path / "serving"), drain_seconds=5)
-    picked = Stack(provider=LocalMachine(), images=CurrentEnvironment(),
-                   compute=LocalProcesses(workdir_root=str(tmp_path / "jobs")),
-                   storage=LocalCheckpointStore(filesystem=LocalFileSystem(basepath=str(tmp_path / "storage"))),
-                   tracking=MlflowTracking(tracking_uri=tracking_uri), serving=serving)  # fmt: skip
+    picked = Stack(
+        provider=LocalMachine(),
+        images=CurrentEnvironment(),
+        compute=LocalProcesses(workdir_root=str(tmp_path / "jobs")),
+        storage=LocalCheckpointStore(filesystem=LocalFileSystem(basepath=str(tmp_path / "storage"))),
+        tracking=MlflowTracking(tracking_uri=tracking_uri),
+        serving=serving,
+    )
     with temporary_settings({PREFECT_API_URL: api}):
         block_id = picked.save(name, _sync=True)  # a sync call: playwright runs an event loop in this thread
     env = {**_env_without_home(), "PREFECT_API_URL": api, "GPUFERRY_WORK_POOL": pool}
     worker = None
     try:
-        deploy = subprocess.run([str(REPO / ".venv/bin/gpuferry"), "deploy", "--workload", str(workload)], env=env,
-                                capture_output=True, text=True, timeout=600)  # fmt: skip
+        deploy = subprocess.run(
+            [str(REPO / ".venv/bin/gpuferry"), "deploy", "--workload", str(workload)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
-        worker = private_worker.start_worker(pool, name, private_worker.worker_env(api, tmp_path / "worker-home"),
-                                             tmp_path / "worker.log")  # fmt: skip
+        worker = private_worker.start_worker(
+            pool, name, private_worker.worker_env(api, tmp_path / "worker-home"), tmp_path / "worker.log"
+        )
         with screenshot_on_failure(page, tmp_path):
             open_custom_run(page, prefect["PREFECT_UI_URL"].rstrip("/"), "retrain", name)
             stack = form_property(page, "stack")
@@ -414,8 +463,14 @@ NESTED_WORKLOAD = REPO / "tests" / "workloads" / "nested"  # objects two levels 
 def gpuferry(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``gpuferry ARGS`` of this checkout (the console script in .venv/bin imports the code it was installed from)."""
     main = "import sys; from deployments.cli import main; sys.argv[0] = 'gpuferry'; main()"
-    return subprocess.run([str(REPO / ".venv/bin/python"), "-c", main, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-c", main, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def select_option(page: Any, field: Any, option: str) -> None:
@@ -452,7 +507,15 @@ def test_nested_hyperparameters_are_fields_of_their_own(prefect: dict[str, str],
         with screenshot_on_failure(page, tmp_path):
             open_custom_run(page, prefect["PREFECT_UI_URL"].rstrip("/"), "retrain", name)
             assert hyperparameter_labels(page) == [
-                "Epochs", "Optimizer", "Kind", "Lr", "Schedule", "Warmup Steps", "Decay", "Layers"]  # fmt: skip
+                "Epochs",
+                "Optimizer",
+                "Kind",
+                "Lr",
+                "Schedule",
+                "Warmup Steps",
+                "Decay",
+                "Layers",
+            ]
             optimizer, schedule = form_property(page, "Optimizer"), form_property(page, "Schedule")
             expect(form_property(page, "Kind").locator(".p-select-button__value")).to_have_text("sgd")
             assert form_property(page, "Lr").locator("input").input_value() == "0.01"
@@ -472,9 +535,12 @@ def test_nested_hyperparameters_are_fields_of_their_own(prefect: dict[str, str],
             layers.nth(2).fill("8")
             form_property(page, "Warmup Steps").locator("input").fill("-5")  # below its minimum of 0
             page.get_by_role("button", name="Submit", exact=True).click()
-            refused = page.get_by_text(re.compile(
-                r"Validation failed for field 'training\.hyperparameters\.optimizer\.schedule\.warmup_steps'\. "
-                r"Failure reason: -5 is less than the minimum of 0"))  # fmt: skip
+            refused = page.get_by_text(
+                re.compile(
+                    r"Validation failed for field 'training\.hyperparameters\.optimizer\.schedule\.warmup_steps'\. "
+                    r"Failure reason: -5 is less than the minimum of 0"
+                )
+            )
             expect(refused.first).to_be_visible()
             form_property(page, "Warmup Steps").locator("input").fill("10")
             page.keyboard.press("Tab")  # leave the field, as a person does before they click Submit
@@ -486,21 +552,28 @@ def test_nested_hyperparameters_are_fields_of_their_own(prefect: dict[str, str],
             # An unknown nested key (no form makes one; an API call can) is refused too, naming the valid keys.
             from prefect.exceptions import PrefectHTTPStatusError
 
-            typo = {"workload": str(workload), "training": {"hyperparameters": {"optimizer": {"schedule": {"warmpu": 3}}}}}
+            typo = {
+                "workload": str(workload),
+                "training": {"hyperparameters": {"optimizer": {"schedule": {"warmpu": 3}}}},
+            }
             with pytest.raises(PrefectHTTPStatusError) as info:
                 client.create_flow_run_from_deployment(deployment.id, parameters=typo)
-            assert ("Validation failed for field 'training.hyperparameters.optimizer.schedule'. Failure reason: 'warmpu' "
-                    "is not one of ['warmup_steps', 'decay']") in info.value.response.text  # fmt: skip
-            made = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))  # fmt: skip
+            assert (
+                "Validation failed for field 'training.hyperparameters.optimizer.schedule'. Failure reason: 'warmpu' "
+                "is not one of ['warmup_steps', 'decay']"
+            ) in info.value.response.text
+            made = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))
+            )
         assert run.deployment_id == deployment.id and [r.id for r in made] == [run.id]  # the refused ones: no run
         assert run.parameters["workload"] == str(workload)
         assert run.parameters["training"]["hyperparameters"] == {
-            "epochs": 3, "optimizer": {"kind": "adam", "lr": 0.2, "schedule": {"warmup_steps": 10, "decay": "linear"}},
+            "epochs": 3,
+            "optimizer": {"kind": "adam", "lr": 0.2, "schedule": {"warmup_steps": 10, "decay": "linear"}},
             "layers": [64, 16, 8],
-        }  # fmt: skip
+        }
         # What the run's own check makes of them: the values as filled in, nothing added or refused.
-        from blocks.workload import load_workload
+        from blocks.workload.source import load_workload
 
         hyperparameters = run.parameters["training"]["hyperparameters"]
         assert load_workload(str(workload)).definition.schema.validate(hyperparameters) == hyperparameters
@@ -508,8 +581,9 @@ def test_nested_hyperparameters_are_fields_of_their_own(prefect: dict[str, str],
         with SyncPrefectClient(api) as client:
             try:
                 deployment = client.read_deployment_by_name(f"retrain/{name}")
-                for leftover in client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                        deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))):  # fmt: skip
+                for leftover in client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))
+                ):
                     client.delete_flow_run(leftover.id)
             except Exception as exc:  # noqa: BLE001 - cleanup of the shared server, best effort
                 print(f"cleanup: runs of retrain/{name}: {exc}")

@@ -38,8 +38,9 @@ def test_stale_sees_a_changed_or_removed_file(tmp_path: Path) -> None:
 
 
 def test_project_files_are_the_checkouts_modules_not_the_environments() -> None:
+    import prefect  # noqa: F401 - loaded from the environment (.venv inside the checkout
+
     import flows.provision  # noqa: F401 - loaded from the checkout
-    import prefect  # noqa: F401 - loaded from the environment (.venv inside the checkout)
 
     files = _project_files(REPO)
     assert str(REPO / "flows" / "provision.py") in files
@@ -126,8 +127,9 @@ def test_a_run_starts_in_the_standby_process_and_a_new_one_replaces_it(world: Wo
 def test_a_standby_whose_code_changed_runs_the_new_code_in_a_fresh_engine(world: World) -> None:
     w = world
     standby = private_worker.wait_until("a standby process", w.standbys, timeout=60)
-    private_worker.wait_until("the standby's imports", lambda: f"standby process {standby[0]}: ready" in w.log.read_text(),
-                              timeout=300)  # fmt: skip
+    private_worker.wait_until(
+        "the standby's imports", lambda: f"standby process {standby[0]}: ready" in w.log.read_text(), timeout=300
+    )
     source = REPO / "flows" / "provision.py"
     before = os.stat(source)
     os.utime(source, (before.st_atime, before.st_mtime + 1))  # as an edit after the standby imported it

@@ -7,15 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from blocks.base.nvidia import parse_ctk_version, parse_cuda_version, parse_nvidia_smi
+from blocks.base.provider import ClusterManaged, NodeRequirements
 from blocks.errors import ConfigurationError
-from blocks.provision import (
-    ClusterManaged,
-    LocalMachine,
-    NodeRequirements,
-    parse_ctk_version,
-    parse_cuda_version,
-    parse_nvidia_smi,
-)
+from blocks.local.provider import LocalMachine
 from tasks.provision import inventory_rows
 
 A100_QUERY = "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n"
@@ -121,8 +116,12 @@ def test_failed_release_after_failed_bootstrap_keeps_the_cause(prefect_server: N
 
 def test_local_machine_inventory_carries_gpu_uuids(tmp_path: Path) -> None:
     smi = fake_nvidia_smi(tmp_path)
-    (tmp_path / "query.txt").write_text("0, NVIDIA H100 80GB HBM3, 81559, 550.54.15, GPU-1a2b3c4d-0000-1111-2222-333344445555\n")
+    (tmp_path / "query.txt").write_text(
+        "0, NVIDIA H100 80GB HBM3, 81559, 550.54.15, GPU-1a2b3c4d-0000-1111-2222-333344445555\n"
+    )
     nodes = LocalMachine(nvidia_smi=smi, nvidia_ctk=str(tmp_path / "absent")).host_inventory()
-    assert len(nodes) == 1 and [(g.index, g.uuid) for g in nodes[0].gpus] == [(0, "GPU-1a2b3c4d-0000-1111-2222-333344445555")]
+    assert len(nodes) == 1 and [(g.index, g.uuid) for g in nodes[0].gpus] == [
+        (0, "GPU-1a2b3c4d-0000-1111-2222-333344445555")
+    ]
     assert "GPU-1a2b3c4d" in inventory_rows(nodes)[0]["gpus"]
     assert ClusterManaged().host_inventory() == []  # a scheduler's nodes: nothing to read

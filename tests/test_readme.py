@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from blocks.s3 import S3CheckpointStore
+from blocks.storage.s3 import S3CheckpointStore
 from tests import private_worker
 from tests.k8s_node import ready_pods
 from tests.stacks import mlflow_server, remote_slurm, remove_on_cluster, stack_env
@@ -47,7 +47,7 @@ SECTION = "## Run it on your own cluster"
 def readme_blocks() -> tuple[list[str], str]:
     """The section's commands (one per line of its sh block) and its stack file (its yaml block)."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index(SECTION):]
+    section = text[text.index(SECTION) :]
     section = section[: section.index("\n## ", len(SECTION))]
     sh = re.search(r"```sh\n(.*?)```", section, re.S)
     stack_file = re.search(r"```yaml\n(.*?)```", section, re.S)
@@ -63,20 +63,29 @@ def substitute(text: str, values: list[tuple[str, str]]) -> str:
 
 
 @pytest.fixture
-def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
-          s3_for_pods: dict[str, str]) -> Iterator[dict[str, Any]]:
+def world(
+    tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore, s3_for_pods: dict[str, str]
+) -> Iterator[dict[str, Any]]:
     uid = uuid.uuid4().hex[:8]
-    slurm, registry, s3, mlflow, k8s, prefect = (stack_env(n) for n in
-                                                 ("slurm", "registry", "s3", "mlflow", "k8s", "prefect"))  # fmt: skip
+    slurm, registry, s3, mlflow, k8s, prefect = (
+        stack_env(n) for n in ("slurm", "registry", "s3", "mlflow", "k8s", "prefect")
+    )
     cluster = remote_slurm("readme")  # its jobs' directory: on the cluster's own filesystem, not this machine's
     workdir = cluster.workdir_root
     stack, workload = f"readme-{uid}", f"house-prices-{uid}"
-    local_slurm = "\n".join([
-        f"host: {slurm['SLURM_SSH_HOST']}", f"      port: {slurm['SLURM_SSH_PORT']}",
-        f"      slurm_conf: {slurm['SLURM_CONF']}", "      podman_gpu_mode: env",
-        "      container_runtime_env: " + yaml.safe_dump({k: registry[k] for k in (
-            "CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")}, default_flow_style=True).strip(),
-    ])  # fmt: skip
+    local_slurm = "\n".join(
+        [
+            f"host: {slurm['SLURM_SSH_HOST']}",
+            f"      port: {slurm['SLURM_SSH_PORT']}",
+            f"      slurm_conf: {slurm['SLURM_CONF']}",
+            "      podman_gpu_mode: env",
+            "      container_runtime_env: "
+            + yaml.safe_dump(
+                {k: registry[k] for k in ("CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")},
+                default_flow_style=True,
+            ).strip(),
+        ]
+    )
     file_values = [
         ("unix:///run/podman/podman.sock", registry["DOCKER_HOST"]),
         ("registry.example.org/mirror/python:3.11-slim", registry["BASE_IMAGE"]),
@@ -85,8 +94,10 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
         ("repository: team/house-prices", "repository: gpuferry-test/readme"),
         ("host: login.hpc.example.org", local_slurm),
         ("user: alice", f"user: {slurm['SLURM_SSH_USER']}"),
-        ("~/.ssh/id_ed25519", slurm["SLURM_SSH_KEY"]), ("~/.ssh/known_hosts", slurm["SLURM_KNOWN_HOSTS"]),
-        ("partition: gpu", f"partition: {slurm['SLURM_PARTITION']}"), ("account: ml-team", f"account: {slurm['SLURM_ACCOUNT']}"),
+        ("~/.ssh/id_ed25519", slurm["SLURM_SSH_KEY"]),
+        ("~/.ssh/known_hosts", slurm["SLURM_KNOWN_HOSTS"]),
+        ("partition: gpu", f"partition: {slurm['SLURM_PARTITION']}"),
+        ("account: ml-team", f"account: {slurm['SLURM_ACCOUNT']}"),
         ("/shared/gpuferry", str(workdir)),
         ("bucket_name: models", f"bucket_name: {s3_store.bucket.bucket_name}"),
         ("region_name: us-east-1", f"region_name: {s3['AWS_DEFAULT_REGION']}"),
@@ -94,40 +105,66 @@ def world(tmp_path: Path, k8s_namespace: str, s3_store: S3CheckpointStore,
         ("https://mlflow.example.org", mlflow["MLFLOW_TRACKING_URI"]),
         ("username: alice", f"username: {mlflow['MLFLOW_TRACKING_USERNAME']}"),
         ("~/.kube/config", k8s["KUBECONFIG"]),
-        ("namespace: models", f"namespace: {k8s_namespace}\n      env: {{AWS_ENDPOINT_URL: "
-                              f"'{s3_for_pods['AWS_ENDPOINT_URL']}'}}"),
-        ("cluster_name: hpc", f"cluster_name: {stack}"), ("  hpc:", f"  {stack}:"),
-    ]  # fmt: skip
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        (
+            "namespace: models",
+            f"namespace: {k8s_namespace}\n      env: {{AWS_ENDPOINT_URL: '{s3_for_pods['AWS_ENDPOINT_URL']}'}}",
+        ),
+        ("cluster_name: hpc", f"cluster_name: {stack}"),
+        ("  hpc:", f"  {stack}:"),
+    ]
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     command_values = [
         ("git+<this repository>", f"git+file://{REPO}@{head}"),
         ("house-prices", workload),
         # A busy CI machine may take longer than the 10 s default to answer a check; the rows are what is tested.
-        ("check hpc ", f"check {stack} --timeout 60 "), ("--stack hpc", f"--stack {stack}"),
-    ]  # fmt: skip
+        ("check hpc ", f"check {stack} --timeout 60 "),
+        ("--stack hpc", f"--stack {stack}"),
+    ]
     pool = f"gpuferry-readme-{uid}"
     # The installed gpuferry is the only one on PATH; uv is the one `make venv` installed, on a PATH of its own.
     (tmp_path / "uv-bin").mkdir()
     (tmp_path / "uv-bin" / "uv").symlink_to(shutil.which("uv") or REPO / ".venv/bin/uv")
     path = [str(tmp_path / "bin"), str(tmp_path / "uv-bin")] + [
-        p for p in os.environ["PATH"].split(os.pathsep) if p and not (Path(p) / "gpuferry").exists()]  # fmt: skip
-    env = {**os.environ, "PATH": os.pathsep.join(path), "UV_TOOL_DIR": str(tmp_path / "tools"),
-           "UV_TOOL_BIN_DIR": str(tmp_path / "bin"), "UV_CONSTRAINT": str(REPO / "requirements.lock"),
-           "KUBECONFIG": k8s["KUBECONFIG"], "PREFECT_API_URL": prefect["PREFECT_API_URL"],
-           "PREFECT_UI_URL": prefect["PREFECT_UI_URL"], "GPUFERRY_WORK_POOL": pool,
-           "GPUFERRY_HOME": str(tmp_path / "home"),
-           "REGISTRY_PASSWORD": Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
-           "AWS_ACCESS_KEY_ID": s3["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": s3["AWS_SECRET_ACCESS_KEY"],
-           "MLFLOW_TRACKING_PASSWORD": mlflow["MLFLOW_TRACKING_PASSWORD"]}  # fmt: skip
+        p for p in os.environ["PATH"].split(os.pathsep) if p and not (Path(p) / "gpuferry").exists()
+    ]
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join(path),
+        "UV_TOOL_DIR": str(tmp_path / "tools"),
+        "UV_TOOL_BIN_DIR": str(tmp_path / "bin"),
+        "UV_CONSTRAINT": str(REPO / "requirements.lock"),
+        "KUBECONFIG": k8s["KUBECONFIG"],
+        "PREFECT_API_URL": prefect["PREFECT_API_URL"],
+        "PREFECT_UI_URL": prefect["PREFECT_UI_URL"],
+        "GPUFERRY_WORK_POOL": pool,
+        "GPUFERRY_HOME": str(tmp_path / "home"),
+        "REGISTRY_PASSWORD": Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
+        "AWS_ACCESS_KEY_ID": s3["AWS_ACCESS_KEY_ID"],
+        "AWS_SECRET_ACCESS_KEY": s3["AWS_SECRET_ACCESS_KEY"],
+        "MLFLOW_TRACKING_PASSWORD": mlflow["MLFLOW_TRACKING_PASSWORD"],
+    }
     env.pop("PREFECT_HOME", None)
     worker = private_worker.start_worker(
-        pool, f"readme-{uid}", private_worker.worker_env(prefect["PREFECT_API_URL"], tmp_path / "worker-home"),
+        pool,
+        f"readme-{uid}",
+        private_worker.worker_env(prefect["PREFECT_API_URL"], tmp_path / "worker-home"),
         tmp_path / "worker.log",
-    )  # fmt: skip
+    )
     try:
-        yield {"tmp": tmp_path, "env": env, "head": head, "file_values": file_values, "command_values": command_values,
-               "stack": stack, "workload": workload, "namespace": k8s_namespace, "mlflow": mlflow_server(),
-               "kubeconfig": k8s["KUBECONFIG"]}  # fmt: skip
+        yield {
+            "tmp": tmp_path,
+            "env": env,
+            "head": head,
+            "file_values": file_values,
+            "command_values": command_values,
+            "stack": stack,
+            "workload": workload,
+            "namespace": k8s_namespace,
+            "mlflow": mlflow_server(),
+            "kubeconfig": k8s["KUBECONFIG"],
+        }
     finally:
         private_worker.stop(worker)
         print((tmp_path / "worker.log").read_text()[-5000:])
@@ -146,7 +183,7 @@ def _forget(api_url: str, stack: str, tracking: Any, model: str) -> None:
         try:
             doc = client.read_block_document_by_name(stack, block_type_slug="gpuferry-stack")
             client.delete_block_document(doc.id)
-        except Exception as exc:  # noqa: BLE001 - best effort
+        except Exception as exc:  # noqa: BLE001 - best effort; the test's own failure is what matters - best effort
             print(f"cleanup: stack {stack}: {exc}")
     try:
         tracking.client.delete_registered_model(model)
@@ -169,8 +206,9 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
         for old, new in world["command_values"]:
             line = line.replace(old, new)
         started = time.monotonic()
-        done = subprocess.run(["bash", "-c", line], cwd=repository, env=world["env"], capture_output=True,
-                              text=True, timeout=1800)  # fmt: skip
+        done = subprocess.run(
+            ["bash", "-c", line], cwd=repository, env=world["env"], capture_output=True, text=True, timeout=1800
+        )
         out = done.stdout + done.stderr
         print(f"$ {line}  ({time.monotonic() - started:.1f} s)\n{out[-4000:]}")
         assert done.returncode == 0, f"{line}\n{out[-6000:]}"
@@ -196,8 +234,8 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
     # Version 2 serves on Kubernetes: its pod loaded the checkpoint from S3 and answers the model's input example.
     from pydantic import SecretStr
 
-    from blocks import k8s_manifests as m
-    from blocks.kubernetes import KubernetesCluster
+    from blocks.kubernetes import manifests as m
+    from blocks.kubernetes.cluster import KubernetesCluster
     from blocks.specs import ServingSpec
 
     client = world["mlflow"].client
@@ -212,8 +250,9 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
     assert status == 200
     assert ready["model"]["checkpoint_sha256"] == client.get_model_version(model, "2").tags["checkpoint_sha256"]
     columns = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]
-    status, answer = block.pod_request(pod["metadata"]["name"], "/invocations",
-                                       {"dataframe_split": {"columns": columns, "data": [[0.0] * 10]}})  # fmt: skip
+    status, answer = block.pod_request(
+        pod["metadata"]["name"], "/invocations", {"dataframe_split": {"columns": columns, "data": [[0.0] * 10]}}
+    )
     assert status == 200 and len(answer["predictions"]) == 1
     # The store's keys reached the pod through the Secret the deploy made, and only through it.
     secret_path = f"/api/v1/namespaces/{ns}/secrets/{m.store_secret_name(ServingSpec(service_name=model))}"

@@ -23,12 +23,13 @@ from botocore.config import Config
 from prefect_aws import AwsCredentials, S3Bucket
 from prefect_aws.client_parameters import AwsClientParameters
 
+from blocks.base.storage import MANIFEST, build_manifest
 from blocks.errors import ChecksumMismatch, ConfigurationError
-from blocks.s3 import S3CheckpointStore
-from blocks.storage import MANIFEST, build_manifest, manifest_bytes
+from blocks.storage.s3 import S3CheckpointStore
+from runtime.contract import manifest_bytes
 from tasks.retry import is_transient
 from tests.stacks import stack_env
-from tests.test_storage import hashed  # noqa: F401  (fixture: the local files read to hash them)
+from tests.test_storage import hashed  # noqa: F401 - fixture: the local files read to hash them
 
 pytestmark = pytest.mark.integration
 
@@ -47,10 +48,13 @@ def _credentials(env: dict[str, str], endpoint: str, **config: object) -> AwsCre
 
 def _raw_client(env: dict[str, str], endpoint: str) -> object:
     return boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"],
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
         config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2}),
-    )  # fmt: skip
+    )
 
 
 def _empty_bucket(s3: object, bucket: str) -> None:
@@ -80,8 +84,10 @@ def store(s3env: dict[str, str], bucket: str) -> S3CheckpointStore:
     # Small thresholds so a few MiB already exercise multipart uploads and ranged downloads.
     return S3CheckpointStore(
         bucket=S3Bucket(bucket_name=bucket, credentials=_credentials(s3env, s3env["S3_ENDPOINT_URL"])),
-        multipart_threshold_mib=5, multipart_chunksize_mib=5, download_chunksize_mib=5,
-    )  # fmt: skip
+        multipart_threshold_mib=5,
+        multipart_chunksize_mib=5,
+        download_chunksize_mib=5,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -121,8 +127,12 @@ class Wire:
         headers = request.headers
         size = int(headers.get("X-Amz-Decoded-Content-Length") or headers.get("Content-Length") or 0)
         self.requests.append((event_name.rsplit(".", 1)[1], key, int(part[0]) if part else None, size))
-        self.headers.append({name.lower(): value.decode() if isinstance(value, bytes) else str(value)
-                             for name, value in headers.items()})  # fmt: skip
+        self.headers.append(
+            {
+                name.lower(): value.decode() if isinstance(value, bytes) else str(value)
+                for name, value in headers.items()
+            }
+        )
 
     def close(self) -> None:
         self.client.meta.events.unregister("before-send.s3", self._seen)
@@ -134,7 +144,6 @@ class Wire:
         """Bytes of checkpoint files sent (object and part bodies; not the manifest)."""
         bodies = ("PutObject", "UploadPart")
         return sum(size for op, key, _, size in self.requests if op in bodies and not key.endswith(f"/{MANIFEST}"))
-
 
 
 def _unique(prefix: str) -> str:
@@ -179,9 +188,10 @@ def test_unchanged_reupload_moves_nothing(store: S3CheckpointStore, checkpoint: 
     assert third.bytes_uploaded == len('{"val_accuracy": 0.98}')
     assert third.sha256 != first.sha256
     assert store.read_manifest(third.uri)["files"][0] == {
-        "path": "metrics.json", "size": 22,
+        "path": "metrics.json",
+        "size": 22,
         "sha256": hashlib.sha256(b'{"val_accuracy": 0.98}').hexdigest(),
-    }  # fmt: skip
+    }
 
 
 def test_corrupted_object_detected_on_download(
@@ -210,8 +220,11 @@ def test_corrupted_object_detected_on_download(
     with pytest.raises(ChecksumMismatch, match=rf"s3://{bucket}/{big}: sha256 \w+ \({len(data)} bytes\) but MANIFEST"):
         store.get(ref.uri, tmp_path / "out2")
     s3.put_object(Bucket=bucket, Key=big, Body=bytes(data[: 10 * MiB]), Metadata=metadata)
-    with pytest.raises(ChecksumMismatch, match=rf"s3://{bucket}/{big}: sha256 \(not read\) \({10 * MiB} bytes\) but "
-                                               rf"MANIFEST.json says \w+ \({len(data)} bytes\)"):  # fmt: skip
+    with pytest.raises(
+        ChecksumMismatch,
+        match=rf"s3://{bucket}/{big}: sha256 \(not read\) \({10 * MiB} bytes\) but "
+        rf"MANIFEST.json says \w+ \({len(data)} bytes\)",
+    ):
         store.get(ref.uri, tmp_path / "out3")
     for out in ("out2", "out3"):
         assert not (tmp_path / out / "model.pt").exists() and not list((tmp_path / out).rglob(".*.partial"))
@@ -228,9 +241,10 @@ def test_checkpoint_without_manifest_is_not_trusted(
         store.get(ref.uri, tmp_path / "out")
     # A manifest that points outside the checkpoint is refused before anything is written.
     s3.put_object(
-        Bucket=store.bucket.bucket_name, Key=f"checkpoints/{name}/{MANIFEST}",
+        Bucket=store.bucket.bucket_name,
+        Key=f"checkpoints/{name}/{MANIFEST}",
         Body=b'{"format":1,"files":[{"path":"../../etc/x","size":1,"sha256":"00"}]}',
-    )  # fmt: skip
+    )
     with pytest.raises(ChecksumMismatch, match="unsafe path '../../etc/x'"):
         store.get(ref.uri, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
@@ -247,13 +261,13 @@ def test_configuration_errors_name_the_fix(s3env: dict[str, str], checkpoint: Pa
         missing.put(checkpoint, "../escape")
 
 
-def test_wrong_credentials_fail_at_once_naming_the_field(
-    s3env: dict[str, str], bucket: str, checkpoint: Path
-) -> None:
+def test_wrong_credentials_fail_at_once_naming_the_field(s3env: dict[str, str], bucket: str, checkpoint: Path) -> None:
     """RGW checks every signature: a wrong secret or an unknown access key is refused at the first request, not
     retried, and the error names the credentials field to fix."""
-    cases = [({"AWS_SECRET_ACCESS_KEY": "not-the-secret-key"}, "SignatureDoesNotMatch", "aws_secret_access_key"),
-             ({"AWS_ACCESS_KEY_ID": "GPUFERRYNOSUCHKEY000"}, "InvalidAccessKeyId", "aws_access_key_id")]  # fmt: skip
+    cases = [
+        ({"AWS_SECRET_ACCESS_KEY": "not-the-secret-key"}, "SignatureDoesNotMatch", "aws_secret_access_key"),
+        ({"AWS_ACCESS_KEY_ID": "GPUFERRYNOSUCHKEY000"}, "InvalidAccessKeyId", "aws_access_key_id"),
+    ]
     for wrong, code, field in cases:
         store = S3CheckpointStore(
             bucket=S3Bucket(bucket_name=bucket, credentials=_credentials({**s3env, **wrong}, s3env["S3_ENDPOINT_URL"]))
@@ -291,14 +305,17 @@ def test_https_with_the_stacks_ca(
 
     def over_https(**client_parameters: object) -> S3CheckpointStore:
         credentials = AwsCredentials(
-            aws_access_key_id=s3env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=s3env["AWS_SECRET_ACCESS_KEY"],
+            aws_access_key_id=s3env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=s3env["AWS_SECRET_ACCESS_KEY"],
             region_name=s3env["AWS_DEFAULT_REGION"],
             aws_client_parameters=AwsClientParameters(endpoint_url=s3env["S3_HTTPS_ENDPOINT_URL"], **client_parameters),
-        )  # fmt: skip
+        )
         return S3CheckpointStore(
             bucket=S3Bucket(bucket_name=bucket, credentials=credentials),
-            multipart_threshold_mib=5, multipart_chunksize_mib=5, download_chunksize_mib=5,
-        )  # fmt: skip
+            multipart_threshold_mib=5,
+            multipart_chunksize_mib=5,
+            download_chunksize_mib=5,
+        )
 
     for name in ("AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR"):
         monkeypatch.delenv(name, raising=False)  # the CA comes from the block alone
@@ -308,7 +325,7 @@ def test_https_with_the_stacks_ca(
         ref = store.put(checkpoint, _unique("tls"))
     finally:
         wire.close()
-    bodies = [h for (op, *_), h in zip(wire.requests, wire.headers) if op in ("PutObject", "UploadPart")]
+    bodies = [h for (op, *_), h in zip(wire.requests, wire.headers, strict=True) if op in ("PutObject", "UploadPart")]
     assert len(bodies) == 3 + 3 + 1  # model.pt in 3 parts; 2 shards and metrics.json whole; the manifest
     assert not any("aws-chunked" in h.get("content-encoding", "") or "x-amz-trailer" in h for h in bodies)
     assert all(re.fullmatch("[0-9a-f]{64}", h["x-amz-content-sha256"]) for h in bodies), bodies  # signed, on https too
@@ -316,20 +333,27 @@ def test_https_with_the_stacks_ca(
     for entry in build_manifest(checkpoint)["files"]:
         assert (out / entry["path"]).read_bytes() == (checkpoint / entry["path"]).read_bytes()
 
-    with pytest.raises(ConfigurationError, match="TLS certificate is not trusted .* set bucket.credentials."
-                                                 "aws_client_parameters.verify_cert_path") as info:  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match="TLS certificate is not trusted .* set bucket.credentials.aws_client_parameters.verify_cert_path",
+    ) as info:
         over_https().get(ref.uri, tmp_path / "never")
     assert not is_transient(info.value)
 
 
 def test_where_the_stand_in_differs_from_aws(s3env: dict[str, str], bucket: str) -> None:
     """What README says of Ceph RGW 16.2 against AWS S3, and what the store does about each."""
+
     def plain(endpoint: str, **config: object) -> object:
         return boto3.client(
-            "s3", endpoint_url=endpoint, verify=s3env["S3_CA_BUNDLE"], region_name=s3env["AWS_DEFAULT_REGION"],
-            aws_access_key_id=s3env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=s3env["AWS_SECRET_ACCESS_KEY"],
+            "s3",
+            endpoint_url=endpoint,
+            verify=s3env["S3_CA_BUNDLE"],
+            region_name=s3env["AWS_DEFAULT_REGION"],
+            aws_access_key_id=s3env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=s3env["AWS_SECRET_ACCESS_KEY"],
             config=Config(retries={"max_attempts": 1}, **config),
-        )  # fmt: skip
+        )
 
     http, https = plain(s3env["S3_ENDPOINT_URL"]), plain(s3env["S3_HTTPS_ENDPOINT_URL"])
     # botocore's default over https, a CRC32 trailer in an aws-chunked body, is refused (the store sends none).
@@ -341,8 +365,9 @@ def test_where_the_stand_in_differs_from_aws(s3env: dict[str, str], bucket: str)
     # CompleteMultipartUpload answers an empty ETag (the store reads the object back with HEAD).
     upload = http.create_multipart_upload(Bucket=bucket, Key="rgw/mp")["UploadId"]
     etag = http.upload_part(Bucket=bucket, Key="rgw/mp", UploadId=upload, PartNumber=1, Body=b"y" * 100)["ETag"]
-    done = http.complete_multipart_upload(Bucket=bucket, Key="rgw/mp", UploadId=upload,
-                                          MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]})  # fmt: skip
+    done = http.complete_multipart_upload(
+        Bucket=bucket, Key="rgw/mp", UploadId=upload, MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]}
+    )
     assert done.get("ETag", "").strip('"') == ""
     assert http.head_object(Bucket=bucket, Key="rgw/mp")["ETag"].endswith('-1"')
     # ListParts of an aborted upload: NoSuchKey, where AWS answers NoSuchUpload (the store takes both).
@@ -398,18 +423,24 @@ def test_a_body_damaged_on_the_way_is_refused_and_sent_again(
     (src / "model.pt").write_bytes(os.urandom(12 * MiB))  # parts of 5, 5 and 2 MiB
     for endpoint in (s3env["S3_ENDPOINT_URL"], s3env["S3_HTTPS_ENDPOINT_URL"]):
         credentials = AwsCredentials(
-            aws_access_key_id=s3env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=s3env["AWS_SECRET_ACCESS_KEY"],
+            aws_access_key_id=s3env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=s3env["AWS_SECRET_ACCESS_KEY"],
             region_name=s3env["AWS_DEFAULT_REGION"],
             aws_client_parameters=AwsClientParameters(endpoint_url=endpoint, verify_cert_path=s3env["S3_CA_BUNDLE"]),
-        )  # fmt: skip
+        )
         store = S3CheckpointStore(
-            bucket=S3Bucket(bucket_name=bucket, credentials=credentials), max_concurrency=1,
-            multipart_threshold_mib=5, multipart_chunksize_mib=5, download_chunksize_mib=5,
-        )  # fmt: skip
+            bucket=S3Bucket(bucket_name=bucket, credentials=credentials),
+            max_concurrency=1,
+            multipart_threshold_mib=5,
+            multipart_chunksize_mib=5,
+            download_chunksize_mib=5,
+        )
         name = _unique("damaged")
-        with _damaged_first_attempt(store.client(), part_number=2) as damaged:
-            with pytest.raises(Exception, match="XAmzContentSHA256Mismatch") as refused:
-                store.put(src, name)
+        with (
+            _damaged_first_attempt(store.client(), part_number=2) as damaged,
+            pytest.raises(Exception, match="XAmzContentSHA256Mismatch") as refused,
+        ):
+            store.put(src, name)
         assert damaged == [2] and is_transient(refused.value), refused.value
         wire = Wire(store.client())
         try:
@@ -444,8 +475,9 @@ class Gateway:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 ["bash", str(REPO / "scripts" / "s3.sh"), "gateway", self.name, str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -492,11 +524,18 @@ def test_stalled_gateway_restarted_resumes_without_resending_finished_files_or_p
     tuning = {"multipart_threshold_mib": 5, "multipart_chunksize_mib": 5, "max_concurrency": 2, "max_parallel_files": 1}
     # The client gives up quickly once the gateway stops answering.
     impatient = S3CheckpointStore(
-        bucket=S3Bucket(bucket_name=bucket, credentials=_credentials(
-            s3env, gateway.endpoint, connect_timeout=2, read_timeout=3,
-            retries={"max_attempts": 1, "mode": "standard"})),
+        bucket=S3Bucket(
+            bucket_name=bucket,
+            credentials=_credentials(
+                s3env,
+                gateway.endpoint,
+                connect_timeout=2,
+                read_timeout=3,
+                retries={"max_attempts": 1, "mode": "standard"},
+            ),
+        ),
         **tuning,
-    )  # fmt: skip
+    )
 
     # Stall the gateway (SIGSTOP: it holds its connections and answers nothing) as the third file's third part
     # is sent: the first two files are stored by then (one file at a time), and one of the third file's first two
@@ -520,15 +559,18 @@ def test_stalled_gateway_restarted_resumes_without_resending_finished_files_or_p
     seen_files = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{root}/").get("Contents", [])}
     (upload,) = s3.list_multipart_uploads(Bucket=bucket, Prefix=f"{root}/")["Uploads"]
     interrupted_key = upload["Key"]
-    seen_parts = {p["PartNumber"]: p["Size"] for p in s3.list_parts(
-        Bucket=bucket, Key=interrupted_key, UploadId=upload["UploadId"]).get("Parts", [])}  # fmt: skip
+    seen_parts = {
+        p["PartNumber"]: p["Size"]
+        for p in s3.list_parts(Bucket=bucket, Key=interrupted_key, UploadId=upload["UploadId"]).get("Parts", [])
+    }
     assert seen_files == {f"{root}/shard-{i}.bin" for i in (0, 1)} and interrupted_key == f"{root}/shard-2.bin"
     assert seen_parts and 3 not in seen_parts, seen_parts
     gateway.start()
     # An upload of other content left under the checkpoint (another machine's attempt, say): never resumed.
     stale = s3.create_multipart_upload(Bucket=bucket, Key=f"{root}/shard-5.bin")
-    s3.upload_part(Bucket=bucket, Key=f"{root}/shard-5.bin", UploadId=stale["UploadId"],
-                   PartNumber=1, Body=b"x" * (5 * MiB))  # fmt: skip
+    s3.upload_part(
+        Bucket=bucket, Key=f"{root}/shard-5.bin", UploadId=stale["UploadId"], PartNumber=1, Body=b"x" * (5 * MiB)
+    )
 
     patient = S3CheckpointStore(
         bucket=S3Bucket(bucket_name=bucket, credentials=_credentials(s3env, gateway.endpoint)), **tuning
@@ -579,11 +621,15 @@ def test_resume_checks_each_stored_part_and_the_content(
     with monkeypatch.context() as patched, pytest.raises(ConnectionResetError):
         patched.setattr(client, "upload_part", fail_from_part_3)
         store.put(src, name)
-    (pending,) = _raw_client(s3env, s3env["S3_ENDPOINT_URL"]).list_multipart_uploads(
-        Bucket=bucket, Prefix=key).get("Uploads", [])  # fmt: skip
+    (pending,) = (
+        _raw_client(s3env, s3env["S3_ENDPOINT_URL"])
+        .list_multipart_uploads(Bucket=bucket, Prefix=key)
+        .get("Uploads", [])
+    )
     # Part 2 as stored no longer matches the local bytes (written over by someone else): it is sent again.
     _raw_client(s3env, s3env["S3_ENDPOINT_URL"]).upload_part(
-        Bucket=bucket, Key=key, UploadId=pending["UploadId"], PartNumber=2, Body=os.urandom(5 * MiB))
+        Bucket=bucket, Key=key, UploadId=pending["UploadId"], PartNumber=2, Body=os.urandom(5 * MiB)
+    )
 
     wire = Wire(client)
     try:
@@ -610,8 +656,12 @@ def test_resume_checks_each_stored_part_and_the_content(
     assert sorted(part for _, _, part, _ in wire.sent("UploadPart")) == [1, 2, 3, 4]
     assert fresh.bytes_uploaded == 18 * MiB
     assert (store.get(fresh.uri, tmp_path / "out2") / "model.pt").read_bytes() == (src / "model.pt").read_bytes()
-    assert _raw_client(s3env, s3env["S3_ENDPOINT_URL"]).list_multipart_uploads(
-        Bucket=bucket, Prefix=key).get("Uploads", []) == []  # fmt: skip
+    assert (
+        _raw_client(s3env, s3env["S3_ENDPOINT_URL"])
+        .list_multipart_uploads(Bucket=bucket, Prefix=key)
+        .get("Uploads", [])
+        == []
+    )
 
 
 def test_resume_of_an_upload_aborted_meanwhile_starts_afresh(
@@ -643,7 +693,9 @@ def test_resume_of_an_upload_aborted_meanwhile_starts_afresh(
     finally:
         wire.close()
     assert [op for op, *_ in wire.sent() if op in ("ListParts", "CreateMultipartUpload")] == [
-        "ListParts", "CreateMultipartUpload"]  # fmt: skip
+        "ListParts",
+        "CreateMultipartUpload",
+    ]
     assert sorted(part for _, _, part, _ in wire.sent("UploadPart")) == [1, 2, 3]
     assert again.bytes_uploaded == 12 * MiB
     assert (store.get(again.uri, tmp_path / "out") / "model.pt").read_bytes() == (src / "model.pt").read_bytes()
@@ -651,9 +703,13 @@ def test_resume_of_an_upload_aborted_meanwhile_starts_afresh(
 
 def test_server_down_is_transient(s3env: dict[str, str], checkpoint: Path) -> None:
     down = S3CheckpointStore(
-        bucket=S3Bucket(bucket_name="any", credentials=_credentials(
-            s3env, f"http://127.0.0.1:{_free_port()}", connect_timeout=1, retries={"max_attempts": 1})),
-    )  # fmt: skip
+        bucket=S3Bucket(
+            bucket_name="any",
+            credentials=_credentials(
+                s3env, f"http://127.0.0.1:{_free_port()}", connect_timeout=1, retries={"max_attempts": 1}
+            ),
+        ),
+    )
     with pytest.raises(Exception) as info:
         down.put(checkpoint, "m/r")
     assert is_transient(info.value), repr(info.value)

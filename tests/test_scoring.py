@@ -64,4 +64,3 @@ def test_a_column_batch_is_what_mlflows_schema_enforcement_gives_the_model(tmp_p
     assert answers == expected
     assert answers[0][0].startswith(f"DataFrame {[name for name, _ in columns]}")
     assert scorer.fallbacks == 0
-

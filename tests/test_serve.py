@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from blocks.storage import write_manifest
+from blocks.base.storage import write_manifest
 from runtime import contract
 from runtime.checkpoint import UnverifiedCheckpoint, fetch_checkpoint
 from runtime.contract import ManifestError
@@ -119,7 +119,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-2)
     for _ in range(60):
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(mlp(torch.from_numpy(x[:1400])), torch.from_numpy(digits.target[:1400])).backward()
+        torch.nn.functional.cross_entropy(
+            mlp(torch.from_numpy(x[:1400])), torch.from_numpy(digits.target[:1400])
+        ).backward()
         optimizer.step()
     # A 2-row example: torch.export keeps a batch dimension of 1 static. pip_requirements: no slow inference.
     mlflow.pytorch.save_model(mlp.eval(), root / "digits", input_example=x[:2], pip_requirements=["torch"])
@@ -229,7 +231,11 @@ def launch(model_uri: Path | str, log_path: Path, argv: list[str] | None = None,
     }
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            argv or [sys.executable, "-m", "runtime.serve"], cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT
+            argv or [sys.executable, "-m", "runtime.serve"],
+            cwd=REPO,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
         )
     return Server(proc, port, log_path)
 
@@ -270,8 +276,19 @@ def mlflow_serve(model_dir: Path, log_path: Path) -> Server:
     """``mlflow models serve`` on the same model directory (not waiting for it)."""
     port = _free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    argv = [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", str(model_dir),
-            "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]  # fmt: skip
+    argv = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "models",
+        "serve",
+        "-m",
+        str(model_dir),
+        "--env-manager",
+        "local",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+    ]
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     return Server(proc, port, log_path)
@@ -515,7 +532,9 @@ def test_answers_equal_the_models_own_and_mlflow_serves(servers: Servers, models
     rows = models.digits_x[:4]
     expected_regressor = predict(models.regressor, frame)
     expected_digits = predict(models.digits, rows)
-    cases = [(servers.regressor, servers.mlflow_regressor, req, expected_regressor) for req in _regressor_requests(frame)]
+    cases = [
+        (servers.regressor, servers.mlflow_regressor, req, expected_regressor) for req in _regressor_requests(frame)
+    ]
     cases += [(servers.digits, servers.mlflow_digits, req, expected_digits) for req in _digits_requests(rows)]
     for ours, theirs, (payload, content_type), expected in cases:
         answer, reference = ours.post(payload, content_type), theirs.post(payload, content_type)
@@ -562,12 +581,15 @@ def test_params_are_passed_and_batches_never_mix_them(servers: Servers, models: 
         pytest.param({"inputs": [[[0.0] * 64]]}, ['"inputs[0]"', "1 values", "expects 64"], id="3-d"),
         pytest.param({"inputs": []}, ['"inputs" is empty'], id="empty"),
         pytest.param(
-            {"inputs": [[0.0] * 64] * (MAX_REQUEST_ROWS + 1)}, [f"{MAX_REQUEST_ROWS + 1} rows", "MAX_REQUEST_ROWS"],
+            {"inputs": [[0.0] * 64] * (MAX_REQUEST_ROWS + 1)},
+            [f"{MAX_REQUEST_ROWS + 1} rows", "MAX_REQUEST_ROWS"],
             id="too-many-rows",
-        ),  # fmt: skip
+        ),
     ],
 )
-def test_a_tensor_that_does_not_match_the_signature_is_422(servers: Servers, payload: dict, fragments: list[str]) -> None:
+def test_a_tensor_that_does_not_match_the_signature_is_422(
+    servers: Servers, payload: dict, fragments: list[str]
+) -> None:
     response = servers.digits.post(payload)
     assert response.status_code == 422, response.text
     body = response.json()
@@ -591,11 +613,16 @@ def _diabetes_columns() -> list[str]:
         ),
         pytest.param(
             {"dataframe_records": [dict.fromkeys(_diabetes_columns(), 0.0) | {"bmi": "high"}]},
-            ["column 'bmi'", "double", '"dataframe_records[0][\'bmi\']"', "a string"],
+            ["column 'bmi'", "double", "\"dataframe_records[0]['bmi']\"", "a string"],
             id="string-in-double-column",
         ),
         pytest.param(
-            {"dataframe_records": [dict.fromkeys(_diabetes_columns(), 0.0), dict.fromkeys(_diabetes_columns()[:-1], 0.0)]},
+            {
+                "dataframe_records": [
+                    dict.fromkeys(_diabetes_columns(), 0.0),
+                    dict.fromkeys(_diabetes_columns()[:-1], 0.0),
+                ]
+            },
             ['"dataframe_records[1]"', "no column 's6'"],
             id="record-without-a-column",
         ),
@@ -714,7 +741,12 @@ def test_overload_is_503_with_retry_after(servers: Servers, models: Models) -> N
         if status == 503:
             assert int(headers["retry-after"]) >= 1 and "overloaded" in body["message"]
         else:
-            np.testing.assert_allclose(body["predictions"], predict(models.digits, np.array(payload["inputs"], np.float32)), rtol=1e-5, atol=1e-6)  # fmt: skip
+            np.testing.assert_allclose(
+                body["predictions"],
+                predict(models.digits, np.array(payload["inputs"], np.float32)),
+                rtol=1e-5,
+                atol=1e-6,
+            )
     after = srv.metrics()
     refused = after['inference_requests_total{code="503"}'] - before.get('inference_requests_total{code="503"}', 0)
     assert refused == statuses.count(503)
@@ -726,10 +758,15 @@ def test_overload_is_503_with_retry_after(servers: Servers, models: Models) -> N
 
 def test_sigterm_under_load_drops_no_request(models: Models, tmp_path: Path) -> None:
     srv = follow_until_ready(
-        launch(models.digits, tmp_path / "serve.log", argv=[sys.executable, str(REPO / "runtime" / "serve.py")],
-               DRAIN_SECONDS=3, WARMUP_ITERATIONS=1),  # the script form, not -m
+        launch(
+            models.digits,
+            tmp_path / "serve.log",
+            argv=[sys.executable, str(REPO / "runtime" / "serve.py")],
+            DRAIN_SECONDS=3,
+            WARMUP_ITERATIONS=1,
+        ),  # the script form, not -m
         digits_body(models.digits_x[:1]),
-    )  # fmt: skip
+    )
     try:
         outcome = asyncio.run(_load_through_sigterm(srv, models))
         assert srv.proc.wait(timeout=DEADLINE) == 0, srv.log()
@@ -898,7 +935,9 @@ def test_a_checkpoint_that_is_not_the_registered_one_is_refused(models: Models, 
     assert fetch_checkpoint(source.as_uri(), tmp_path / "ok", registered).sha256 == registered
     (source / "extra.txt").write_text("added after registration")
     replaced = write_manifest(source)  # a consistent checkpoint, but another one
-    with pytest.raises(UnverifiedCheckpoint, match=f"has sha256 {replaced}, but the model version records {registered}"):
+    with pytest.raises(
+        UnverifiedCheckpoint, match=f"has sha256 {replaced}, but the model version records {registered}"
+    ):
         fetch_checkpoint(source.as_uri(), tmp_path / "refused", registered)
     assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())  # nothing fetched
     proc = _run_to_exit(source.as_uri(), {contract.MODEL_SHA256: registered})

@@ -22,21 +22,21 @@ from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from blocks.slurm import SlurmCluster
-from tests.test_slurm_cluster import REPO, cluster, env, wait_for  # noqa: F401 - fixtures
+from blocks.slurm.cluster import SlurmCluster
 from tests.processes import stop_process_group
+from tests.test_slurm_cluster import REPO, cluster, env, wait_for  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
-FLOW = textwrap.dedent('''
+FLOW = textwrap.dedent("""
     from pathlib import Path
 
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from blocks.slurm import SlurmCluster
+    from blocks.slurm.cluster import SlurmCluster
     from blocks.specs import Resources, TrainingJob
-    from blocks.workload import code_archive
+    from blocks.workload.source import code_archive
     from tasks.train import train
 
 
@@ -51,24 +51,34 @@ FLOW = textwrap.dedent('''
 
     if __name__ == "__main__":
         long_job.serve(name="cancel-probe", limit=1)
-''')
+""")
 
 # Stands in for a long training run (the job's command, shipped with its code).
 LONG = 'for i in $(seq 1 600); do echo "tick $i"; sleep 1; done\n'
 
 
-def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tmp_path: Path) -> None:  # noqa: F811
+def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tmp_path: Path) -> None:
     (tmp_path / "serve_probe.py").write_text(FLOW)
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "long.sh").write_text(LONG)
     block = cluster
     block.save("slurm-cancel-probe", overwrite=True)
 
-    runner_env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO),
-                  "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # fmt: skip
+    runner_env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PYTHONPATH": str(REPO),
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+    }
     log = open(tmp_path / "runner.log", "wb")  # noqa: SIM115 - closed below
-    runner = subprocess.Popen([sys.executable, "serve_probe.py"], cwd=tmp_path, env=runner_env,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    runner = subprocess.Popen(
+        [sys.executable, "serve_probe.py"],
+        cwd=tmp_path,
+        env=runner_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         with get_client(sync_client=True) as client:
 
@@ -81,13 +91,12 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tm
                     return False
 
             wait_for(deployed, 180, "the served deployment")
-            run = run_deployment("slurm-cancel-probe/cancel-probe", parameters={"block": "slurm-cancel-probe"},
-                                 timeout=0)  # fmt: skip
+            run = run_deployment(
+                "slurm-cancel-probe/cancel-probe", parameters={"block": "slurm-cancel-probe"}, timeout=0
+            )
             key = f"{run.id}-train"
             job_id = wait_for(lambda: cluster.find_job(key), 180, "the flow's Slurm job")
-            handle = cluster._handle(
-                str(job_id), key, cluster.job_workdir(key), f"{cluster.job_workdir(key)}/job.log"
-            )
+            handle = cluster._handle(str(job_id), key, cluster.job_workdir(key), f"{cluster.job_workdir(key)}/job.log")
             wait_for(lambda: "tick 2" in cluster.read_log(handle)[0], 120, "the job running")
 
             client.set_flow_run_state(run.id, Cancelling(message="cancelled by the test"))
@@ -98,9 +107,14 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tm
             assert ticks < 300  # stopped long before its end
             # The run's own logs (a session's server holds many), shipped by the runner in the background.
             run_logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))
-            wait_for(lambda: any(f"cancelling job {job_id}" in entry.message
-                                 for entry in client.read_logs(log_filter=run_logs, limit=200, sort=LogSort.TIMESTAMP_DESC)),
-                     60, "the run's log of the cancelled job")  # fmt: skip
+            wait_for(
+                lambda: any(
+                    f"cancelling job {job_id}" in entry.message
+                    for entry in client.read_logs(log_filter=run_logs, limit=200, sort=LogSort.TIMESTAMP_DESC)
+                ),
+                60,
+                "the run's log of the cancelled job",
+            )
     finally:
         stop_process_group(runner, signal.SIGINT, 60)  # SIGINT first: the runner's own cancellation path
         log.close()

@@ -27,13 +27,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from blocks.base.mlflow_model import check_mlflow_model
 from blocks.errors import ConfigurationError, JobFailed
-from blocks.slurm import SlurmCluster
-from blocks.mlflow_model import check_mlflow_model
-from blocks.specs import Resources, TrainingJob
+from blocks.records import TrainingJob
+from blocks.slurm.cluster import SlurmCluster
+from blocks.specs import Resources
+from runtime import contract
 from tests.examples import DIGITS, JOBS, code_of
 from tests.stacks import remote_slurm, remove_on_cluster, stack_env
-from runtime import contract
 
 pytestmark = pytest.mark.integration
 
@@ -43,9 +44,10 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = (
     "import json, os, sys, time; p = os.environ['PROGRESS']; "
     "json.dump({'step': 1, 'total_steps': 1}, open(p + '.tmp', 'w')); os.replace(p + '.tmp', p); "
-    "print('tiny job on', os.environ.get('SLURMD_NODENAME'), 'gpus', os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True); "
+    "print('tiny job on', os.environ.get('SLURMD_NODENAME'), "
+    "'gpus', os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True); "
     "time.sleep(1.5); sys.exit(int(sys.argv[1]))"
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +100,29 @@ def key(name: str) -> str:
 
 def slurm(env: dict[str, str], *argv: str) -> str:
     """A Slurm command run directly (not through the block), to check what the block did."""
-    return subprocess.run(list(argv), capture_output=True, text=True, check=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "SLURM_CONF": env["SLURM_CONF"]}).stdout  # fmt: skip
+    return subprocess.run(
+        list(argv),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "SLURM_CONF": env["SLURM_CONF"]},
+    ).stdout
 
 
 def jobs_named(env: dict[str, str], name: str) -> list[str]:
     """Job ids with this name in the controller's memory and in accounting (deduplicated)."""
-    live = {str(j.get("array_job_id") or j["job_id"]) for j in json.loads(slurm(env, "squeue", "--json"))["jobs"]
-            if j["name"] == name}  # fmt: skip
-    acct = {line.split("_")[0] for line in slurm(env, "sacct", "-X", "-n", "-P", f"--name={name}",
-                                                  "--starttime=now-1days", "--format=JobID").split()}  # fmt: skip
+    live = {
+        str(j.get("array_job_id") or j["job_id"])
+        for j in json.loads(slurm(env, "squeue", "--json"))["jobs"]
+        if j["name"] == name
+    }
+    acct = {
+        line.split("_")[0]
+        for line in slurm(
+            env, "sacct", "-X", "-n", "-P", f"--name={name}", "--starttime=now-1days", "--format=JobID"
+        ).split()
+    }
     return sorted(live | acct)
 
 
@@ -125,8 +140,9 @@ def wait_for(predicate: Callable[[], object], timeout: float = 60.0, what: str =
 def tiny(cluster: SlurmCluster, k: str, code: int = 0, **options: object):  # type: ignore[no-untyped-def]
     """TINY as a job, run by the block's ``python``: the cluster's interpreter."""
     workdir = cluster.job_workdir(k)
-    return cluster.submit_command(k, [cluster.python, "-c", TINY, str(code)],
-                                  env={"PROGRESS": f"{workdir}/progress.json"}, **options)  # fmt: skip
+    return cluster.submit_command(
+        k, [cluster.python, "-c", TINY, str(code)], env={"PROGRESS": f"{workdir}/progress.json"}, **options
+    )
 
 
 def test_one_node_job_over_ssh(cluster: SlurmCluster) -> None:
@@ -161,8 +177,10 @@ def test_array_of_100_tasks(cluster: SlurmCluster, env: dict[str, str]) -> None:
     handle = cluster.submit_command(k, ["sh", "-c", 'echo "task $SLURM_ARRAY_TASK_ID"'], array="0-99")
     status = cluster.watch(handle, timeout_seconds=150)
     assert status.state == "COMPLETED", status
-    logs = [cluster.read_log(handle.model_copy(update={"log_path": handle.log_path.replace("%a", str(i))}))[0]
-            for i in (0, 57, 99)]  # fmt: skip
+    logs = [
+        cluster.read_log(handle.model_copy(update={"log_path": handle.log_path.replace("%a", str(i))}))[0]
+        for i in (0, 57, 99)
+    ]
     assert logs == ["task 0\n", "task 57\n", "task 99\n"]
 
     def all_in_sacct() -> bool:
@@ -174,8 +192,13 @@ def test_array_of_100_tasks(cluster: SlurmCluster, env: dict[str, str]) -> None:
 
 def test_submit_twice_makes_one_job(cluster: SlurmCluster, env: dict[str, str]) -> None:
     k = key("twice")
-    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["sleep", "-c"], code=code_of(JOBS),
-                      resources=Resources(time_limit_minutes=5))  # `sleep -c` fails fast: fine  # fmt: skip
+    job = TrainingJob(
+        key=k,
+        workdir=cluster.job_workdir(k),
+        command=["sleep", "-c"],
+        code=code_of(JOBS),
+        resources=Resources(time_limit_minutes=5),
+    )  # `sleep -c` fails fast: fine
     sleeper = cluster
     first = sleeper.submit(job)
     second = sleeper.submit(job)  # a retried submit task, the first job still known to the controller
@@ -192,8 +215,15 @@ def test_submit_twice_makes_one_job(cluster: SlurmCluster, env: dict[str, str]) 
 def test_bad_input_is_refused_before_anything_is_submitted(cluster: SlurmCluster, env: dict[str, str]) -> None:
     k = key("nopart")
     with pytest.raises(ConfigurationError, match=f"partition 'nosuch' does not exist.*{cluster.partition}"):
-        cluster.submit(TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["true"], code=code_of(JOBS),
-                                   resources=Resources(partition="nosuch")))  # fmt: skip
+        cluster.submit(
+            TrainingJob(
+                key=k,
+                workdir=cluster.job_workdir(k),
+                command=["true"],
+                code=code_of(JOBS),
+                resources=Resources(partition="nosuch"),
+            )
+        )
     with pytest.raises(ConfigurationError, match="partition 'nosuch' does not exist"):
         tiny(cluster, k, partition="nosuch")
     with pytest.raises(ConfigurationError, match="job key"):
@@ -211,10 +241,12 @@ def test_bad_input_is_refused_before_anything_is_submitted(cluster: SlurmCluster
 def test_unknown_or_changed_host_key_is_refused(cluster: SlurmCluster, tmp_path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
     other = (tmp_path / "other.pub").read_text().split()[:2]
+
     def trusting(known_hosts: str) -> SlurmCluster:
         assert cluster.credentials is not None
-        return cluster.model_copy(update={"credentials": cluster.credentials.model_copy(
-            update={"known_hosts": known_hosts})})
+        return cluster.model_copy(
+            update={"credentials": cluster.credentials.model_copy(update={"known_hosts": known_hosts})}
+        )
 
     changed = trusting(f"[{cluster.host}]:{cluster.port} {' '.join(other)}\n")
     with pytest.raises(ConfigurationError, match="host key .* CHANGED.*confirm the new fingerprint"):
@@ -251,9 +283,14 @@ def test_trains_the_real_workload(cluster: SlurmCluster, tmp_path: Path) -> None
     """The digits example's code shipped to the cluster (once: a second job finds it there) and run from it."""
     k = key("train")
     code = code_of(DIGITS)
-    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["python", "train.py"], code=code,
-                      env={contract.HPARAMS: json.dumps({"epochs": 2, "batch_size": 128}), "OMP_NUM_THREADS": "1"},
-                      resources=Resources(cpus_per_task=1, time_limit_minutes=10, mem_gb=2))  # fmt: skip
+    job = TrainingJob(
+        key=k,
+        workdir=cluster.job_workdir(k),
+        command=["python", "train.py"],
+        code=code,
+        env={contract.HPARAMS: json.dumps({"epochs": 2, "batch_size": 128}), "OMP_NUM_THREADS": "1"},
+        resources=Resources(cpus_per_task=1, time_limit_minutes=10, mem_gb=2),
+    )
     handle = cluster.submit(job)
     progress: list[dict] = []
     status = cluster.watch(handle, on_progress=progress.append, timeout_seconds=300)
@@ -278,8 +315,14 @@ def test_trains_the_real_workload(cluster: SlurmCluster, tmp_path: Path) -> None
 def test_local_mode_on_the_login_node(env: dict[str, str], login_node_dir: str) -> None:
     """The flow runs on the login node itself: the same block, no SSH."""
     # python: the login node's interpreter, which the flow running on it has; the login node is this machine here.
-    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=login_node_dir, python=sys.executable,
-                         poll_interval_start=0.3, poll_interval_max=2.0)  # fmt: skip
+    local = SlurmCluster(
+        local=True,
+        slurm_conf=env["SLURM_CONF"],
+        workdir_root=login_node_dir,
+        python=sys.executable,
+        poll_interval_start=0.3,
+        poll_interval_max=2.0,
+    )
     handle = tiny(local, key("local"))
     assert local.submit_command(handle.key, ["true"]) == handle
     status = local.watch(handle, timeout_seconds=120)
@@ -288,15 +331,22 @@ def test_local_mode_on_the_login_node(env: dict[str, str], login_node_dir: str) 
     assert local._session is None  # no SSH connection was made
 
 
-def test_local_mode_jobs_do_not_get_the_orchestrators_environment(env: dict[str, str], login_node_dir: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_local_mode_jobs_do_not_get_the_orchestrators_environment(
+    env: dict[str, str], login_node_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With local=True sbatch runs in this process's environment and exports it to the job: the commands get
     PATH, HOME, the locale, SLURM_CONF and pass_env only, never the orchestrator's credentials."""
     monkeypatch.setenv("PREFECT_API_KEY", "planted-prefect-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "planted-aws-secret")
     monkeypatch.setenv("GPUFERRY_TEST_PASSED", "passed-on-purpose")
-    local = SlurmCluster(local=True, slurm_conf=env["SLURM_CONF"], workdir_root=login_node_dir,
-                         pass_env=["GPUFERRY_TEST_PASSED"], poll_interval_start=0.3, poll_interval_max=2.0)  # fmt: skip
+    local = SlurmCluster(
+        local=True,
+        slurm_conf=env["SLURM_CONF"],
+        workdir_root=login_node_dir,
+        pass_env=["GPUFERRY_TEST_PASSED"],
+        poll_interval_start=0.3,
+        poll_interval_max=2.0,
+    )
     handle = local.submit_command(key("localenv"), ["env"], env={"GIVEN": "by-the-job"})
     status = local.watch(handle, timeout_seconds=120)
     dumped = local.read_log(handle)[0]
@@ -313,9 +363,14 @@ def test_two_node_torchrun_all_reduce(cluster: SlurmCluster, env: dict[str, str]
     k = key("ddp")
     workdir = cluster.job_workdir(k)
     ddp = cluster
-    job = TrainingJob(key=k, workdir=workdir, command=["python", "allreduce.py"], code=code_of(JOBS),
-                      env={"ALLREDUCE_OUT": workdir, "OMP_NUM_THREADS": "1"},
-                      resources=Resources(nodes=2, processes_per_node=1, mem_gb=1.5, time_limit_minutes=5))  # fmt: skip
+    job = TrainingJob(
+        key=k,
+        workdir=workdir,
+        command=["python", "allreduce.py"],
+        code=code_of(JOBS),
+        env={"ALLREDUCE_OUT": workdir, "OMP_NUM_THREADS": "1"},
+        resources=Resources(nodes=2, processes_per_node=1, mem_gb=1.5, time_limit_minutes=5),
+    )
     handle = ddp.submit(job)
     output: list[str] = []
     status = ddp.watch(handle, on_output=output.append, timeout_seconds=300)
@@ -361,8 +416,11 @@ def test_a_job_neither_squeue_nor_sacct_knows_is_lost_after_the_grace_a_fresh_on
     gone = fresh.model_copy(update={"job_id": "987654321", "key": key("gone")})
     unseen = cluster.poll([gone])[gone.job_id]
     assert unseen.state == "PENDING" and not unseen.visible
-    with pytest.raises(JobFailed, match=r"job 987654321 is lost: .*lost_job_grace_seconds=1\).*Neither squeue nor "
-                                        r"sacct knows job 987654321.*sacct -D -j 987654321"):  # fmt: skip
+    with pytest.raises(
+        JobFailed,
+        match=r"job 987654321 is lost: .*lost_job_grace_seconds=1\).*Neither squeue nor "
+        r"sacct knows job 987654321.*sacct -D -j 987654321",
+    ):
         cluster.model_copy(update={"lost_job_grace_seconds": 1.0}).watch(gone, timeout_seconds=120)
 
 
@@ -375,17 +433,26 @@ def test_workload_secrets_reach_the_job_through_a_0600_file_removed_when_it_ends
     planted, password = f"planted-{uuid.uuid4().hex}", f"planted-pw-{uuid.uuid4().hex}"
     Secret(value=planted).save("slurm-job-token", overwrite=True)
     k = key("secret")
-    probe = ("import os, pathlib; s = os.environ['API_TOKEN']; p = os.environ['MLFLOW_TRACKING_PASSWORD']; "
-             "print('token', len(s), s == open(os.environ['EXPECT']).read().strip(), flush=True); "
-             "print('login', len(p), p == open(os.environ['EXPECT'] + '.pw').read().strip(), flush=True); "
-             "p = pathlib.Path(os.environ['CHECKPOINT_DIR']).parent / '.secret.env'; print('mode', oct(p.stat().st_mode & 0o777))")  # fmt: skip
+    probe = (
+        "import os, pathlib; s = os.environ['API_TOKEN']; p = os.environ['MLFLOW_TRACKING_PASSWORD']; "
+        "print('token', len(s), s == open(os.environ['EXPECT']).read().strip(), flush=True); "
+        "print('login', len(p), p == open(os.environ['EXPECT'] + '.pw').read().strip(), flush=True); "
+        "p = pathlib.Path(os.environ['CHECKPOINT_DIR']).parent / '.secret.env'; "
+        "print('mode', oct(p.stat().st_mode & 0o777))"
+    )
     expect = f"{cluster.workdir_root}/{k}.expected"  # what the job compares its values with, on the cluster
     cluster.write_private(expect, planted.encode())
     cluster.write_private(f"{expect}.pw", password.encode())
-    job = TrainingJob(key=k, workdir=cluster.job_workdir(k), command=["python", "-c", probe], code=code_of(JOBS),
-                      env={"EXPECT": expect}, secrets={"API_TOKEN": "slurm-job-token"},
-                      secret_env={"MLFLOW_TRACKING_PASSWORD": SecretStr(password)},
-                      resources=Resources(time_limit_minutes=5))  # fmt: skip
+    job = TrainingJob(
+        key=k,
+        workdir=cluster.job_workdir(k),
+        command=["python", "-c", probe],
+        code=code_of(JOBS),
+        env={"EXPECT": expect},
+        secrets={"API_TOKEN": "slurm-job-token"},
+        secret_env={"MLFLOW_TRACKING_PASSWORD": SecretStr(password)},
+        resources=Resources(time_limit_minutes=5),
+    )
     handle = cluster.submit(job)
     status = cluster.watch(handle, timeout_seconds=120)
     log = cluster.read_log(handle)[0]
@@ -403,12 +470,12 @@ def test_cancel_removes_the_jobs_secret_and_login_files(cluster: SlurmCluster) -
     """A cancelled job never starts again: its secrets (and the registry login a job in an image gets) go."""
     from pydantic import SecretStr
 
-    from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
+    from blocks.slurm.containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
 
     k = key("cancelsecret")
     handle = cluster.submit_command(
         k, ["sh", "-c", 'echo "token ${#API_TOKEN}"; sleep 300'], secret_env={"API_TOKEN": SecretStr("s3cr3t-token")}
-    )  # fmt: skip
+    )
     for name in (REGISTRY_AUTH_NAME, ENROOT_CREDENTIALS_NAME):  # as the container runtimes' logins are written
         cluster.write_private(f"{handle.workdir}/{name}", b"registry login")
     wait_for(lambda: "token 12" in cluster.read_log(handle)[0], 120, "the job running with its secret")
@@ -424,7 +491,7 @@ def test_the_cluster_stores_the_trained_model_itself(cluster: SlurmCluster, s3_s
     URI and sha256 come back, its bytes never pass through this process; the settings file is gone after."""
     import hashlib
 
-    from blocks.mlflow_model import NoModel
+    from blocks.base.mlflow_model import NoModel
 
     k = key("store")
     checkpoints = f"{cluster.job_workdir(k)}/checkpoints"

@@ -12,8 +12,9 @@ import pytest
 from prefect import get_client
 
 from blocks.errors import TransientError
-from blocks.slurm import SlurmCluster
-from blocks.specs import Resources, TrainingJob
+from blocks.records import TrainingJob
+from blocks.slurm.cluster import SlurmCluster
+from blocks.specs import Resources
 from tasks.train import train
 from tests.examples import JOBS, code_of
 from tests.test_slurm_cluster import REPO, cluster, env, jobs_named, key, slurm, wait_for  # noqa: F401 - fixtures
@@ -22,8 +23,12 @@ pytestmark = pytest.mark.integration
 
 
 def controller(action: str) -> None:
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm.sh"), f"{action}-controller"],
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "slurm.sh"), f"{action}-controller"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -64,11 +69,11 @@ class Drill(threading.Thread):
 
 
 @pytest.fixture
-def watcher(cluster: SlurmCluster) -> SlurmCluster:  # noqa: F811
+def watcher(cluster: SlurmCluster) -> SlurmCluster:
     return cluster.model_copy()
 
 
-def test_job_survives_a_controller_restart_while_watched(watcher: SlurmCluster, env: dict[str, str]) -> None:  # noqa: F811
+def test_job_survives_a_controller_restart_while_watched(watcher: SlurmCluster, env: dict[str, str]) -> None:
     k = key("ctld")
     handle = watcher.submit_command(k, ["bash", "-c", "for i in $(seq 1 15); do echo tick $i; sleep 1; done"])
     outage_seen = record_failures(watcher, "poll")
@@ -81,17 +86,27 @@ def test_job_survives_a_controller_restart_while_watched(watcher: SlurmCluster, 
     assert status.state == "COMPLETED", status
     assert watcher.read_log(handle)[0].split("\n")[:-1] == [f"tick {i}" for i in range(1, 16)]  # ran once, whole
     assert jobs_named(env, k) == [handle.job_id]
-    wait_for(lambda: slurm(env, "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id, "--format=State").split()
-             == ["COMPLETED"], 60, "one COMPLETED attempt in sacct")  # fmt: skip
+    wait_for(
+        lambda: (
+            slurm(env, "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id, "--format=State").split() == ["COMPLETED"]
+        ),
+        60,
+        "one COMPLETED attempt in sacct",
+    )
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_submit_is_retried_until_the_controller_is_back(watcher: SlurmCluster, env: dict[str, str]) -> None:  # noqa: F811
+def test_submit_is_retried_until_the_controller_is_back(watcher: SlurmCluster, env: dict[str, str]) -> None:
     # `true`: a job that succeeds at once (this is about the submit, not training).
     compute = watcher.model_copy()
     k = key("down")
-    job = TrainingJob(key=k, workdir=compute.job_workdir(k), command=["true"], code=code_of(JOBS),
-                      resources=Resources(time_limit_minutes=5))  # fmt: skip
+    job = TrainingJob(
+        key=k,
+        workdir=compute.job_workdir(k),
+        command=["true"],
+        code=code_of(JOBS),
+        resources=Resources(time_limit_minutes=5),
+    )
     submit_failed = record_failures(compute, "run")
     controller("stop")
     drill = Drill(None, submit_failed)  # starts it again once a submit has failed on it

@@ -25,12 +25,13 @@ from prefect_docker.credentials import DockerRegistryCredentials
 from pydantic import ValidationError
 
 from blocks.errors import ConfigurationError, JobFailed
-from blocks.s3 import S3CheckpointStore
-from blocks.slurm import SlurmCluster
-from blocks.slurm_containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
-from blocks.slurm_script import sbatch_script
-from blocks.slurm_script_image import Container
-from blocks.specs import CodeRef, ImageRef, Resources, TrainingJob
+from blocks.records import CodeRef, ImageRef, TrainingJob
+from blocks.slurm.cluster import SlurmCluster
+from blocks.slurm.containers import ENROOT_CREDENTIALS_NAME, REGISTRY_AUTH_NAME
+from blocks.slurm.script import sbatch_script
+from blocks.slurm.script_image import Container
+from blocks.specs import Resources
+from blocks.storage.s3 import S3CheckpointStore
 from tests.stacks import cluster_dir, mlflow_server, registry_login, remove_on_cluster, slurm_for_images, stack_env
 from tests.test_slurm_script import check_golden
 
@@ -41,39 +42,49 @@ PASSWORD = "pull-secret-" + "x" * 8
 
 
 def cluster(**fields: object) -> SlurmCluster:
-    values: dict[str, object] = dict(
-        host="login.example", user="alice", workdir_root="/shared/jobs", python="/opt/venv/bin/python",
-        account="research",
-        registry_credentials=DockerRegistryCredentials(
+    values: dict[str, object] = {
+        "host": "login.example",
+        "user": "alice",
+        "workdir_root": "/shared/jobs",
+        "python": "/opt/venv/bin/python",
+        "account": "research",
+        "registry_credentials": DockerRegistryCredentials(
             username="puller", password=PASSWORD, registry_url="https://registry.example:5000"
         ),
-    )  # fmt: skip
+    }
     values.update(fields)
     return SlurmCluster(**values)
 
 
 def job(reference: str = IMAGE, **resources: object) -> TrainingJob:
     return TrainingJob(
-        key="run-7-train", workdir="/shared/jobs/run-7-train", command=["python", "train.py"],
-        env={"HPARAMS": '{"epochs": 2}'}, resources=Resources(**resources),
+        key="run-7-train",
+        workdir="/shared/jobs/run-7-train",
+        command=["python", "train.py"],
+        env={"HPARAMS": '{"epochs": 2}'},
+        resources=Resources(**resources),
         image=ImageRef(builder="docker", content_tag="abc", reference=reference, workdir="/workload"),
         code=CodeRef(root="/home/alice/models", archive="/tmp/code.tar.gz", sha256="cd" * 32),
-    )  # fmt: skip
+    )
 
 
 GOLDEN_CASES = {
-    "image_podman": (dict(container_runtime="podman"), dict(gpus_per_node=2, mem_gb=4)),
+    "image_podman": ({"container_runtime": "podman"}, {"gpus_per_node": 2, "mem_gb": 4}),
     "image_podman_torchrun": (
-        dict(container_runtime="podman", container_mounts=["/datasets/digits"], podman_options=["--pid=host"],
-             container_runtime_env={"CONTAINERS_CONF": "/etc/gpuferry/containers.conf"}),
-        dict(nodes=2, processes_per_node=2, gpus_per_node=2),
-    ),  # fmt: skip
-    "image_pyxis_torchrun": (
-        dict(container_runtime="pyxis", container_runtime_env={"ENROOT_ALLOW_HTTP": "y"}),
-        dict(nodes=2, processes_per_node=2, gpus_per_node=2),
+        {
+            "container_runtime": "podman",
+            "container_mounts": ["/datasets/digits"],
+            "podman_options": ["--pid=host"],
+            "container_runtime_env": {"CONTAINERS_CONF": "/etc/gpuferry/containers.conf"},
+        },
+        {"nodes": 2, "processes_per_node": 2, "gpus_per_node": 2},
     ),
-    "image_pyxis": (dict(container_runtime="pyxis", registry_credentials=None), dict()),
-    "image_apptainer": (dict(container_runtime="apptainer"), dict(gpus_per_node=1)),
+    "image_pyxis_torchrun": (
+        {"container_runtime": "pyxis", "container_runtime_env": {"ENROOT_ALLOW_HTTP": "y"}},
+        {"nodes": 2, "processes_per_node": 2, "gpus_per_node": 2},
+    ),
+    "image_pyxis": ({"container_runtime": "pyxis", "registry_credentials": None}, {}),
+    "image_apptainer": ({"container_runtime": "apptainer"}, {"gpus_per_node": 1}),
 }
 
 
@@ -100,9 +111,14 @@ def test_the_tracking_login_alone_is_sourced_from_the_secret_file(runtime: str) 
     # login): the script sources the 0600 file, and holds no value.
     from pydantic import SecretStr
 
-    given = job(reference=IMAGE).model_copy(update={
-        "secret_env": {"MLFLOW_TRACKING_USERNAME": SecretStr("gpuferry-tests"),
-                       "MLFLOW_TRACKING_PASSWORD": SecretStr("tracking-" + "y" * 8)}})  # fmt: skip
+    given = job(reference=IMAGE).model_copy(
+        update={
+            "secret_env": {
+                "MLFLOW_TRACKING_USERNAME": SecretStr("gpuferry-tests"),
+                "MLFLOW_TRACKING_PASSWORD": SecretStr("tracking-" + "y" * 8),
+            }
+        }
+    )
     if runtime == "auto":
         given = given.model_copy(update={"image": None})  # no image: the cluster's Python
     text = cluster(container_runtime=runtime)._script_for_job(given)
@@ -134,13 +150,16 @@ def test_unknown_runtime_is_refused_naming_the_field() -> None:
         sbatch_script(["python", "t.py"], workdir="/w", container=Container(image=IMAGE, runtime="docker"))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("reference", [
-    "registry.example:5000/team/workload:latest",
-    "registry.example:5000/team/workload",
-    "team/workload@sha256:abc",
-    f"team/workload@{DIGEST}; rm -rf /",
-    f"Team/Workload@{DIGEST}",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reference",
+    [
+        "registry.example:5000/team/workload:latest",
+        "registry.example:5000/team/workload",
+        "team/workload@sha256:abc",
+        f"team/workload@{DIGEST}; rm -rf /",
+        f"Team/Workload@{DIGEST}",
+    ],
+)
 def test_image_not_pinned_by_digest_is_refused_before_any_connection(reference: str) -> None:
     unreachable = cluster(container_runtime="auto", host="login.invalid", port=1)  # connecting would fail otherwise
     with pytest.raises(ConfigurationError, match=r"job\.image\.reference=.*is not pinned by digest.*@sha256:"):
@@ -159,7 +178,9 @@ def test_bad_container_values_are_refused() -> None:
             cluster(container_runtime="podman", podman_options=[widening])._script_for_job(job())
     with pytest.raises(ConfigurationError, match="--init without a value"):
         cluster(container_runtime="podman", podman_options=["--init=yes"])._script_for_job(job())
-    text = cluster(container_runtime="podman", podman_options=["--ipc=host", "--shm-size=8g", "--init"])._script_for_job(job())
+    text = cluster(
+        container_runtime="podman", podman_options=["--ipc=host", "--shm-size=8g", "--init"]
+    )._script_for_job(job())
     assert "--ipc=host --shm-size=8g --init" in text
     with pytest.raises(ConfigurationError, match="container variable name"):
         cluster(container_runtime="podman", container_runtime_env={"BAD NAME": "x"})._script_for_job(job())
@@ -179,7 +200,8 @@ def test_a_job_in_an_image_runs_from_the_images_code_one_without_from_the_shippe
     assert f"cd /shared/jobs/.code/{'cd' * 12} || exit 1" in shipped and "/opt/venv/bin/python train.py &" in shipped
     with pytest.raises(ConfigurationError, match="container.workdir=None.*declare image.workdir"):
         cluster(container_runtime="apptainer")._script_for_job(
-            job().model_copy(update={"image": ImageRef(builder="d", content_tag="a", reference=IMAGE)}))
+            job().model_copy(update={"image": ImageRef(builder="d", content_tag="a", reference=IMAGE)})
+        )
 
 
 # ---- runtime detection on the login node (local=True, stand-in commands on PATH) ------------------------
@@ -198,13 +220,17 @@ def _stand_ins(tmp_path: Path, srun_help: str, tools: tuple[str, ...]) -> Path:
     return bin_dir
 
 
-@pytest.mark.parametrize(("srun_help", "tools", "expected"), [
-    ("  --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH", ("podman",), "pyxis"),
-    ("  --container=PATH  Path to OCI container bundle", ("podman", "apptainer"), "podman"),
-    ("  --container=PATH", ("apptainer",), "apptainer"),
-])  # fmt: skip
-def test_auto_detects_the_runtime_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, srun_help: str,
-                                       tools: tuple[str, ...], expected: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("srun_help", "tools", "expected"),
+    [
+        ("  --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH", ("podman",), "pyxis"),
+        ("  --container=PATH  Path to OCI container bundle", ("podman", "apptainer"), "podman"),
+        ("  --container=PATH", ("apptainer",), "apptainer"),
+    ],
+)
+def test_auto_detects_the_runtime_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, srun_help: str, tools: tuple[str, ...], expected: str
+) -> None:
     monkeypatch.setenv("PATH", str(_stand_ins(tmp_path, srun_help, tools)))
     c = cluster(local=True, container_runtime="auto")
     assert c.job_container_runtime() == expected
@@ -235,14 +261,28 @@ def test_podman_launch_passes_env_by_name_and_numbers_the_gpus(tmp_path: Path) -
     workdir.mkdir()
     secret_file = workdir / ".secret.env"
     secret_file.write_text("API_TOKEN='tok en $x'\n")
-    container = Container(image=IMAGE, runtime="podman", auth_file=str(workdir / REGISTRY_AUTH_NAME),
-                          env_names=("API_TOKEN",), workdir="/workload")  # fmt: skip
-    text = sbatch_script(["python", "train.py", "--flag", "a b"], workdir=str(workdir),
-                         env={"HPARAMS": '{"lr": 0.1}'}, secret_env_file=str(secret_file), container=container)  # fmt: skip
+    container = Container(
+        image=IMAGE,
+        runtime="podman",
+        auth_file=str(workdir / REGISTRY_AUTH_NAME),
+        env_names=("API_TOKEN",),
+        workdir="/workload",
+    )
+    text = sbatch_script(
+        ["python", "train.py", "--flag", "a b"],
+        workdir=str(workdir),
+        env={"HPARAMS": '{"lr": 0.1}'},
+        secret_env_file=str(secret_file),
+        container=container,
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(text)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,3",
-           "CUDA_VISIBLE_DEVICES": "2,3"}  # fmt: skip
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_GPUS": "2,3",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+    }
     subprocess.run(["bash", str(script)], env=env, check=True, timeout=60)
 
     seen = json.loads(record.read_text())
@@ -253,7 +293,7 @@ def test_podman_launch_passes_env_by_name_and_numbers_the_gpus(tmp_path: Path) -
     assert f"--volume={workdir}:{workdir}" in argv and "--workdir=/workload" in argv
     assert {"--env=HPARAMS", "--env=API_TOKEN", "--env=SLURM_*"} <= set(argv)
     # Allocated GPUs 2 and 3 as CDI devices, seen as 0 and 1 inside.
-    assert ["--device=nvidia.com/gpu=2", "--device=nvidia.com/gpu=3"] == [a for a in argv if a.startswith("--device")]
+    assert [a for a in argv if a.startswith("--device")] == ["--device=nvidia.com/gpu=2", "--device=nvidia.com/gpu=3"]
     assert "--env=CUDA_VISIBLE_DEVICES=0,1" in argv
     # Values come from podman's environment, never from its command line.
     assert seen["env"]["API_TOKEN"] == "tok en $x" and seen["env"]["HPARAMS"] == '{"lr": 0.1}'
@@ -262,7 +302,7 @@ def test_podman_launch_passes_env_by_name_and_numbers_the_gpus(tmp_path: Path) -
 
 # ---- integration: the real local Slurm and registry --------------------------------------------------------
 
-PROBE = '''\
+PROBE = """\
 import json, os, sys
 os.makedirs(os.path.dirname(os.environ["CHECKPOINT_DIR"]), exist_ok=True)
 out = os.path.join(os.path.dirname(os.environ["CHECKPOINT_DIR"]), "probe.json")
@@ -278,7 +318,7 @@ with open(out + ".tmp", "w") as f:
     }, f)
 os.replace(out + ".tmp", out)
 print("probe ran in the image", flush=True)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -289,13 +329,15 @@ def stacks() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ImageRef, str, object, Path]]:
+def image(
+    stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ImageRef, str, object, Path]]:
     """The workload image plus a marker only it has, built on the stack's base, pushed, and NOT kept locally."""
     import docker
     from prefect_docker.host import DockerHost
 
-    from blocks.docker_image import DockerImageBuilder
-    from blocks.workload import load_workload
+    from blocks.docker.image import DockerImageBuilder
+    from blocks.workload.source import load_workload
     from tests.examples import DIGITS
 
     context = tmp_path_factory.mktemp("image") / "digits"
@@ -304,9 +346,11 @@ def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
     (context / "IMAGE_MARKER").write_text(marker)
     (context / "probe.py").write_text(PROBE)
     builder = DockerImageBuilder(
-        docker_host=DockerHost(base_url=stacks["DOCKER_HOST"]), credentials=registry_login(),
-        repository=f"gpuferry-test/slurm-{uuid.uuid4().hex[:8]}", build_args={"BASE_IMAGE": stacks["BASE_IMAGE"]},
-    )  # fmt: skip
+        docker_host=DockerHost(base_url=stacks["DOCKER_HOST"]),
+        credentials=registry_login(),
+        repository=f"gpuferry-test/slurm-{uuid.uuid4().hex[:8]}",
+        build_args={"BASE_IMAGE": stacks["BASE_IMAGE"]},
+    )
     ref = builder.build(load_workload(str(context)))
     assert ref.reference and "@sha256:" in ref.reference
     engine = docker.DockerClient(base_url=stacks["DOCKER_HOST"], timeout=300)
@@ -321,9 +365,12 @@ def image(stacks: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
 def slurm(stacks: dict[str, str]) -> Iterator[SlurmCluster]:
     root = cluster_dir("image-tests")  # on the cluster's own filesystem: not a path of this machine's
     c = slurm_for_images(
-        root, poll_interval_start=0.5, poll_interval_max=3.0, python=stacks["SLURM_CLUSTER_PYTHON"],
+        root,
+        poll_interval_start=0.5,
+        poll_interval_max=3.0,
+        python=stacks["SLURM_CLUSTER_PYTHON"],
         container_runtime="auto",  # asks the login node: podman here
-    )  # fmt: skip
+    )
     yield c
     remove_on_cluster(c, root)
     c.close()
@@ -340,19 +387,24 @@ def exists_on_cluster(c: SlurmCluster, path: str) -> bool:
     return c.run(["test", "-e", path], check=False)[0] == 0
 
 
-def _job(c: SlurmCluster, ref: ImageRef, name: str, command: tuple[str, ...] = ("python", "train.py"),
-         **resources: object) -> TrainingJob:  # fmt: skip
+def _job(
+    c: SlurmCluster, ref: ImageRef, name: str, command: tuple[str, ...] = ("python", "train.py"), **resources: object
+) -> TrainingJob:
     key = f"t{uuid.uuid4().hex[:10]}-{name}"
     return TrainingJob(
-        key=key, workdir=c.job_workdir(key), image=ref, command=list(command),
+        key=key,
+        workdir=c.job_workdir(key),
+        image=ref,
+        command=list(command),
         env={"HPARAMS": json.dumps({"epochs": 2, "hidden": 16}), "CHECKPOINT_EVERY": "5"},
         resources=Resources(time_limit_minutes=20, mem_gb=2, **resources),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.integration
-def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
-                                                                   stacks: dict[str, str]) -> None:  # fmt: skip
+def test_wrong_registry_password_fails_the_job_with_the_pull_error(
+    slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path], stacks: dict[str, str]
+) -> None:
     wrong = "wrong-" + uuid.uuid4().hex[:8]
     c = slurm.model_copy(update={"registry_credentials": registry_login(wrong)})
     job_ = _job(c, image[0], "badlogin")
@@ -366,8 +418,9 @@ def test_wrong_registry_password_fails_the_job_with_the_pull_error(slurm: SlurmC
 
 
 @pytest.mark.integration
-def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
-                                          stacks: dict[str, str]) -> None:  # fmt: skip
+def test_job_runs_inside_the_pulled_image(
+    slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path], stacks: dict[str, str]
+) -> None:
     ref, marker, *_ = image
     assert slurm.job_container_runtime() == "podman"  # this srun has no --container-image
     probe = slurm
@@ -395,8 +448,9 @@ def test_job_runs_inside_the_pulled_image(slurm: SlurmCluster, image: tuple[Imag
 
 
 @pytest.mark.integration
-def test_sweep_array_tasks_get_their_own_settings_in_the_container(slurm: SlurmCluster,
-                                                                   image: tuple[ImageRef, str, object, Path]) -> None:  # fmt: skip
+def test_sweep_array_tasks_get_their_own_settings_in_the_container(
+    slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path]
+) -> None:
     probe = slurm
     job_ = _job(probe, image[0], "sweep", ("python", "probe.py"))
     rates = (0.1, 0.2, 0.3)
@@ -440,8 +494,16 @@ def test_warning_signal_reaches_the_program_in_the_container_which_resumes(
     import time
 
     job_ = _job(slurm, image[0], "signal")
-    job_ = job_.model_copy(update={"env": {**job_.env, "HPARAMS": json.dumps({"epochs": 60, "batch_size": 16}),
-                                           "CHECKPOINT_EVERY": "25", "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    job_ = job_.model_copy(
+        update={
+            "env": {
+                **job_.env,
+                "HPARAMS": json.dumps({"epochs": 60, "batch_size": 16}),
+                "CHECKPOINT_EVERY": "25",
+                "OMP_NUM_THREADS": "1",
+            }
+        }
+    )
     handle = slurm.submit(job_)
     deadline = time.monotonic() + 300
     while (slurm.read_progress(handle) or {}).get("step", 0) < 40:
@@ -464,8 +526,9 @@ def test_cancelled_job_stops_its_container(slurm: SlurmCluster, image: tuple[Ima
     import time
 
     job_ = _job(slurm, image[0], "cancel")
-    job_ = job_.model_copy(update={"env": {**job_.env, "HPARAMS": json.dumps({"epochs": 200, "batch_size": 16}),
-                                           "OMP_NUM_THREADS": "1"}})  # fmt: skip
+    job_ = job_.model_copy(
+        update={"env": {**job_.env, "HPARAMS": json.dumps({"epochs": 200, "batch_size": 16}), "OMP_NUM_THREADS": "1"}}
+    )
     handle = slurm.submit(job_)
     deadline = time.monotonic() + 300
     while (slurm.read_progress(handle) or {}).get("step", 0) < 10:
@@ -511,12 +574,16 @@ def test_two_node_torchrun_in_containers(slurm: SlurmCluster, image: tuple[Image
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("prefect_server")
-def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, image: tuple[ImageRef, str, object, Path],
-                                                      stacks: dict[str, str], s3_store: S3CheckpointStore,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_retrain_builds_the_image_and_trains_inside_it(
+    slurm: SlurmCluster,
+    image: tuple[ImageRef, str, object, Path],
+    stacks: dict[str, str],
+    s3_store: S3CheckpointStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The whole pipeline with a Stack: DockerImageBuilder → SlurmCluster (podman) → S3 → MLflow server."""
-    from blocks.provision import ClusterManaged
-    from blocks.serving import LocalServing
+    from blocks.base.provider import ClusterManaged
+    from blocks.local.serving import LocalServing
     from blocks.specs import TrainingSpec
     from blocks.stack import Stack
     from flows.retrain import retrain
@@ -529,25 +596,33 @@ def test_retrain_builds_the_image_and_trains_inside_it(slurm: SlurmCluster, imag
         monkeypatch.setenv(name, s3_env[name])
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env["S3_ENDPOINT_URL"])
     stack = Stack(
-        provider=ClusterManaged(cluster_name="gpuferry-test"), images=builder, compute=slurm,
+        provider=ClusterManaged(cluster_name="gpuferry-test"),
+        images=builder,
+        compute=slurm,
         storage=s3_store,
         tracking=tracking,
         serving=LocalServing(),
-    )  # fmt: skip
+    )
     name = f"slurm-image-{uuid.uuid4().hex[:8]}"
     stack.save(name, overwrite=True)
     tag = uuid.uuid4().hex[:8]
     outcome = retrain(
         workload=str(context),
-        training=TrainingSpec(experiment=f"gpuferry-image-{tag}", model_name=f"digits-image-{tag}",
-                              hyperparameters={"epochs": 3}, resources=Resources(mem_gb=2)),
+        training=TrainingSpec(
+            experiment=f"gpuferry-image-{tag}",
+            model_name=f"digits-image-{tag}",
+            hyperparameters={"epochs": 3},
+            resources=Resources(mem_gb=2),
+        ),
         stack=name,
-    )  # fmt: skip
+    )
     try:
         assert outcome.image.reference == ref.reference and not outcome.image.built  # the same content: a tag hit
         run = tracking.client.get_run(outcome.run_id)
         assert run.data.tags["image"] == ref.reference
-        assert run.data.metrics["val_accuracy"] == pytest.approx(outcome.model_version.value)  # logged from the container
+        assert run.data.metrics["val_accuracy"] == pytest.approx(
+            outcome.model_version.value
+        )  # logged from the container
         assert run.data.metrics["cpu_hours"] > 0
         key = f"{run.data.tags['prefect.flow_run_id']}-train"
         script = on_cluster(slurm, f"{slurm.job_workdir(key)}/job.sbatch")

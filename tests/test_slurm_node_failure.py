@@ -5,6 +5,7 @@ retrain flow waits through all of it: one MLflow run and one model version in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,10 +70,8 @@ def _kill_node(node: str, job_id: str) -> list[int]:
     assert steps, f"no slurmstepd of job {job_id} found"
     victims = [slurmd, *_process_tree(steps)]
     for pid in victims:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return victims
 
 
@@ -88,16 +87,21 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_on_the_other_node() -> No
         try:
             outcome["result"] = retrain(
                 workload=str(DIGITS),
-                training=TrainingSpec(model_name=model, hyperparameters={"epochs": 40, "batch_size": 16},
-                                      checkpoint_every=20, resources=Resources(mem_gb=1.5, time_limit_minutes=20)),
+                training=TrainingSpec(
+                    model_name=model,
+                    hyperparameters={"epochs": 40, "batch_size": 16},
+                    checkpoint_every=20,
+                    resources=Resources(mem_gb=1.5, time_limit_minutes=20),
+                ),
                 stack="slurm-node-failure-test",
-            )  # fmt: skip
+            )
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             outcome["error"] = exc
 
     flow = threading.Thread(target=run, daemon=True)
     flow.start()
     try:
+
         def running() -> dict[str, Any] | None:
             if "error" in outcome:
                 raise AssertionError(f"the flow failed before its job ran: {outcome['error']!r}")
@@ -120,8 +124,10 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_on_the_other_node() -> No
         result = outcome["result"]
 
         # Slurm saw the node fail and ran the job again, elsewhere.
-        rows = [line.split("|") for line in slurm(env, "sacct", "-X", "-D", "-n", "-P", "-j", job_id,
-                                                   "--format=State,NodeList").split()]  # fmt: skip
+        rows = [
+            line.split("|")
+            for line in slurm(env, "sacct", "-X", "-D", "-n", "-P", "-j", job_id, "--format=State,NodeList").split()
+        ]
         assert [r[0] for r in rows] == ["NODE_FAIL", "COMPLETED"], rows
         assert rows[0][1] == node and rows[1][1] != node, rows
         # It resumed from its checkpoint instead of starting over.
@@ -136,8 +142,9 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_on_the_other_node() -> No
     finally:
         # The node comes back: the stack script starts the missing slurmd (in the cluster's namespace) and
         # resumes the DOWN node, so that the tests after this one have both.
-        back = subprocess.run(["bash", str(REPO / "scripts" / "slurm.sh"), "up"], capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        back = subprocess.run(
+            ["bash", str(REPO / "scripts" / "slurm.sh"), "up"], capture_output=True, text=True, timeout=300
+        )
         assert back.returncode == 0, back.stderr[-3000:]
         flow.join(60)
         remove_on_cluster(stack.compute, root)

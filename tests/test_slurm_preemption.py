@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from blocks.slurm import SlurmCluster
-from blocks.specs import JobHandle, JobStatus, Resources, TrainingJob
+from blocks.records import JobHandle, JobStatus, TrainingJob
+from blocks.slurm.cluster import SlurmCluster
+from blocks.specs import Resources
 from runtime import contract
 from tests.examples import DIGITS, code_of
 from tests.stacks import remote_slurm, remove_on_cluster
@@ -45,7 +46,8 @@ def recording_polls(cluster: SlurmCluster) -> list[JobStatus]:
 
 
 def test_preempted_training_is_requeued_and_resumes_from_its_checkpoint(
-    cluster: SlurmCluster, env: dict[str, str]  # noqa: F811
+    cluster: SlurmCluster,
+    env: dict[str, str],
 ) -> None:
     gpus = int(env["SLURM_GPUS_PER_NODE"])
     # Both jobs ask for every GPU of node n1: the high-QoS one can only run by preempting the other.
@@ -54,17 +56,24 @@ def test_preempted_training_is_requeued_and_resumes_from_its_checkpoint(
     seen = recording_polls(low)
     k = key("low")
     job = TrainingJob(
-        key=k, workdir=cluster.job_workdir(k), command=["python", "train.py"], code=code_of(DIGITS),
-        env={contract.HPARAMS: json.dumps({"epochs": 100, "batch_size": 16}), contract.CHECKPOINT_EVERY: "25",
-             "OMP_NUM_THREADS": "1"},
+        key=k,
+        workdir=cluster.job_workdir(k),
+        command=["python", "train.py"],
+        code=code_of(DIGITS),
+        env={
+            contract.HPARAMS: json.dumps({"epochs": 100, "batch_size": 16}),
+            contract.CHECKPOINT_EVERY: "25",
+            "OMP_NUM_THREADS": "1",
+        },
         resources=Resources(gpus_per_node=gpus, mem_gb=1.5, time_limit_minutes=15),
-    )  # fmt: skip
+    )
     handle = low.submit(job)
 
     # Let it train a little (and write a periodic checkpoint or two) before the high-QoS job arrives.
     wait_for(lambda: (low.read_progress(handle) or {}).get("step", 0) >= 60, 180, "the low job training")
-    high = cluster.submit_command(key("high"), ["sleep", "2"], qos=env["SLURM_QOS_HIGH"], gpus_per_node=gpus,
-                                  additional=on_n1, time=5)  # fmt: skip
+    high = cluster.submit_command(
+        key("high"), ["sleep", "2"], qos=env["SLURM_QOS_HIGH"], gpus_per_node=gpus, additional=on_n1, time=5
+    )
 
     status = low.watch(handle, timeout_seconds=600)
     assert status.state == "COMPLETED", status
@@ -88,8 +97,12 @@ def test_preempted_training_is_requeued_and_resumes_from_its_checkpoint(
 
     result = low.result(handle, status)
     assert result.requeues == 1
-    rows = [line.split("|") for line in slurm(env, "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id,
-                                              "--format=State,ElapsedRaw,AllocTRES").split()]  # fmt: skip
+    rows = [
+        line.split("|")
+        for line in slurm(
+            env, "sacct", "-X", "-D", "-n", "-P", "-j", handle.job_id, "--format=State,ElapsedRaw,AllocTRES"
+        ).split()
+    ]
     assert [r[0] for r in rows] == ["PREEMPTED", "COMPLETED"], rows
     assert all(f"gres/gpu={gpus}" in r[2] for r in rows)
     # GPU-hours count both attempts: the preempted one held the GPUs too.

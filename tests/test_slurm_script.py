@@ -14,42 +14,75 @@ from pathlib import Path
 import pytest
 
 from blocks.errors import ConfigurationError
-from blocks.slurm import SlurmCluster
-from blocks.slurm_state import map_state, sacct_exit, wait_status_to_exit
-from blocks.slurm_script import SBATCH_OPTIONS, sbatch_script
-from blocks.specs import CodeRef, Resources, TrainingJob
+from blocks.records import CodeRef, TrainingJob
+from blocks.slurm.cluster import SlurmCluster
+from blocks.slurm.script import SBATCH_OPTIONS, sbatch_script
+from blocks.slurm.state import map_state, sacct_exit, wait_status_to_exit
+from blocks.specs import Resources
 from tests.golden_files import GOLDEN, check_text
 
-
 CASES = {
-    "single": dict(
-        command=["python3", "-c", "print('hello')"], workdir="/shared/jobs/single",
-        job_name="single", comment="gpuferry-key:single", output="/shared/jobs/single/job.log", time=30,
-    ),
-    "gpus_env_signal": dict(
-        command=["/opt/venv/bin/python", "/code/workload/train.py"], workdir="/shared/jobs/k1",
-        job_name="k1", partition="gpu", account="research", qos="high", gpus_per_node=2, cpus_per_task=4,
-        mem="16G", time=24 * 60 + 90, signal="B:USR1@90", requeue=True, output="/shared/jobs/k1/job.log",
-        env={"HPARAMS": '{"epochs": 3, "lr": 0.1}', "CHECKPOINT_DIR": "/shared/jobs/k1/checkpoints"},
-        requeue_exit_code=75, max_requeues=3, secret_env_file="/shared/jobs/k1/.secret.env",
-        additional={"constraint": "a100", "exclusive": True},
-    ),
-    "array": dict(
-        command=["bash", "-c", 'echo "task $SLURM_ARRAY_TASK_ID"'], workdir="/shared/jobs/sweep",
-        job_name="sweep", array="0-999", array_parallelism=64, dependency="afterok:41:42",
-        output="/shared/jobs/sweep/task-%a.log", gres="gpu:1", open_mode="truncate",
-    ),
-    "torchrun_multinode": dict(
-        command=["python3", "/code/workload/train.py", "--flag", "a b"], workdir="/shared/jobs/ddp",
-        job_name="ddp", nodes=2, ntasks_per_node=1, gpus_per_node=4, torchrun_nproc_per_node=4, rdzv_port=29555,
-        rdzv_port_span=100,
-        output="/shared/jobs/ddp/job.log", requeue=False,
-    ),
-    "torchrun_program": dict(  # a program that is not Python: torchrun starts it with --no-python
-        command=["bash", "launch.sh", "--epochs", "3"], workdir="/shared/jobs/prog", cwd="/shared/code/abc",
-        job_name="prog", torchrun_nproc_per_node=2, torchrun_python="/opt/venv/bin/python",
-        output="/shared/jobs/prog/job.log",
-    ),
+    "single": {
+        "command": ["python3", "-c", "print('hello')"],
+        "workdir": "/shared/jobs/single",
+        "job_name": "single",
+        "comment": "gpuferry-key:single",
+        "output": "/shared/jobs/single/job.log",
+        "time": 30,
+    },
+    "gpus_env_signal": {
+        "command": ["/opt/venv/bin/python", "/code/workload/train.py"],
+        "workdir": "/shared/jobs/k1",
+        "job_name": "k1",
+        "partition": "gpu",
+        "account": "research",
+        "qos": "high",
+        "gpus_per_node": 2,
+        "cpus_per_task": 4,
+        "mem": "16G",
+        "time": 24 * 60 + 90,
+        "signal": "B:USR1@90",
+        "requeue": True,
+        "output": "/shared/jobs/k1/job.log",
+        "env": {"HPARAMS": '{"epochs": 3, "lr": 0.1}', "CHECKPOINT_DIR": "/shared/jobs/k1/checkpoints"},
+        "requeue_exit_code": 75,
+        "max_requeues": 3,
+        "secret_env_file": "/shared/jobs/k1/.secret.env",
+        "additional": {"constraint": "a100", "exclusive": True},
+    },
+    "array": {
+        "command": ["bash", "-c", 'echo "task $SLURM_ARRAY_TASK_ID"'],
+        "workdir": "/shared/jobs/sweep",
+        "job_name": "sweep",
+        "array": "0-999",
+        "array_parallelism": 64,
+        "dependency": "afterok:41:42",
+        "output": "/shared/jobs/sweep/task-%a.log",
+        "gres": "gpu:1",
+        "open_mode": "truncate",
+    },
+    "torchrun_multinode": {
+        "command": ["python3", "/code/workload/train.py", "--flag", "a b"],
+        "workdir": "/shared/jobs/ddp",
+        "job_name": "ddp",
+        "nodes": 2,
+        "ntasks_per_node": 1,
+        "gpus_per_node": 4,
+        "torchrun_nproc_per_node": 4,
+        "rdzv_port": 29555,
+        "rdzv_port_span": 100,
+        "output": "/shared/jobs/ddp/job.log",
+        "requeue": False,
+    },
+    "torchrun_program": {  # a program that is not Python: torchrun starts it with --no-python
+        "command": ["bash", "launch.sh", "--epochs", "3"],
+        "workdir": "/shared/jobs/prog",
+        "cwd": "/shared/code/abc",
+        "job_name": "prog",
+        "torchrun_nproc_per_node": 2,
+        "torchrun_python": "/opt/venv/bin/python",
+        "output": "/shared/jobs/prog/job.log",
+    },
 }
 
 
@@ -67,9 +100,13 @@ def test_golden_scripts(name: str) -> None:
 
 def training_cluster() -> SlurmCluster:
     return SlurmCluster(
-        host="login.example", user="alice", workdir_root="/shared/jobs", python="/opt/venv/bin/python",
-        account="research", qos="normal",
-    )  # fmt: skip
+        host="login.example",
+        user="alice",
+        workdir_root="/shared/jobs",
+        python="/opt/venv/bin/python",
+        account="research",
+        qos="normal",
+    )
 
 
 CODE = CodeRef(root="/home/alice/models", archive="/tmp/code.tar.gz", sha256="ab" * 32)
@@ -78,11 +115,22 @@ CODE_DIR = "/shared/jobs/.code/" + "ab" * 12  # where the cluster unpacks CODE
 
 def test_golden_training_job_script() -> None:
     job = TrainingJob(
-        key="run-42-train", workdir="/shared/jobs/run-42-train", command=["python", "train.py", "--fast"],
-        env={"HPARAMS": '{"epochs": 2}'}, code=CODE,
-        resources=Resources(nodes=2, processes_per_node=2, gpus_per_node=2, cpus_per_task=2, mem_gb=8,
-                            time_limit_minutes=120, partition="gpu", max_requeues=2),
-    )  # fmt: skip
+        key="run-42-train",
+        workdir="/shared/jobs/run-42-train",
+        command=["python", "train.py", "--fast"],
+        env={"HPARAMS": '{"epochs": 2}'},
+        code=CODE,
+        resources=Resources(
+            nodes=2,
+            processes_per_node=2,
+            gpus_per_node=2,
+            cpus_per_task=2,
+            mem_gb=8,
+            time_limit_minutes=120,
+            partition="gpu",
+            max_requeues=2,
+        ),
+    )
     text = training_cluster()._script_for_job(job)
     check_golden("training_job", text)
     assert "--comment=gpuferry-key:run-42-train" in text and "--job-name=run-42-train" in text
@@ -144,7 +192,7 @@ def test_option_combinations() -> None:
         sbatch_script(["true"], workdir="/w", env={"A-B": "1"})
     with pytest.raises(ConfigurationError, match="command="):
         sbatch_script([], workdir="/w")
-    torchrun = dict(workdir="/w", nodes=2, torchrun_nproc_per_node=1)
+    torchrun = {"workdir": "/w", "nodes": 2, "torchrun_nproc_per_node": 1}
     with pytest.raises(ConfigurationError, match="rdzv_port_span=2000.*from 1 to 1536"):
         sbatch_script(["python3", "t.py"], rdzv_port=64000, rdzv_port_span=2000, **torchrun)
 
@@ -153,8 +201,16 @@ def test_rendezvous_port_follows_the_job_id() -> None:
     """Two multi-node jobs whose first node is the same host get different ports."""
     text = sbatch_script(["python3", "t.py"], workdir="/w", nodes=2, torchrun_nproc_per_node=1, rdzv_port=29500)
     line = next(x for x in text.splitlines() if x.startswith("export MASTER_PORT="))
-    ports = [subprocess.run(["bash", "-c", f'{line}; echo "$MASTER_PORT"'], capture_output=True, text=True, check=True,
-                            env={"SLURM_JOB_ID": job_id}).stdout.strip() for job_id in ("41", "42", "1041")]  # fmt: skip
+    ports = [
+        subprocess.run(
+            ["bash", "-c", f'{line}; echo "$MASTER_PORT"'],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"SLURM_JOB_ID": job_id},
+        ).stdout.strip()
+        for job_id in ("41", "42", "1041")
+    ]
     assert ports == ["29541", "29542", "29541"]
 
 
@@ -162,10 +218,15 @@ def test_values_cannot_escape_their_quotes(tmp_path: Path) -> None:
     """Run the generated body with bash: hostile values arrive verbatim and execute nothing."""
     hostile = "'; touch pwned-env; echo '$(touch pwned-subst)`touch pwned-tick`"
     text = sbatch_script(
-        ["python3", "-c", "import os, sys; print(repr(sys.argv[1])); print(repr(os.environ['HOSTILE']))",
-         "$(touch pwned-arg) a b"],
-        workdir=str(tmp_path), env={"HOSTILE": hostile},
-    )  # fmt: skip
+        [
+            "python3",
+            "-c",
+            "import os, sys; print(repr(sys.argv[1])); print(repr(os.environ['HOSTILE']))",
+            "$(touch pwned-arg) a b",
+        ],
+        workdir=str(tmp_path),
+        env={"HOSTILE": hostile},
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -176,7 +237,10 @@ def test_values_cannot_escape_their_quotes(tmp_path: Path) -> None:
 
 def test_exit_code_and_warning_signal_reach_the_program(tmp_path: Path) -> None:
     """The batch shell forwards USR1 to the program and returns its exit code (here: 75 after USR1)."""
-    program = "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75)); print('ready', flush=True); time.sleep(60); sys.exit(0)"  # noqa: E501
+    program = (
+        "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75)); "
+        "print('ready', flush=True); time.sleep(60); sys.exit(0)"
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(sbatch_script(["python3", "-c", program], workdir=str(tmp_path)))
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True)
@@ -210,7 +274,7 @@ def test_secrets_are_sourced_not_inlined() -> None:
     ],
 )
 def test_state_mapping(slurm: str, requeue: bool, ours: str, terminal: bool) -> None:
-    from blocks.specs import TERMINAL_STATES
+    from blocks.records import TERMINAL_STATES
 
     state, reason = map_state(slurm, requeue=requeue, exit_code=None)
     assert state == ours and (state in TERMINAL_STATES) == terminal
@@ -230,11 +294,16 @@ def _run_with_fake_scontrol(tmp_path: Path, signal_number: int) -> tuple[int, st
     calls = tmp_path / "scontrol.calls"
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
-    program = ("import signal, sys, time; [signal.signal(s, lambda *a: sys.exit(75)) for s in "
-               "(signal.SIGUSR1, signal.SIGTERM)]; print('ready', flush=True); time.sleep(60)")  # fmt: skip
+    program = (
+        "import signal, sys, time; [signal.signal(s, lambda *a: sys.exit(75)) for s in "
+        "(signal.SIGUSR1, signal.SIGTERM)]; print('ready', flush=True); time.sleep(60)"
+    )
     script = tmp_path / "job.sbatch"
-    script.write_text(sbatch_script(["python3", "-c", program], workdir=str(tmp_path), requeue=True,
-                                    requeue_exit_code=75, max_requeues=3))  # fmt: skip
+    script.write_text(
+        sbatch_script(
+            ["python3", "-c", program], workdir=str(tmp_path), requeue=True, requeue_exit_code=75, max_requeues=3
+        )
+    )
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77"}
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -258,8 +327,14 @@ def test_term_from_slurm_does_not_requeue_a_second_time(tmp_path: Path) -> None:
 
 def test_golden_sweep_array_script(tmp_path: Path) -> None:
     """A sweep: one array task per configuration, each exporting its entry of tasks.json."""
-    job = TrainingJob(key="run-42-sweep", workdir="/shared/jobs/run-42-sweep", command=["python", "train.py"],
-                      env={"CHECKPOINT_EVERY": "20"}, code=CODE, resources=Resources(gpus_per_node=1, mem_gb=2))  # fmt: skip
+    job = TrainingJob(
+        key="run-42-sweep",
+        workdir="/shared/jobs/run-42-sweep",
+        command=["python", "train.py"],
+        env={"CHECKPOINT_EVERY": "20"},
+        code=CODE,
+        resources=Resources(gpus_per_node=1, mem_gb=2),
+    )
     text = training_cluster()._script_for_job(job, array_size=6, parallelism=2)
     check_golden("sweep_array", text)
     assert "#SBATCH --array=0-5%2" in text and "CHECKPOINT_DIR" not in text  # per task, from tasks/<i>.env
@@ -268,16 +343,33 @@ def test_golden_sweep_array_script(tmp_path: Path) -> None:
     (tmp_path / "tasks").mkdir()
     for i in range(6):
         (tmp_path / "tasks" / f"{i}.env").write_bytes(f"HPARAMS={hostile}{i}\0CHECKPOINT_DIR=/c/{i}\0".encode())
-    body = text.replace("/shared/jobs/run-42-sweep", str(tmp_path)).replace(CODE_DIR, str(tmp_path)).replace(
-        "/opt/venv/bin/python train.py",
-        f"{sys.executable} -c 'import json, os; print(json.dumps([os.environ[\"HPARAMS\"], os.environ[\"CHECKPOINT_DIR\"]]))'",
-    )  # fmt: skip
-    proc = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env={**os.environ, "SLURM_ARRAY_TASK_ID": "4"})  # fmt: skip
+    body = (
+        text.replace("/shared/jobs/run-42-sweep", str(tmp_path))
+        .replace(CODE_DIR, str(tmp_path))
+        .replace(
+            "/opt/venv/bin/python train.py",
+            f"{sys.executable} -c 'import json, os; "
+            'print(json.dumps([os.environ["HPARAMS"], os.environ["CHECKPOINT_DIR"]]))\'',
+        )
+    )
+    proc = subprocess.run(
+        ["bash", "-c", body],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "SLURM_ARRAY_TASK_ID": "4"},
+    )
     assert proc.returncode == 0 and json.loads(proc.stdout) == [f"{hostile}4", "/c/4"], proc.stderr
     assert not list(tmp_path.glob("pwned*"))
-    missing = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                             env={**os.environ, "SLURM_ARRAY_TASK_ID": "9"})  # fmt: skip
+    missing = subprocess.run(
+        ["bash", "-c", body],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "SLURM_ARRAY_TASK_ID": "9"},
+    )
     assert missing.returncode == 1 and "array task 9: cannot read its settings" in missing.stderr
 
 

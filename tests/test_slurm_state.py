@@ -1,6 +1,6 @@
-"""Reading Slurm's answers (blocks/slurm_state.py) against outputs recorded from the local Slurm 22.05.
+"""Reading Slurm's answers (blocks/slurm/state.py) against outputs recorded from the local Slurm 22.05.
 
-The inputs in tests/golden/slurm/ are squeue and sacct output exactly as the argv lists of slurm_state.py
+The inputs in tests/golden/slurm/ are squeue and sacct output exactly as the argv lists of blocks/slurm/state.py
 ask for it: held and released array tasks, a running job, a cancelled one, one that exited 3 and one killed
 by SIGKILL, a preempted job's two attempts (sacct_tasks.txt puts attempts like those under one array's
 tasks); the jobs of one name as the adopt lookup asks for them (jobs_named.txt: ours finished, held and in an
@@ -15,12 +15,33 @@ from typing import Any
 import pytest
 
 from blocks.errors import ConfigurationError, TransientError
-from blocks.slurm_state import (
-    JOBS_NAMED_SH, KEY_COMMENT_PREFIX, NOT_VISIBLE, SACCT_STATUS_FORMAT, SACCT_TASK_FORMAT, SACCT_USAGE_FORMAT,
-    SQUEUE_FIELDS, accounting_settled, aggregate, array_task_rows, command_error, index_ranges, job_for_key,
-    parse_squeue, partitions_from_sinfo, release_problems, sbatch_job_id, split_jobs_named, squeue_argv,
-    status_from_squeue, statuses_from_sacct, statuses_from_squeue, task_status, usage, usage_rows,
-)  # fmt: skip
+from blocks.slurm.state import (
+    JOBS_NAMED_SH,
+    KEY_COMMENT_PREFIX,
+    NOT_VISIBLE,
+    SACCT_STATUS_FORMAT,
+    SACCT_TASK_FORMAT,
+    SACCT_USAGE_FORMAT,
+    SQUEUE_FIELDS,
+    accounting_settled,
+    aggregate,
+    array_task_rows,
+    command_error,
+    index_ranges,
+    job_for_key,
+    parse_squeue,
+    partitions_from_sinfo,
+    release_problems,
+    sbatch_job_id,
+    split_jobs_named,
+    squeue_argv,
+    status_from_squeue,
+    statuses_from_sacct,
+    statuses_from_squeue,
+    task_status,
+    usage,
+    usage_rows,
+)
 from tests.golden_files import GOLDEN as GOLDEN_DIR
 from tests.golden_files import check_json
 
@@ -76,18 +97,25 @@ def test_sacct_statuses_of_jobs_that_left_the_controller() -> None:
 def test_usage_counts_every_attempt_of_a_preempted_job() -> None:
     assert SACCT_USAGE_FORMAT == "JobIDRaw,JobID,State,ElapsedRaw,AllocTRES,NCPUS"
     rows = usage_rows((GOLDEN / "sacct_usage.txt").read_text())
-    assert accounting_settled(rows) and not accounting_settled([]) and not accounting_settled([[*rows[0][:2], "RUNNING"]])
+    assert (
+        accounting_settled(rows) and not accounting_settled([]) and not accounting_settled([[*rows[0][:2], "RUNNING"]])
+    )
     used = check_golden("sacct_usage", usage(rows))
-    assert used == {"gpu_hours": 4 * (36 + 31) / 3600, "cpu_hours": (36 + 31) / 3600, "wall_seconds": 36.0,
-                    "requeues": 1}  # fmt: skip
+    assert used == {
+        "gpu_hours": 4 * (36 + 31) / 3600,
+        "cpu_hours": (36 + 31) / 3600,
+        "wall_seconds": 36.0,
+        "requeues": 1,
+    }
 
 
 def test_the_final_state_and_usage_of_each_array_task() -> None:
     assert SACCT_TASK_FORMAT.endswith(",ExitCode,Reason")
     per_task = array_task_rows((GOLDEN / "sacct_tasks.txt").read_text())
     finals = {i: task_status(rows) for i, rows in sorted(per_task.items())}
-    check_golden("sacct_tasks", {str(i): (s.model_dump() if s else None, usage(per_task[i]))
-                                 for i, s in finals.items()})  # fmt: skip
+    check_golden(
+        "sacct_tasks", {str(i): (s.model_dump() if s else None, usage(per_task[i])) for i, s in finals.items()}
+    )
     assert finals[0] is not None and finals[0].state == "COMPLETED"
     assert finals[1] is not None and finals[1].state == "COMPLETED"  # its last attempt
     assert usage(per_task[1])["requeues"] == 1 and usage(per_task[1])["gpu_hours"] == pytest.approx(32 / 3600)
@@ -109,8 +137,9 @@ def test_one_squeue_gives_each_watched_job_or_array_its_status() -> None:
     statuses = statuses_from_squeue(records, ["118", "121", "999"], now=NOW)
     assert sorted(statuses) == ["118", "121"]  # 999 has no record: sacct is asked for it
     # The array: its finished task (record 120) and its held tasks' record, as one status.
-    assert statuses["118"] == aggregate("118", [status_from_squeue(r, now=NOW) for r in records
-                                                if r["array_job_id"] == 118])  # fmt: skip
+    assert statuses["118"] == aggregate(
+        "118", [status_from_squeue(r, now=NOW) for r in records if r["array_job_id"] == 118]
+    )
     assert statuses["118"].state == "PENDING" and statuses["121"].exit_code == 3
     # A task watched by its own id while its array is not: its record alone.
     assert statuses_from_squeue(records, ["120"], now=NOW)["120"].state == "COMPLETED"
@@ -121,8 +150,12 @@ def test_the_jobs_of_one_name_and_the_one_to_adopt() -> None:
     key = "gf-adopt"
     live, accounted = split_jobs_named((GOLDEN / "jobs_named.txt").read_text())
     assert accounted is not None
-    found = {"live": live, "accounted": accounted, "adopt": job_for_key(key, live, accounted),
-             "adopt_from_sacct": job_for_key(key, [], accounted)}  # fmt: skip
+    found = {
+        "live": live,
+        "accounted": accounted,
+        "adopt": job_for_key(key, live, accounted),
+        "adopt_from_sacct": job_for_key(key, [], accounted),
+    }
     check_golden("jobs_named", found)
     assert found["adopt"] == "1"  # the oldest of ours (1, 3, 4); 2 has our name and someone else's comment
     assert job_for_key(key, ["2|gf-adopt|someone else's"], []) is None

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from blocks.slurm import SlurmCluster
+from blocks.slurm.cluster import SlurmCluster
 from blocks.specs import Resources, ServingSpec, SweepGrid, TrainingSpec
 from blocks.stack import Stack
-from blocks.workload import load_workload
+from blocks.workload.source import load_workload
 from flows.sweep import sweep
 from tests.examples import DIABETES, DIGITS, JOBS, code_of
 from tests.stacks import mlflow_server, remote_slurm, remove_on_cluster, s3_store, stack_env
@@ -33,8 +33,9 @@ def _cluster(**options: object) -> SlurmCluster:
 
 
 def _slurm(env: dict[str, str], *argv: str) -> list[list[str]]:
-    out = subprocess.run(argv, env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        argv, env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True
+    ).stdout
     return [line.split("|") for line in out.splitlines() if line.strip()]
 
 
@@ -51,13 +52,15 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
     outcome = sweep(
         workload=str(DIGITS),
         grid=grid,
-        training=TrainingSpec(model_name=f"digits-sweep-{uuid.uuid4().hex[:6]}",  # the server's registry persists
-                              hyperparameters={"epochs": 2, "batch_size": 32},
-                              resources=Resources(mem_gb=1, time_limit_minutes=10)),
+        training=TrainingSpec(
+            model_name=f"digits-sweep-{uuid.uuid4().hex[:6]}",  # the server's registry persists
+            hyperparameters={"epochs": 2, "batch_size": 32},
+            resources=Resources(mem_gb=1, time_limit_minutes=10),
+        ),
         serving=ServingSpec(service_name="digits-sweep"),
         stack="slurm-sweep-test",
         force_deploy=True,
-    )  # fmt: skip
+    )
     try:
         client = stack.tracking.client
         parent = client.get_run(outcome.parent_run_id)
@@ -69,7 +72,10 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
             assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
             assert child.info.status == "FINISHED"
             # The array task trained ITS configuration, into ITS run (the workload logged these).
-            assert {k: child.data.params[k] for k in ("lr", "hidden")} == {"lr": str(hp["lr"]), "hidden": str(hp["hidden"])}
+            assert {k: child.data.params[k] for k in ("lr", "hidden")} == {
+                "lr": str(hp["lr"]),
+                "hidden": str(hp["hidden"]),
+            }
             assert "val_accuracy" in child.data.metrics
         accuracies = [c.data.metrics["val_accuracy"] for c in children]
         assert outcome.best_index == accuracies.index(max(accuracies))
@@ -84,8 +90,12 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
         # and on no other child.
         endpoint = outcome.pipeline.endpoint
         assert endpoint is not None
-        deployed = {"deploy.status": "deployed", "deploy.version": outcome.pipeline.model_version.version,
-                    "deploy.endpoint": endpoint.url, "deploy.backend": endpoint.backend}  # fmt: skip
+        deployed = {
+            "deploy.status": "deployed",
+            "deploy.version": outcome.pipeline.model_version.version,
+            "deploy.endpoint": endpoint.url,
+            "deploy.backend": endpoint.backend,
+        }
         for run in (parent, children[outcome.best_index]):
             tags = {k: v for k, v in run.data.tags.items() if k.startswith("deploy.")}
             assert {k: tags.get(k) for k in deployed} == deployed, run.info.run_id
@@ -95,10 +105,13 @@ def test_sweep_trains_a_grid_as_one_array_and_ships_the_best() -> None:
 
         # ONE Slurm job (an array of 4 tasks) carried the whole sweep ...
         key = f"{parent.data.tags['prefect.flow_run_id']}-sweep"
-        rows = _slurm(env, "sacct", "-X", "-n", "-P", "-S", "now-1hour", f"--name={key}", "-o",
-                      "JobID,State,ElapsedRaw,AllocTRES")  # fmt: skip
+        rows = _slurm(
+            env, "sacct", "-X", "-n", "-P", "-S", "now-1hour", f"--name={key}", "-o", "JobID,State,ElapsedRaw,AllocTRES"
+        )
         assert len({r[0].split("_")[0] for r in rows}) == 1
-        assert sorted(r[0].split("_")[1] for r in rows) == ["0", "1", "2", "3"] and {r[1] for r in rows} == {"COMPLETED"}
+        assert sorted(r[0].split("_")[1] for r in rows) == ["0", "1", "2", "3"] and {r[1] for r in rows} == {
+            "COMPLETED"
+        }
         # ... and its accounting (allocated GPUs × elapsed, from sacct) is in the MLflow runs.
         gpu_hours = sum(int(r[2]) * int(r[3].split("gres/gpu=")[1].split(",")[0]) for r in rows) / 3600
         assert gpu_hours > 0
@@ -121,10 +134,13 @@ def test_a_sweep_of_the_regressors_own_hyperparameters_is_one_array() -> None:
     stack.tracking = mlflow_server()
     stack.save("slurm-sweep-regressor", overwrite=True)
     grid = SweepGrid(values={"alpha": [0.001, 1.0, 30.0], "l1_ratio": [0.2, 0.9]})
-    outcome = sweep(workload=str(DIABETES), grid=grid, stack="slurm-sweep-regressor",
-                    training=TrainingSpec(model_name=f"diabetes-sweep-{uuid.uuid4().hex[:6]}",
-                                          resources=Resources(mem_gb=1)),
-                    serving=ServingSpec(service_name="diabetes-sweep"))  # fmt: skip
+    outcome = sweep(
+        workload=str(DIABETES),
+        grid=grid,
+        stack="slurm-sweep-regressor",
+        training=TrainingSpec(model_name=f"diabetes-sweep-{uuid.uuid4().hex[:6]}", resources=Resources(mem_gb=1)),
+        serving=ServingSpec(service_name="diabetes-sweep"),
+    )
     try:
         client = stack.tracking.client
         assert outcome.completed == 6 and outcome.failed == 0
@@ -157,20 +173,26 @@ class _TrackingDown:
 def test_a_sweep_that_fails_for_good_cancels_its_held_array(tmp_path: Path) -> None:
     from prefect import flow
 
-    from blocks.specs import TrainingJob
-    from blocks.tracking import MlflowTracking
+    from blocks.records import TrainingJob
+    from blocks.tracking.mlflow import MlflowTracking
     from tasks.sweep import train_sweep
 
     env = stack_env("slurm")
     cluster = _cluster()
-    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                              artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
+    tracking = MlflowTracking(
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     parent = tracking.client.create_run(tracking.experiment_id("sweep-cancel"), run_name="sweep-cancel").info.run_id
     down = _TrackingDown(tracking.client)
     object.__setattr__(tracking, "client", down)  # the cached client: every child run fails to be made
     key = f"sweep-cancel-{uuid.uuid4().hex[:8]}"
-    job = TrainingJob(key=key, workdir=cluster.job_workdir(key), command=["true"], code=code_of(JOBS),
-                      resources=Resources(time_limit_minutes=5))  # fmt: skip
+    job = TrainingJob(
+        key=key,
+        workdir=cluster.job_workdir(key),
+        command=["true"],
+        code=code_of(JOBS),
+        resources=Resources(time_limit_minutes=5),
+    )
     configurations = [{"seed": seed} for seed in range(4)]
 
     @flow
@@ -201,6 +223,7 @@ def test_a_sweep_that_fails_for_good_cancels_its_held_array(tmp_path: Path) -> N
         assert rows and all(r[1].startswith("CANCELLED") for r in rows), rows
         assert all(r[2] == "0" for r in rows), rows  # no time ran (sacct may date a pending job's cancel as its start)
     finally:
-        subprocess.run(["scancel", f"--name={key}"], env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"},
-                       check=False)  # fmt: skip
+        subprocess.run(
+            ["scancel", f"--name={key}"], env={"SLURM_CONF": env["SLURM_CONF"], "PATH": "/usr/bin:/bin"}, check=False
+        )
         remove_on_cluster(cluster, cluster.workdir_root)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -64,3 +66,33 @@ def test_promotion_min_improvement() -> None:
 def test_promotion_without_the_workload_says_so() -> None:
     with pytest.raises(ValueError, match="fills them in from the workload"):
         PromotionPolicy().beats(0.9, 0.8)
+
+
+def test_a_runs_serving_overrides_the_declared_shape_field_by_field() -> None:
+    from blocks.specs import ServingShape
+
+    declared = ServingShape(replicas=2, gpus=2, memory_request="4Gi", url="https://m.example.org")
+    assert ServingSpec().over(declared).shape() == declared  # nothing set: as declared
+    assert ServingSpec().over(None) == ServingSpec()
+    mine = ServingSpec(replicas=4, cpu_limit="3").over(declared)
+    assert (mine.replicas, mine.gpus, mine.memory_request, mine.cpu_limit) == (4, 2, "4Gi", "3")
+    # Setting one GPU field sets what a replica's GPUs are: no GPU at all here, not the declared two.
+    cpu = ServingSpec(gpus=0).over(declared)
+    assert (cpu.gpus, cpu.device) == (0, "cpu")
+    shared = ServingSpec(share_gpus=True).over(declared)
+    assert (shared.gpus, shared.share_gpus, shared.device) == (0, True, "cuda")
+    with pytest.raises(ValidationError, match="max_replicas=1 is below replicas=2"):
+        ServingSpec(max_replicas=1).over(declared)
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"cpu_request": "two"}, "cpu_request='two' is not a Kubernetes quantity"),
+        ({"url": "houses.example.org"}, "url='houses.example.org' is not an http(s) URL"),
+        ({"share_gpus": True, "mig_profile": "1g.10gb"}, "nor share_gpus with a MIG slice"),
+    ],
+)
+def test_a_bad_serving_shape_is_refused_naming_the_field(fields: dict, problem: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(problem)):
+        ServingSpec(**fields)

@@ -1,4 +1,4 @@
-"""blocks/_ssh.py's connect: a port that accepts connections but never speaks SSH is a clear timeout."""
+"""blocks/ssh/connection.py's connect: a port that accepts connections but never speaks SSH is a clear timeout."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import paramiko
 import pytest
 
-from blocks._ssh import connect_verified
+from blocks.ssh.connection import connect_verified
 
 
 def test_a_port_that_sends_no_banner_is_a_timeout_naming_the_host() -> None:
@@ -29,8 +29,16 @@ def test_a_port_that_sends_no_banner_is_a_timeout_naming_the_host() -> None:
         started = time.monotonic()
         expected = rf"login\.example: no SSH answer within 1 s .*sshd listening on {port}"
         with pytest.raises(TimeoutError, match=expected):
-            connect_verified(address="127.0.0.1", port=port, user="u", key=paramiko.RSAKey.generate(1024),
-                             known=paramiko.HostKeys(), timeout=1.0, name="login.example", check_against="-")  # fmt: skip
+            connect_verified(
+                address="127.0.0.1",
+                port=port,
+                user="u",
+                key=paramiko.RSAKey.generate(1024),
+                known=paramiko.HostKeys(),
+                timeout=1.0,
+                name="login.example",
+                check_against="-",
+            )
         assert time.monotonic() - started < 30
     finally:
         server.close()

@@ -17,22 +17,30 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
+from blocks.base.provider import NodeRequirements, NodesUnreachable
 from blocks.errors import ConfigurationError
-from blocks.provision import NodeRequirements, NodesUnreachable
-from blocks.slurm import SlurmCluster
-from blocks.ssh_credentials import SshCredentials
-from blocks.ssh_hosts import SshHost, SshHosts
+from blocks.hosts.provider import SshHost, SshHosts
+from blocks.slurm.cluster import SlurmCluster
+from blocks.ssh.credentials import SshCredentials
 
 PLANTED = "-----BEGIN OPENSSH PRIVATE KEY-----\nplanted-c2VjcmV0LWtleS10ZXh0\n-----END OPENSSH PRIVATE KEY-----"
 MARK = "planted-c2VjcmV0LWtleS10ZXh0"
 
 
 def test_the_older_flat_fields_of_slurm_cluster_land_in_credentials() -> None:
-    cluster = SlurmCluster(host="login.example", user="alice", private_key=SecretStr(PLANTED),
-                           private_key_passphrase="pw-planted",
-                           known_hosts="login.example ssh-ed25519 AAAA\n")  # fmt: skip
-    assert cluster.credentials == SshCredentials(user="alice", private_key=PLANTED, private_key_passphrase="pw-planted",
-                                                 known_hosts="login.example ssh-ed25519 AAAA\n")  # fmt: skip
+    cluster = SlurmCluster(
+        host="login.example",
+        user="alice",
+        private_key=SecretStr(PLANTED),
+        private_key_passphrase="pw-planted",
+        known_hosts="login.example ssh-ed25519 AAAA\n",
+    )
+    assert cluster.credentials == SshCredentials(
+        user="alice",
+        private_key=PLANTED,
+        private_key_passphrase="pw-planted",
+        known_hosts="login.example ssh-ed25519 AAAA\n",
+    )
     assert cluster.user == "alice"
     dumped = cluster.model_dump()
     assert not {"user", "private_key", "private_key_passphrase", "known_hosts"} & set(dumped)  # not kept as extras
@@ -42,8 +50,11 @@ def test_the_older_flat_fields_of_slurm_cluster_land_in_credentials() -> None:
 
 
 def test_the_older_flat_fields_of_ssh_hosts_land_in_credentials_and_hosts_keep_their_users() -> None:
-    hosts = SshHosts(hosts=[SshHost(address="10.0.0.1"), SshHost(address="10.0.0.2", user="ubuntu")],
-                     private_key=PLANTED, known_hosts="")  # fmt: skip
+    hosts = SshHosts(
+        hosts=[SshHost(address="10.0.0.1"), SshHost(address="10.0.0.2", user="ubuntu")],
+        private_key=PLANTED,
+        known_hosts="",
+    )
     assert hosts.credentials.private_key is not None and hosts.credentials.private_key.get_secret_value() == PLANTED
     assert [hosts.user_of(h) for h in hosts.hosts] == ["root", "ubuntu"]
     shared = SshCredentials(user="gpu", private_key=PLANTED)
@@ -59,11 +70,16 @@ def test_both_forms_at_once_are_refused_naming_the_fields_and_never_echoing_the_
         if block == "SlurmCluster":
             SlurmCluster(host="h", credentials=credentials, private_key=PLANTED + "2", known_hosts="h ssh-ed25519 AAAA")
         else:
-            SshHosts(hosts=[SshHost(address="10.0.0.1")], credentials=credentials, private_key=PLANTED + "2",
-                     known_hosts="h ssh-ed25519 AAAA")  # fmt: skip
+            SshHosts(
+                hosts=[SshHost(address="10.0.0.1")],
+                credentials=credentials,
+                private_key=PLANTED + "2",
+                known_hosts="h ssh-ed25519 AAAA",
+            )
     message = str(err.value)
-    assert f"{block}: known_hosts, private_key given both flat and in credentials: set them in credentials only" \
-        in message
+    assert (
+        f"{block}: known_hosts, private_key given both flat and in credentials: set them in credentials only" in message
+    )
     assert MARK not in message and MARK not in repr(err.value)  # what a log or a traceback shows
     # The same value in both places says nothing different: it is taken once.
     same = SlurmCluster(host="h", credentials=credentials, private_key=PLANTED, user="alice")
@@ -98,12 +114,15 @@ def test_connection_retries_log_the_host_never_the_key(caplog: pytest.LogCapture
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again: nothing listens there
-    hosts = SshHosts(hosts=[SshHost(address="127.0.0.1", port=port, name="gone")],
-                     credentials=SshCredentials(private_key=text), connect_attempts=2, retry_backoff_seconds=0,
-                     connect_timeout=2)  # fmt: skip
-    with caplog.at_level(logging.DEBUG):
-        with pytest.raises(NodesUnreachable) as err:
-            hosts.inspect(hosts.acquire(1, NodeRequirements(), "r"))
+    hosts = SshHosts(
+        hosts=[SshHost(address="127.0.0.1", port=port, name="gone")],
+        credentials=SshCredentials(private_key=text),
+        connect_attempts=2,
+        retry_backoff_seconds=0,
+        connect_timeout=2,
+    )
+    with caplog.at_level(logging.DEBUG), pytest.raises(NodesUnreachable) as err:
+        hosts.inspect(hosts.acquire(1, NodeRequirements(), "r"))
     body = text.splitlines()[1]
     assert "gone: connection attempt 1/2 failed" in caplog.text
     assert body not in caplog.text and body not in str(err.value)
@@ -115,15 +134,23 @@ def test_a_block_saved_in_the_older_flat_form_loads_with_credentials() -> None:
     from prefect.client.schemas.actions import BlockDocumentCreate
 
     name = f"flat-{uuid.uuid4().hex[:8]}"
-    flat = {"host": "login.example", "port": 2222, "user": "alice", "private_key": PLANTED,
-            "private_key_passphrase": None, "known_hosts": "[login.example]:2222 ssh-ed25519 AAAA\n", "local": False}
+    flat = {
+        "host": "login.example",
+        "port": 2222,
+        "user": "alice",
+        "private_key": PLANTED,
+        "private_key_passphrase": None,
+        "known_hosts": "[login.example]:2222 ssh-ed25519 AAAA\n",
+        "local": False,
+    }
     SlurmCluster.register_type_and_schema()
     with get_client(sync_client=True) as client:
         block_type = client.read_block_type_by_slug(SlurmCluster.get_block_type_slug())
         schema = client.get_most_recent_block_schema_for_block_type(block_type.id)
         assert schema is not None
-        client.create_block_document(BlockDocumentCreate(name=name, data=flat, block_type_id=block_type.id,
-                                                         block_schema_id=schema.id))  # fmt: skip
+        client.create_block_document(
+            BlockDocumentCreate(name=name, data=flat, block_type_id=block_type.id, block_schema_id=schema.id)
+        )
     loaded = SlurmCluster.load(name)
     assert loaded.port == 2222 and loaded.user == "alice"
     assert loaded.credentials is not None and loaded.credentials.private_key.get_secret_value() == PLANTED
@@ -131,5 +158,8 @@ def test_a_block_saved_in_the_older_flat_form_loads_with_credentials() -> None:
     loaded.save(name, overwrite=True)  # saved again: in the new form, and it loads the same
     again = SlurmCluster.load(name).credentials
     assert again is not None and again.private_key is not None
-    assert (again.user, again.private_key.get_secret_value(), again.known_hosts) == \
-        ("alice", PLANTED, loaded.credentials.known_hosts)
+    assert (again.user, again.private_key.get_secret_value(), again.known_hosts) == (
+        "alice",
+        PLANTED,
+        loaded.credentials.known_hosts,
+    )

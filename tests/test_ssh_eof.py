@@ -1,4 +1,5 @@
-"""blocks/_ssh.py's EOF that ends a command's stdin, against the slurm stack's real sshd (the cluster's login node).
+"""blocks/ssh/connection.py's EOF that ends a command's stdin, against the slurm stack's real sshd (the cluster's
+login node).
 
 paramiko sends a channel's EOF after releasing the channel's lock; if its transport thread answers the server's
 CLOSE in that gap, the EOF reaches sshd for a channel it has freed and sshd drops the whole connection. The first
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import paramiko
 import pytest
 
-from blocks import _ssh
+from blocks.ssh import connection as _ssh
 from tests.stacks import stack_env
 
 pytestmark = pytest.mark.integration
@@ -26,8 +27,15 @@ def client() -> Iterator[paramiko.SSHClient]:
     env = stack_env("slurm")
     client = paramiko.SSHClient()
     client.load_host_keys(env["SLURM_KNOWN_HOSTS"])
-    client.connect(env["SLURM_SSH_HOST"], port=int(env["SLURM_SSH_PORT"]), username=env["SLURM_SSH_USER"],
-                   key_filename=env["SLURM_SSH_KEY"], timeout=30, allow_agent=False, look_for_keys=False)  # fmt: skip
+    client.connect(
+        env["SLURM_SSH_HOST"],
+        port=int(env["SLURM_SSH_PORT"]),
+        username=env["SLURM_SSH_USER"],
+        key_filename=env["SLURM_SSH_KEY"],
+        timeout=30,
+        allow_agent=False,
+        look_for_keys=False,
+    )
     try:
         yield client
     finally:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import fcntl
 import json
 import logging
@@ -36,20 +37,20 @@ from pathlib import Path
 
 import pytest
 
-from blocks.errors import ConfigurationError
-from blocks.provision import (
+from blocks.base.nvidia import parse_nvidia_smi
+from blocks.base.provider import (
     STATE_FAILED,
     STATE_READY,
     STATE_UNREACHABLE,
     NodeRequirements,
     NodesFailed,
     NodesUnreachable,
-    parse_nvidia_smi,
 )
-from blocks.specs import Node
-from blocks.slurm_join import SlurmJoin, gres_type
-from blocks.ssh_credentials import SshCredentials
-from blocks.ssh_hosts import SshHost, SshHosts
+from blocks.errors import ConfigurationError
+from blocks.hosts.provider import SshHost, SshHosts
+from blocks.hosts.slurm_join import SlurmJoin, gres_type
+from blocks.records import Node
+from blocks.ssh.credentials import SshCredentials
 from tasks.provision import inventory_rows
 from tasks.retry import is_transient
 from tests.stacks import stack_env, stacks_root
@@ -62,16 +63,20 @@ LOCK = Path("/run/lock/gpuferry-testhosts.lock")
 
 A100 = {
     "query": "0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0001\n"
-             "1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002\n",
-    "driver": "550.54.15", "cuda": "12.4",
-    "rows": [("0", "NVIDIA A100-SXM4-80GB", "00000000:07:00.0", "61W /  400W", "81920MiB"),
-             ("1", "NVIDIA A100-SXM4-80GB", "00000000:0F:00.0", "63W /  400W", "81920MiB")],
-}  # fmt: skip
+    "1, NVIDIA A100-SXM4-80GB, 81920, 550.54.15, GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002\n",
+    "driver": "550.54.15",
+    "cuda": "12.4",
+    "rows": [
+        ("0", "NVIDIA A100-SXM4-80GB", "00000000:07:00.0", "61W /  400W", "81920MiB"),
+        ("1", "NVIDIA A100-SXM4-80GB", "00000000:0F:00.0", "63W /  400W", "81920MiB"),
+    ],
+}
 RTX3090 = {
     "query": "0, NVIDIA GeForce RTX 3090, 24576, 535.171.04, GPU-2b1f9d33-7c6e-4d0a-9e8b-3a4c5d6e0003\n",
-    "driver": "535.171.04", "cuda": "12.2",
+    "driver": "535.171.04",
+    "cuda": "12.2",
     "rows": [("0", "NVIDIA GeForce RTX 3090", "00000000:01:00.0", "22W /  350W", "24576MiB")],
-}  # fmt: skip
+}
 
 
 def banner(gpu: dict) -> str:
@@ -91,8 +96,11 @@ def banner(gpu: dict) -> str:
             f"| N/A   33C    P0          {power:>14} | {'0MiB / ' + memory:>22} |      0%      Default |",
             "+-----------------------------------------+------------------------+----------------------+",
         ]
-    lines += ["", "| Processes:                                                                              |",
-              "|  No running processes found                                                             |"]  # fmt: skip
+    lines += [
+        "",
+        "| Processes:                                                                              |",
+        "|  No running processes found                                                             |",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -116,7 +124,7 @@ STATE={state}
     echo 'INFO[0000] It is recommended that docker daemon be restarted.' >&2 ;;
   *) echo "nvidia-ctk: unsupported arguments: $*" >&2; exit 1 ;;
 esac
-"""
+"""  # noqa: E501 - a stand-in program's output, byte for byte as the real one prints it
 DOCKER = """#!/bin/bash
 STATE={state}
 {log}case "$*" in
@@ -128,7 +136,7 @@ STATE={state}
     fi ;;
   *) echo "docker: unsupported arguments: $*" >&2; exit 1 ;;
 esac
-"""
+"""  # noqa: E501 - a stand-in program's output, byte for byte as the real one prints it
 # The restart waits (bounded) until every host of a parallel run has started its restart: with a
 # barrier set up, a serial bootstrap fails here instead of passing by luck.
 SYSTEMCTL = """#!/bin/bash
@@ -148,7 +156,7 @@ BARRIER={barrier}
     if grep -q '"nvidia"' "$STATE/daemon.json" 2>/dev/null; then touch "$STATE/running-nvidia"; else rm -f "$STATE/running-nvidia"; fi ;;
   *) echo "systemctl: unsupported arguments: $*" >&2; exit 1 ;;
 esac
-"""
+"""  # noqa: E501 - a stand-in program's output, byte for byte as the real one prints it
 
 
 def ctld_addr() -> str | None:
@@ -318,10 +326,12 @@ class FakeHosts:
     def block(self, *names: str, known_hosts: str | None = None, **settings: object) -> SshHosts:
         return SshHosts(
             hosts=[SshHost(address=self[n].address, name=n) for n in names],
-            credentials=SshCredentials(private_key=self.client_key,
-                                       known_hosts=self.known_hosts() if known_hosts is None else known_hosts),
-            connect_timeout=5, **settings,
-        )  # fmt: skip
+            credentials=SshCredentials(
+                private_key=self.client_key, known_hosts=self.known_hosts() if known_hosts is None else known_hosts
+            ),
+            connect_timeout=5,
+            **settings,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -329,8 +339,12 @@ def testhosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHosts]:
     if os.geteuid() != 0:
         pytest.fail("the SSH test hosts need root (network namespaces, sshd)")
     if not Path("/usr/sbin/sshd").exists():
-        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "openssh-server"], check=True,
-                       capture_output=True, timeout=1200)  # fmt: skip
+        subprocess.run(
+            ["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "openssh-server"],
+            check=True,
+            capture_output=True,
+            timeout=1200,
+        )
     for tool in ("ip", "nsenter", "ssh-keygen"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is missing: apt-get install iproute2 util-linux openssh-client")
@@ -394,7 +408,8 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
 
     first = block.bootstrap(nodes, NodeRequirements(gpus=1, min_gpu_memory_mib=20000))
     assert [(n.name, n.state, n.labels["bootstrap"]) for n in first] == [
-        ("a100", STATE_READY, "changed"), ("rtx3090", STATE_READY, "changed")
+        ("a100", STATE_READY, "changed"),
+        ("rtx3090", STATE_READY, "changed"),
     ]
     a100, rtx = first
     assert [(g.index, g.name, g.memory_mib, g.driver_version, g.cuda_version) for g in a100.gpus] == [
@@ -406,8 +421,10 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
     ]
     assert a100.labels["toolkit"] == "1.15.0" and a100.labels["container_runtime"] == "docker (nvidia)"
     assert a100.cpus > 0 and a100.memory_mib > 0
-    assert [g.uuid for g in a100.gpus] == ["GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0001",
-                                           "GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002"]  # what a Docker host's GPUs go by
+    assert [g.uuid for g in a100.gpus] == [
+        "GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0001",
+        "GPU-5e0e6a7c-0d4a-4c41-a1a2-0f6f5f3c0002",
+    ]  # what a Docker host's GPUs go by
     for name in ("a100", "rtx3090"):
         assert [c for c in hosts[name].calls() if c in CHANGING] == list(CHANGING)
         assert (hosts[name].state / "running-nvidia").exists()
@@ -417,7 +434,7 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
     second = block.bootstrap(nodes, NodeRequirements(gpus=1))
     assert [(n.state, n.labels["bootstrap"]) for n in second] == [(STATE_READY, "unchanged")] * 2
     for name in ("a100", "rtx3090"):
-        calls = hosts[name].calls()[before[name]:]
+        calls = hosts[name].calls()[before[name] :]
         assert calls and not [c for c in calls if c in CHANGING], calls  # it looked, and changed nothing
 
     rows = inventory_rows(second)
@@ -430,7 +447,7 @@ def test_bootstrap_two_hosts_in_parallel_then_a_second_run_changes_nothing(hosts
     inventory = block.host_inventory()
     assert [(n.name, len(n.gpus)) for n in inventory] == [("a100", 2), ("rtx3090", 1)]
     assert inventory[1].gpus[0].uuid == "GPU-2b1f9d33-7c6e-4d0a-9e8b-3a4c5d6e0003"
-    assert not [c for name in ("a100", "rtx3090") for c in hosts[name].calls()[before[name]:] if c in CHANGING]
+    assert not [c for name in ("a100", "rtx3090") for c in hosts[name].calls()[before[name] :] if c in CHANGING]
 
 
 def test_host_without_gpus_fails_preflight_naming_host_and_check(hosts: FakeHosts) -> None:
@@ -464,9 +481,8 @@ def test_unreachable_host_is_retried_then_fails_while_the_other_host_goes_on(
 ) -> None:
     block = hosts.block("rtx3090", "down", connect_attempts=3, retry_backoff_seconds=0.2)
     nodes = block.acquire(2, NodeRequirements(), "run-3")
-    with caplog.at_level(logging.WARNING, logger="gpuferry.ssh_hosts"):
-        with pytest.raises(NodesUnreachable) as info:
-            block.bootstrap(nodes, NodeRequirements(gpus=1))
+    with caplog.at_level(logging.WARNING, logger="gpuferry.ssh_hosts"), pytest.raises(NodesUnreachable) as info:
+        block.bootstrap(nodes, NodeRequirements(gpus=1))
     retries = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
     assert [m.split(" failed")[0] for m in retries] == ["down: connection attempt 1/3", "down: connection attempt 2/3"]
     assert "retrying in 0.2 s" in retries[0] and "retrying in 0.4 s" in retries[1]  # exponential backoff
@@ -486,9 +502,8 @@ def test_changed_or_unknown_host_key_is_refused(hosts: FakeHosts, caplog: pytest
         run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(impostor))
     key_type, key = (impostor.with_suffix(".pub")).read_text().split()[:2]
     pinned = f"{hosts['a100'].address} {key_type} {key}\n"  # known_hosts pins another key for the a100 host
-    with caplog.at_level(logging.WARNING, logger="gpuferry.ssh_hosts"):
-        with pytest.raises(NodesFailed) as info:
-            hosts.block("a100", known_hosts=pinned).inspect(hosts.block("a100").acquire(1, NodeRequirements(), "r"))
+    with caplog.at_level(logging.WARNING, logger="gpuferry.ssh_hosts"), pytest.raises(NodesFailed) as info:
+        hosts.block("a100", known_hosts=pinned).inspect(hosts.block("a100").acquire(1, NodeRequirements(), "r"))
     message = str(info.value)
     offered = run("ssh-keygen", "-lf", str(hosts["a100"].root / "host_key.pub")).split()[1]
     expected = run("ssh-keygen", "-lf", str(impostor.with_suffix(".pub"))).split()[1]
@@ -504,8 +519,11 @@ def test_changed_or_unknown_host_key_is_refused(hosts: FakeHosts, caplog: pytest
 
 
 def test_acquire_more_nodes_than_hosts_is_refused_before_anything_runs(hosts: FakeHosts) -> None:
-    with pytest.raises(ConfigurationError, match=r"resources.nodes=3 but this SshHosts block has 2 host\(s\) "
-                                                 r"\(a100, rtx3090\): add hosts"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"resources.nodes=3 but this SshHosts block has 2 host\(s\) "
+        r"\(a100, rtx3090\): add hosts",
+    ):
         hosts.block("a100", "rtx3090").acquire(3, NodeRequirements(), "run-4")
     with pytest.raises(ValueError, match="node names must be unique"):
         SshHosts(hosts=[SshHost(address="10.0.0.1"), SshHost(address="10.0.0.1")], private_key="k", known_hosts="")
@@ -543,7 +561,8 @@ def test_provision_task_bootstraps_and_writes_the_inventory(hosts: FakeHosts) ->
     assert states == [STATE_READY, STATE_READY]
     rows = inventory(run_id)
     assert [(r["host"], r["toolkit"], r["driver"], r["cuda"], r["state"]) for r in rows] == [
-        ("a100", "1.15.0", "550.54.15", "12.4", "ready"), ("rtx3090", "1.15.0", "535.171.04", "12.2", "ready")
+        ("a100", "1.15.0", "550.54.15", "12.4", "ready"),
+        ("rtx3090", "1.15.0", "535.171.04", "12.2", "ready"),
     ]
 
     run_id, states = provision(["a100", "cpu"])  # the failed host is in the inventory, with why
@@ -557,8 +576,9 @@ def test_provision_task_bootstraps_and_writes_the_inventory(hosts: FakeHosts) ->
 
 
 def slurm_cmd(env: dict[str, str], *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "SLURM_CONF": env["SLURM_CONF"]})  # fmt: skip
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env={**os.environ, "SLURM_CONF": env["SLURM_CONF"]}
+    )
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -612,31 +632,32 @@ def joining(hosts: FakeHosts, tmp_path: Path) -> Iterator[tuple[SshHosts, dict[s
         conf_dir=f"{tmp_path}/{{node}}/etc-slurm",  # the hosts share this filesystem: one directory each
         munge_key_path=f"{tmp_path}/{{node}}/munge/munge.key",
         gpu_device=f"{tmp_path}/{{node}}/dev/nvidia{{index}}",
-        registration_timeout_seconds=180, drain_timeout_seconds=180,
-    )  # fmt: skip
+        registration_timeout_seconds=180,
+        drain_timeout_seconds=180,
+    )
     block = SshHosts(
         hosts=[SshHost(address=hosts[h].address, name=node) for h, node in names.items()],
-        credentials=SshCredentials(private_key=hosts.client_key, known_hosts=hosts.known_hosts()), connect_timeout=5,
+        credentials=SshCredentials(private_key=hosts.client_key, known_hosts=hosts.known_hosts()),
+        connect_timeout=5,
         slurm=join,
-    )  # fmt: skip
+    )
     try:
         yield block, names, env
     finally:
         leftovers = [n for n in names.values() if in_cluster(env, n) or slurmd_pid(join, n)]
         if leftovers:
             block.release([Node(name=n, provider="test") for n in leftovers])
-        spool = next((line.split("=", 1)[1] for line in join.slurm_conf.splitlines()
-                      if line.startswith("SlurmdSpoolDir=")), None)  # fmt: skip
+        spool = next(
+            (line.split("=", 1)[1] for line in join.slurm_conf.splitlines() if line.startswith("SlurmdSpoolDir=")), None
+        )
         for node in names.values():
             if spool:
                 shutil.rmtree(spool.replace("%n", node), ignore_errors=True)
             for cgroup in Path("/sys/fs/cgroup").glob(f"*/slurm_{node}"):
                 for directory in sorted(cgroup.rglob("*"), key=lambda d: -len(d.parts)) + [cgroup]:
                     if directory.is_dir():
-                        try:
+                        with contextlib.suppress(OSError):
                             directory.rmdir()
-                        except OSError:
-                            pass
 
 
 def wait_job(env: dict[str, str], job_id: str) -> str:
@@ -661,7 +682,8 @@ def test_hosts_join_the_slurm_cluster_run_a_job_and_leave_at_release(
 
     first = block.bootstrap(nodes, NodeRequirements(gpus=1))
     assert [(n.name, n.state, n.labels["bootstrap"], n.labels["slurm"]) for n in first] == [
-        (a100, STATE_READY, "changed", "joined"), (rtx, STATE_READY, "changed", "joined")
+        (a100, STATE_READY, "changed", "joined"),
+        (rtx, STATE_READY, "changed", "joined"),
     ]
     for node, host in ((first[0], "a100"), (first[1], "rtx3090")):
         changes = node.labels["changes"]
@@ -683,9 +705,22 @@ def test_hosts_join_the_slurm_cluster_run_a_job_and_leave_at_release(
 
     # A job pinned to the A100 node gets its two GPUs and runs in that host's network.
     out = tmp_path / "job-%j.out"
-    job_id = slurm_cmd(env, "sbatch", "--parsable", "-p", partition, "-w", a100, "--gres=gpu:2", "-t", "5",
-                       "-o", str(out), "--wrap",
-                       'echo "node=$SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES addr=$(hostname -I)"').stdout.strip()  # fmt: skip
+    job_id = slurm_cmd(
+        env,
+        "sbatch",
+        "--parsable",
+        "-p",
+        partition,
+        "-w",
+        a100,
+        "--gres=gpu:2",
+        "-t",
+        "5",
+        "-o",
+        str(out),
+        "--wrap",
+        'echo "node=$SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES addr=$(hostname -I)"',
+    ).stdout.strip()
     assert wait_job(env, job_id) == "COMPLETED"
     printed = Path(str(out).replace("%j", job_id.split(";")[0])).read_text()
     assert f"node={a100} gpus=0,1 addr={hosts['a100'].address}" in printed, printed
@@ -699,7 +734,7 @@ def test_hosts_join_the_slurm_cluster_run_a_job_and_leave_at_release(
     ]
     assert {n: slurmd_pid(block.slurm, n) for n in names.values()} == pids and all(pids.values())
     for host in names:
-        assert not [c for c in hosts[host].calls()[before[host]:] if c.startswith("systemctl")]
+        assert not [c for c in hosts[host].calls()[before[host] :] if c.startswith("systemctl")]
 
     # A node drained behind our back is resumed by the next bootstrap (and only that one changes).
     slurm_cmd(env, "scontrol", "update", f"nodename={rtx}", "state=drain", "reason=test")
@@ -728,15 +763,26 @@ def test_slurm_join_settings_are_checked_before_anything_runs() -> None:
     with pytest.raises(ValueError, match=r"slurm.features: \['a b'\]"):
         SlurmJoin(slurm_conf=conf, features=["a b"])
     with pytest.raises(ValueError, match=r"hosts: \['10.0.0.7'\] are not Slurm node names .* set `name`"):
-        SshHosts(hosts=[SshHost(address="10.0.0.7")], credentials=SshCredentials(private_key="k"),
-                 slurm=SlurmJoin(slurm_conf=conf))
+        SshHosts(
+            hosts=[SshHost(address="10.0.0.7")],
+            credentials=SshCredentials(private_key="k"),
+            slurm=SlurmJoin(slurm_conf=conf),
+        )
     join = SlurmJoin(slurm_conf=conf + "SlurmdPidFile=/run/slurmd-%n.pid\n", features=["joined"])
     assert join.pid_file("g1") == "/run/slurmd-g1.pid"
     assert gres_type("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
     assert gres_type("NVIDIA GeForce RTX 3090") == "geforce_rtx_3090"
     gpus = parse_nvidia_smi("0, NVIDIA A100-SXM4-80GB, 81920, 550.54.15\n1, Tesla T4, 15360, 550.54.15\n")
-    assert join.slurmd_argv("g1", gpus) == ["slurmd", "-f", "/etc/slurm/slurm.conf", "-N", "g1", "-Z", "--conf",
-                                            "Gres=gpu:a100-sxm4-80gb:1,gpu:tesla_t4:1 Feature=joined"]  # fmt: skip
+    assert join.slurmd_argv("g1", gpus) == [
+        "slurmd",
+        "-f",
+        "/etc/slurm/slurm.conf",
+        "-N",
+        "g1",
+        "-Z",
+        "--conf",
+        "Gres=gpu:a100-sxm4-80gb:1,gpu:tesla_t4:1 Feature=joined",
+    ]
     assert join.gres_conf_for("g1", gpus).splitlines()[1:] == [
         "NodeName=g1 Name=gpu Type=a100-sxm4-80gb File=/dev/nvidia0",
         "NodeName=g1 Name=gpu Type=tesla_t4 File=/dev/nvidia1",
@@ -748,12 +794,16 @@ def test_a_controller_that_does_not_answer_fails_the_join_clearly_and_release_st
 ) -> None:
     block, names, env = joining
     # The cluster's config, but the controller at an address nothing listens on.
-    conf = block.slurm.slurm_conf.replace(f"SlurmctldHost=localhost({env['SLURM_CTLD_ADDR']})",
-                                          "SlurmctldHost=localhost(10.231.6.254)")  # fmt: skip
+    conf = block.slurm.slurm_conf.replace(
+        f"SlurmctldHost=localhost({env['SLURM_CTLD_ADDR']})", "SlurmctldHost=localhost(10.231.6.254)"
+    )
     assert conf != block.slurm.slurm_conf
-    lost = block.model_copy(update={
-        "hosts": block.hosts[:1], "slurm": block.slurm.model_copy(update={"slurm_conf": conf}),
-    })  # fmt: skip
+    lost = block.model_copy(
+        update={
+            "hosts": block.hosts[:1],
+            "slurm": block.slurm.model_copy(update={"slurm_conf": conf}),
+        }
+    )
     node = names["a100"]
     nodes = lost.acquire(1, NodeRequirements(), "run-lost")
     with pytest.raises(NodesUnreachable) as info:

@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from blocks.errors import ConfigurationError
-from blocks.slurm import SlurmCluster
+from blocks.slurm.cluster import SlurmCluster
 from blocks.stack import Stack
 from blocks.stack_file import read_stack_file
 from deployments.cli import app
@@ -37,13 +37,13 @@ stacks:
     provider: {{type: ClusterManaged, cluster_name: hpc}}
     images: {{type: CurrentEnvironment}}
     compute:
-{textwrap.indent(compute, '      ')}
+{textwrap.indent(compute, "      ")}
     storage:
       type: LocalCheckpointStore
       filesystem: {{basepath: /shared/checkpoints}}
     tracking: {{tracking_uri: http://mlflow.example.org:5000}}
     serving:
-{textwrap.indent(serving, '      ')}
+{textwrap.indent(serving, "      ")}
 """
     return body
 
@@ -83,8 +83,11 @@ def test_a_typo_names_the_file_line_field_and_the_valid_fields(files: Path) -> N
 
 def test_an_unknown_backend_lists_the_known_ones(files: Path) -> None:
     text = stack_yaml(serving="type: Kubernetes\nnamespace: models")
-    with pytest.raises(ConfigurationError, match=r"stack\.yaml:\d+: stacks\.hpc\.serving\.type: unknown backend "
-                       r"'Kubernetes'; known: LocalServing, KubernetesCluster"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"stack\.yaml:\d+: stacks\.hpc\.serving\.type: unknown backend "
+        r"'Kubernetes'; known: LocalServing, KubernetesCluster",
+    ):
         read(text, files)
 
 
@@ -93,8 +96,11 @@ def test_a_missing_secret_and_a_written_secret_are_refused_naming_the_field(
 ) -> None:
     monkeypatch.delenv("GPUFERRY_TEST_KUBECONFIG", raising=False)
     text = stack_yaml(serving="type: KubernetesCluster\nkubeconfig: {env: GPUFERRY_TEST_KUBECONFIG}")
-    with pytest.raises(ConfigurationError, match=r"stacks\.hpc\.serving\.kubeconfig: environment variable "
-                       "GPUFERRY_TEST_KUBECONFIG is not set"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"stacks\.hpc\.serving\.kubeconfig: environment variable "
+        "GPUFERRY_TEST_KUBECONFIG is not set",
+    ):
         read(text, files)
     monkeypatch.setenv("GPUFERRY_TEST_KUBECONFIG", "apiVersion: v1")
     assert read(text, files)["hpc"].serving.kubeconfig.get_secret_value() == "apiVersion: v1"
@@ -107,8 +113,9 @@ def test_a_missing_secret_and_a_written_secret_are_refused_naming_the_field(
 
 
 def test_every_problem_is_reported_at_once_and_a_missing_step_lists_its_backends(files: Path) -> None:
-    text = stack_yaml().replace("partition: gpu", "partiton: gpu").replace(
-        "    images: {type: CurrentEnvironment}\n", "")
+    text = (
+        stack_yaml().replace("partition: gpu", "partiton: gpu").replace("    images: {type: CurrentEnvironment}\n", "")
+    )
     with pytest.raises(ConfigurationError) as err:
         read(text, files)
     lines = str(err.value).splitlines()[1:]
@@ -127,14 +134,19 @@ bucket:
     aws_access_key_id: AKIA
     aws_secret_access_key: {env: GPUFERRY_TEST_SECRET}
     aws_client_parameters: {endpoint_url: https://s3.example.org}"""
-    text = stack_yaml().replace("""      type: LocalCheckpointStore
+    text = stack_yaml().replace(
+        """      type: LocalCheckpointStore
       filesystem: {basepath: /shared/checkpoints}
-""", textwrap.indent(storage, "      ") + "\n")
+""",
+        textwrap.indent(storage, "      ") + "\n",
+    )
     store = read(text, files)["hpc"].storage
     assert type(store.bucket.credentials).__name__ == "AwsCredentials"  # told apart from MinIOCredentials by its fields
     assert store.bucket.credentials.aws_secret_access_key.get_secret_value() == "s3cr3t"
     typo = text.replace("bucket_name: models", "bucket_nme: models")
-    with pytest.raises(ConfigurationError, match=r"stacks\.hpc\.storage\.bucket\.bucket_nme: unknown field of S3Bucket"):
+    with pytest.raises(
+        ConfigurationError, match=r"stacks\.hpc\.storage\.bucket\.bucket_nme: unknown field of S3Bucket"
+    ):
         read(typo, files)
 
 
@@ -162,8 +174,10 @@ def test_a_login_given_both_flat_and_in_credentials_is_refused_naming_the_fields
     with pytest.raises(ConfigurationError) as err:
         read(text, files)
     message = str(err.value)
-    assert "stacks.hpc.compute: SlurmCluster: known_hosts, user given both flat and in credentials: set them in " \
+    assert (
+        "stacks.hpc.compute: SlurmCluster: known_hosts, user given both flat and in credentials: set them in "
         "credentials only" in message
+    )
     assert "not-a-real-key" not in message and "AAAAC3NzaC1lZDI1NTE5AAAAIK" not in message
 
 
@@ -196,9 +210,11 @@ def test_apply_twice_changes_nothing_the_second_time(files: Path) -> None:
     path.write_text(stack_yaml(name).replace("partition: gpu", "partition: a100"))
     code, out = run("stack", "apply", str(path), "--dry-run")
     assert code == 0 and out.splitlines() == [
-        f"{name}: would be updated (2 changes)", "  compute.credentials.private_key: (secret) changed",
-        "  compute.partition: 'gpu' → 'a100'", "dry run: nothing saved",
-    ]  # fmt: skip
+        f"{name}: would be updated (2 changes)",
+        "  compute.credentials.private_key: (secret) changed",
+        "  compute.partition: 'gpu' → 'a100'",
+        "dry run: nothing saved",
+    ]
     assert "another" not in out
     assert Stack.load(name).compute.partition == "gpu"
     assert run("stack", "apply", str(path))[1].startswith(f"{name}: updated (2 changes)")
@@ -220,7 +236,9 @@ def test_a_secret_reference_takes_the_value_of_a_prefect_secret_block(files: Pat
     value = "apiVersion: v1\nkind: Config\nclusters: []\n"
     Secret(value=value).save(secret)
     path = files / "stack.yaml"
-    path.write_text(stack_yaml(name, serving=f"type: KubernetesCluster\nkubeconfig: {{secret: {secret}}}\nnamespace: m"))
+    path.write_text(
+        stack_yaml(name, serving=f"type: KubernetesCluster\nkubeconfig: {{secret: {secret}}}\nnamespace: m")
+    )
 
     assert run("stack", "apply", str(path)) == (0, f"{name}: created\n")
     assert Stack.load(name).serving.kubeconfig.get_secret_value() == value
@@ -231,8 +249,12 @@ def test_a_secret_reference_takes_the_value_of_a_prefect_secret_block(files: Pat
     path.write_text(text)
     code, out = run("stack", "apply", str(path))
     line = next(i for i, ln in enumerate(text.splitlines(), 1) if "gpuferry-no-such-secret" in ln)
-    assert code == 2 and f"{path}:{line}: stacks.{name}.serving.kubeconfig: the Prefect Secret block " \
-        "'gpuferry-no-such-secret' does not exist: create it" in out  # fmt: skip
+    assert (
+        code == 2
+        and f"{path}:{line}: stacks.{name}.serving.kubeconfig: the Prefect Secret block "
+        "'gpuferry-no-such-secret' does not exist: create it"
+        in out
+    )
     assert Stack.load(name).serving.kubeconfig.get_secret_value() == value  # nothing was saved
 
 
@@ -244,8 +266,11 @@ def test_a_stack_that_is_not_saved_is_an_error_listing_the_saved_ones(files: Pat
     path = files / "stack.yaml"
     path.write_text(stack_yaml(name))
     assert run("stack", "apply", str(path))[0] == 0
-    with pytest.raises(ConfigurationError, match=rf"stack='{name}x': no saved Stack block has that name; saved "
-                       rf"stacks: .*\b{name}\b"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"stack='{name}x': no saved Stack block has that name; saved "
+        rf"stacks: .*\b{name}\b",
+    ):
         load_stack(f"{name}x")
     picked = Stack.load(name)
     assert load_stack(picked) is picked  # a block picked in the UI arrives as the block itself

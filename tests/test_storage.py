@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from prefect.filesystems import LocalFileSystem
 
-import blocks.storage
 import runtime.manifest
+from blocks.base.storage import MANIFEST, HashCache, verify_checkpoint
 from blocks.errors import ChecksumMismatch, ConfigurationError
-from blocks.storage import MANIFEST, HashCache, LocalCheckpointStore, build_manifest, verify_checkpoint
+from blocks.local.storage import LocalCheckpointStore
 
 
 @pytest.fixture
@@ -118,9 +118,7 @@ def _age(*paths: Path) -> None:
         os.utime(path, ns=(past, past))
 
 
-def test_unchanged_files_are_not_hashed_again(
-    hashed: list[str], store: LocalCheckpointStore, checkpoint: Path
-) -> None:
+def test_unchanged_files_are_not_hashed_again(hashed: list[str], store: LocalCheckpointStore, checkpoint: Path) -> None:
     files = [checkpoint / "model.pt", checkpoint / "shards" / "0.bin", checkpoint / "metrics.json"]
     _age(*files)
     first = store.put(checkpoint, "model/run1")

@@ -8,18 +8,22 @@ import pytest
 from pydantic import ValidationError
 
 from blocks.errors import ConfigurationError
-from blocks.hparams import HyperparameterSchema
 from blocks.specs import SweepGrid
 from blocks.stack import Stack
+from blocks.workload.hparams import HyperparameterSchema
 from tests.examples import DIGITS
 
-
-SCHEMA = HyperparameterSchema({"type": "object", "properties": {
-    "lr": {"type": "number", "exclusiveMinimum": 0, "default": 0.05},
-    "hidden": {"type": "integer", "minimum": 1, "default": 128},
-    "seed": {"type": "integer", "minimum": 0, "default": 0},
-    "optimizer": {"enum": ["sgd", "adam"], "default": "sgd"},
-}})  # fmt: skip
+SCHEMA = HyperparameterSchema(
+    {
+        "type": "object",
+        "properties": {
+            "lr": {"type": "number", "exclusiveMinimum": 0, "default": 0.05},
+            "hidden": {"type": "integer", "minimum": 1, "default": 128},
+            "seed": {"type": "integer", "minimum": 0, "default": 0},
+            "optimizer": {"enum": ["sgd", "adam"], "default": "sgd"},
+        },
+    }
+)
 
 
 def expand(grid: SweepGrid, **base: object) -> list[dict]:
@@ -30,7 +34,14 @@ def test_grid_is_the_cartesian_product_on_the_base() -> None:
     grid = SweepGrid(values={"lr": [0.1, 0.01], "hidden": [16, 32, 64]}, configurations=[{"optimizer": "adam"}])
     assert grid.size == 7
     configs = expand(grid, seed=3)
-    assert [(c["lr"], c["hidden"]) for c in configs[:6]] == [(0.1, 16), (0.1, 32), (0.1, 64), (0.01, 16), (0.01, 32), (0.01, 64)]
+    assert [(c["lr"], c["hidden"]) for c in configs[:6]] == [
+        (0.1, 16),
+        (0.1, 32),
+        (0.1, 64),
+        (0.01, 16),
+        (0.01, 32),
+        (0.01, 64),
+    ]
     assert configs[6] == {"lr": 0.05, "hidden": 128, "seed": 3, "optimizer": "adam"}
     assert all(c["seed"] == 3 for c in configs)
 
@@ -41,8 +52,10 @@ def test_grid_is_the_cartesian_product_on_the_base() -> None:
         ({"values": {"lr": []}}, r"values\['lr'\] is empty"),
         ({"values": {"lr": [0.1, 0.1]}}, r"values\['lr'\] lists a value twice"),
         ({}, "the sweep is empty"),
-        ({"values": {"lr": [0.1, 0.2], "seed": list(range(6))}, "max_configurations": 10},
-         "12 configurations, more than max_configurations=10"),
+        (
+            {"values": {"lr": [0.1, 0.2], "seed": list(range(6))}, "max_configurations": 10},
+            "12 configurations, more than max_configurations=10",
+        ),
     ],
 )
 def test_bad_grids_are_refused_naming_the_field(grid: dict, message: str) -> None:
@@ -53,7 +66,10 @@ def test_bad_grids_are_refused_naming_the_field(grid: dict, message: str) -> Non
 @pytest.mark.parametrize(
     ("grid", "message"),
     [
-        ({"values": {"learning_rate": [0.1]}}, r"grid: 'learning_rate' is not a declared hyperparameter of the workload; valid: lr, hidden, seed"),
+        (
+            {"values": {"learning_rate": [0.1]}},
+            r"grid: 'learning_rate' is not a declared hyperparameter of the workload; valid: lr, hidden, seed",
+        ),
         ({"values": {"lr": [0.1, -1.0]}}, r"(?s)configuration 1 \{'lr': -1.0\}.*hyperparameters.lr"),
         ({"configurations": [{"optimizer": "rmsprop"}]}, r"(?s)configuration 0 .*hyperparameters.optimizer"),
         ({"configurations": [{"depth": 3}]}, r"grid: 'depth' is not a declared hyperparameter"),
@@ -89,7 +105,7 @@ class HeldArray:
         self.submits = 0
 
     def submit_held_sweep(self, job, size, *, parallelism=None):  # type: ignore[no-untyped-def]
-        from blocks.specs import JobHandle
+        from blocks.records import JobHandle
 
         self.submits += 1
         self.size = size
@@ -105,13 +121,13 @@ class HeldArray:
         self.releases.append(sorted(tasks))
 
     def watch(self, handle, timeout_seconds=None):  # type: ignore[no-untyped-def]
-        from blocks.specs import JobStatus
+        from blocks.records import JobStatus
 
         assert self.whole_released, "watched before the array was released"
         return JobStatus(job_id="42", state="COMPLETED")
 
     def array_outcome(self, handle, size):  # type: ignore[no-untyped-def]
-        from blocks.specs import JobStatus
+        from blocks.records import JobStatus
 
         usage = {"gpu_hours": 0.0, "cpu_hours": 0.001, "wall_seconds": 1.0, "requeues": 0}
         return {i: (JobStatus(job_id=f"42_{i}", state="COMPLETED"), usage) for i in range(size)}
@@ -132,13 +148,14 @@ def test_each_task_is_released_with_its_own_child_run(tmp_path: Path, monkeypatc
 
     from mlflow.tracking import MlflowClient
 
-    from blocks.specs import TrainingJob
-    from blocks.tracking import MlflowTracking
-    from tasks.sweep import CHILD_RUNS_NICE, train_sweep
+    from blocks.records import TrainingJob
+    from blocks.tracking.mlflow import MlflowTracking
     from runtime import contract
+    from tasks.sweep import CHILD_RUNS_NICE, train_sweep
 
-    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                              artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
+    tracking = MlflowTracking(
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     experiment = tracking.experiment_id("sweep-unit")
     parent = tracking.client.create_run(experiment, run_name="sweep-unit").info.run_id
     configurations = expand(SweepGrid(values={"seed": list(range(12))}))
@@ -184,10 +201,10 @@ def test_tasks_are_released_in_doubling_parts_then_the_whole_array() -> None:
     import threading
     from concurrent.futures import Future
 
-    from blocks.specs import JobHandle
+    from blocks.records import JobHandle
+    from runtime import contract
     from tasks.sweep import FIRST_RELEASE, _release_as_runs_come
     from tests.private_worker import wait_until
-    from runtime import contract
 
     assert FIRST_RELEASE == 16
     size = 100
@@ -197,14 +214,16 @@ def test_tasks_are_released_in_doubling_parts_then_the_whole_array() -> None:
     backend.size = size
     handle = JobHandle(backend="held-array", job_id="42", key="k", workdir="/w", log_path="/dev/null")
     runs: dict[int, str] = {}
-    policy = threading.Thread(target=_release_as_runs_come,
-                              args=(backend, handle, runs, {f: i for i, f in enumerate(futures)}, configurations))  # fmt: skip
+    policy = threading.Thread(
+        target=_release_as_runs_come,
+        args=(backend, handle, runs, {f: i for i, f in enumerate(futures)}, configurations),
+    )
     policy.start()
     made = 0
 
     def make(count: int) -> None:
         nonlocal made
-        for future in futures[made:made + count]:
+        for future in futures[made : made + count]:
             future.set_result(f"run-{made}")
             made += 1
 
@@ -233,12 +252,13 @@ def test_tasks_are_released_in_doubling_parts_then_the_whole_array() -> None:
 def test_a_big_array_is_released_in_parts_then_whole(tmp_path: Path) -> None:
     from prefect import flow
 
-    from blocks.specs import TrainingJob
-    from blocks.tracking import MlflowTracking
+    from blocks.records import TrainingJob
+    from blocks.tracking.mlflow import MlflowTracking
     from tasks.sweep import FIRST_RELEASE, train_sweep
 
-    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-                              artifact_location=(tmp_path / "artifacts").as_uri())  # fmt: skip
+    tracking = MlflowTracking(
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=(tmp_path / "artifacts").as_uri()
+    )
     parent = tracking.client.create_run(tracking.experiment_id("sweep-parts"), run_name="parts").info.run_id
     configurations = expand(SweepGrid(values={"seed": list(range(200))}))
     job = TrainingJob(key="sweep-parts", workdir=str(tmp_path / "job"), command=["python", "train.py"])

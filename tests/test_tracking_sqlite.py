@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from blocks.tracking import MlflowTracking, sqlite_path
+from blocks.tracking.mlflow import MlflowTracking, sqlite_path
 
 
 def _journal_mode(path: Path) -> str:

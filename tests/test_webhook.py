@@ -21,12 +21,18 @@ SECRET = "s3cr3t-probe"
 # A delivery as MLflow 3.17 sent it (headers and body recorded from a real server, see the notes).
 DELIVERY = "1a98d97b-77b5-4288-88b0-29fadb66b31e"
 TIMESTAMP = "1795973864"
-BODY = b'{"entity": "model_version_alias", "action": "created", "data": {"name": "bar", "alias": "champion", "version": "1"}}'
+BODY = (
+    b'{"entity": "model_version_alias", "action": "created", '
+    b'"data": {"name": "bar", "alias": "champion", "version": "1"}}'
+)
 
 
 def headers(delivery: str = DELIVERY, ts: str = TIMESTAMP, body: bytes = BODY, secret: str = SECRET) -> dict[str, str]:
-    return {"x-mlflow-delivery-id": delivery, "x-mlflow-timestamp": ts,
-            "x-mlflow-signature": sign(secret, delivery, ts, body)}  # fmt: skip
+    return {
+        "x-mlflow-delivery-id": delivery,
+        "x-mlflow-timestamp": ts,
+        "x-mlflow-signature": sign(secret, delivery, ts, body),
+    }
 
 
 def test_signature_is_mlflows_v1_scheme() -> None:
@@ -69,9 +75,13 @@ def test_alias_payload_becomes_the_alias_set_event() -> None:
     assert spec is not None
     assert spec["event"] == "mlflow.model_version.alias_set"
     assert spec["resource"] == {
-        "prefect.resource.id": "mlflow.model.bar.1", "prefect.resource.name": "bar v1",
-        "model": "bar", "version": "1", "alias": "champion", "stack": "team",
-    }  # fmt: skip
+        "prefect.resource.id": "mlflow.model.bar.1",
+        "prefect.resource.name": "bar v1",
+        "model": "bar",
+        "version": "1",
+        "alias": "champion",
+        "stack": "team",
+    }
     assert spec["payload"] == {"via": "webhook", "delivery_id": DELIVERY}
     # The event id follows the delivery: a resent delivery is the same event.
     assert spec["id"] == event_for(json.loads(BODY), DELIVERY, "team")["id"]
@@ -130,18 +140,23 @@ def test_secret_is_never_empty_and_comes_from_the_file_or_env(tmp_path: Path, mo
 
 def test_poller_emits_alias_moves_only(tmp_path: Path) -> None:
     assert changes({"a": {"champion": "1"}}, {"a": {"champion": "2", "canary": "3"}, "b": {}}) == [
-        ("a", "canary", "3", None), ("a", "champion", "2", "1"),
-    ]  # fmt: skip
+        ("a", "canary", "3", None),
+        ("a", "champion", "2", "1"),
+    ]
     registry = {"m": {"champion": "1"}, "other": {"champion": "7"}}
     emitted: list[dict] = []
     reported: set[tuple[str, str, str]] = set()
 
     def make() -> RegistryPoller:
         return RegistryPoller(
-            lambda: json.loads(json.dumps(registry)), tracking_uri="http://mlflow", stack="team",
-            state_file=tmp_path / "state.json", models=["m"], emit=emitted.append,
+            lambda: json.loads(json.dumps(registry)),
+            tracking_uri="http://mlflow",
+            stack="team",
+            state_file=tmp_path / "state.json",
+            models=["m"],
+            emit=emitted.append,
             already_emitted=lambda m, v, a, w: (m, v, a) in reported,
-        )  # fmt: skip
+        )
 
     poller = make()
     assert poller.poll_once() == [] and emitted == []  # first poll: baseline only
@@ -158,7 +173,13 @@ def test_poller_emits_alias_moves_only(tmp_path: Path) -> None:
     assert [e["resource"]["version"] for e in restarted.poll_once()] == ["4"]
     assert len(emitted) == 2
     # The same transition seen by two pollers is one event id.
-    spec = mlflow_events.alias_set_event("m", "4", "champion", stack="team", via="poll",
-                                         id_parts=("mlflow-poll", "http://mlflow", "m", "champion", "4", "3"))  # fmt: skip
+    spec = mlflow_events.alias_set_event(
+        "m",
+        "4",
+        "champion",
+        stack="team",
+        via="poll",
+        id_parts=("mlflow-poll", "http://mlflow", "m", "champion", "4", "3"),
+    )
     assert emitted[1]["id"] == spec["id"]
     assert mlflow_events.event_id("a", "b") != mlflow_events.event_id("ab")

@@ -9,6 +9,7 @@ limited to that deployment, marks the run Crashed once its heartbeats stop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,8 +21,8 @@ from typing import Any
 import pytest
 
 from tests import private_worker
-from tests.test_pipeline_slurm import slurm_stack
 from tests.stacks import stack_env
+from tests.test_pipeline_slurm import slurm_stack
 
 pytestmark = pytest.mark.integration
 
@@ -58,16 +59,22 @@ class World:
     def slurm_jobs(self, key: str) -> list[list[str]]:
         """Every job named ``key`` that Slurm knows: the live ones (squeue) and the finished ones (sacct)."""
         env = {"SLURM_CONF": self.slurm["SLURM_CONF"], "PATH": "/usr/bin:/bin"}
-        live = subprocess.run(["squeue", "-h", "-n", key, "-o", "%i|%j|%T"], env=env, capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
-        done = subprocess.run(["sacct", "-X", "-n", "-P", "-S", "now-2hours", f"--name={key}", "-o", "JobID,JobName,State"],
-                              env=env, capture_output=True, text=True, check=True).stdout  # fmt: skip
+        live = subprocess.run(
+            ["squeue", "-h", "-n", key, "-o", "%i|%j|%T"], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        done = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-S", "now-2hours", f"--name={key}", "-o", "JobID,JobName,State"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         jobs = {line.split("|")[0]: line.split("|") for line in (done + live).splitlines() if line.strip()}
         return sorted(jobs.values())
 
 
 def save_stack(w: World) -> None:
-    from blocks.serving import LocalServing
+    from blocks.local.serving import LocalServing
 
     stack = slurm_stack("worker-crash")  # training on the Slurm stack as a remote cluster, over SSH
     stack.serving = LocalServing(state_dir=str(w.tmp / "serving"), drain_seconds=2)
@@ -89,19 +96,20 @@ def world(tmp_path: Path) -> Iterator[World]:
         finally:
             for proc in w.workers:
                 kill_group(proc, signal.SIGTERM)
-            from blocks.serving import LocalServing
             from prefect.automations import Automation
 
+            from blocks.local.serving import LocalServing
+
             LocalServing(state_dir=str(tmp_path / "serving")).undeploy("digits")
-            try:
+            with contextlib.suppress(ValueError):
                 Automation.read(name=w.automation).delete()
-            except ValueError:
-                pass
             private_worker.remove(w.api_url, [w.deployment], w.pool)
             with w.client() as client:
                 from blocks.stack import Stack
 
-                client.delete_block_document(client.read_block_document_by_name(w.stack, Stack.get_block_type_slug()).id)
+                client.delete_block_document(
+                    client.read_block_document_by_name(w.stack, Stack.get_block_type_slug()).id
+                )
 
 
 def kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -129,30 +137,43 @@ def test_killed_worker_crashes_the_run_and_the_retry_adopts_the_slurm_job(world:
     crashed_runs.ensure(name=w.automation, within_s=CRASH_AFTER_S, deployment_ids=[str(deployment.id)])
     first = w.start_worker(f"crash-a-{w.uid}")
     with w.client() as client:
-        run = client.create_flow_run_from_deployment(deployment.id, parameters={
-            "stack": w.stack,
-            "training": {"experiment": f"crash-{w.uid}", "model_name": f"crash-{w.uid}",
-                         "hyperparameters": {"epochs": 3}, "resources": {"mem_gb": 2, "gpus_per_node": 1}},
-        })  # fmt: skip
+        run = client.create_flow_run_from_deployment(
+            deployment.id,
+            parameters={
+                "stack": w.stack,
+                "training": {
+                    "experiment": f"crash-{w.uid}",
+                    "model_name": f"crash-{w.uid}",
+                    "hyperparameters": {"epochs": 3},
+                    "resources": {"mem_gb": 2, "gpus_per_node": 1},
+                },
+            },
+        )
     key = f"{run.id}-train"
 
     # Mid-flow: the training job is in Slurm. Kill the worker and the run's process at once.
-    private_worker.wait_until("the run's Slurm job", lambda: w.slurm_jobs(key) or state_of(w, run.id) in FINAL,
-                              timeout=DEADLINE, interval=1)  # fmt: skip
+    private_worker.wait_until(
+        "the run's Slurm job", lambda: w.slurm_jobs(key) or state_of(w, run.id) in FINAL, timeout=DEADLINE, interval=1
+    )
     assert w.slurm_jobs(key), f"the run ended ({state_of(w, run.id)}) before submitting: {log_tail(w, 'crash-a')}"
     assert state_of(w, run.id) == "RUNNING"
     kill_group(first, signal.SIGKILL)
 
-    private_worker.wait_until("the run to be marked crashed", lambda: state_of(w, run.id) != "RUNNING",
-                              timeout=CRASH_AFTER_S + 600, interval=2)  # fmt: skip
+    private_worker.wait_until(
+        "the run to be marked crashed",
+        lambda: state_of(w, run.id) != "RUNNING",
+        timeout=CRASH_AFTER_S + 600,
+        interval=2,
+    )
     assert state_of(w, run.id) == "CRASHED"
 
     # Retry it, as the UI's Retry does; a new worker picks it up (same flow run id, same job key).
     with w.client() as client:
         client.set_flow_run_state(run.id, AwaitingRetry(message="retry after the worker died"), force=True)
     w.start_worker(f"crash-b-{w.uid}")
-    private_worker.wait_until("the retried run to end", lambda: state_of(w, run.id) in FINAL,
-                              timeout=DEADLINE, interval=2)  # fmt: skip
+    private_worker.wait_until(
+        "the retried run to end", lambda: state_of(w, run.id) in FINAL, timeout=DEADLINE, interval=2
+    )
     assert state_of(w, run.id) == "COMPLETED", log_tail(w, "crash-b")
     jobs = w.slurm_jobs(key)
     assert len(jobs) == 1, f"one Slurm job expected for {key}, Slurm has: {jobs}"

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from blocks.errors import ConfigurationError
-from blocks.hparams import HyperparameterSchema
 from blocks.plan import plan_run
 from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
-from blocks.workload import code_archive, load_workload, parse_git_source
+from blocks.workload.hparams import HyperparameterSchema
+from blocks.workload.source import code_archive, load_workload, parse_git_source
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -47,8 +47,13 @@ def write(root: Path, text: str = MINIMAL, files: dict[str, str] | None = None) 
 
 
 def git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}  # fmt: skip
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.invalid",
+    }
     return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
 
 
@@ -58,22 +63,47 @@ def git(cwd: Path, *args: str) -> str:
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (("  command: [python, train.py]", "  comand: [python, train.py]"),
-         ["gpuferry.yaml:3: train.comand: unknown field; valid fields: command, env, secrets, resources",
-          "train.command: required field is missing"]),
-        (("promotion: {metric: rmse, direction: minimize}", "promotion: {metric: rmse, direction: down}"),
-         ["gpuferry.yaml:13: promotion.direction: Input should be 'maximize' or 'minimize'"]),
-        (("name: house-prices", "name: house prices; rm -rf /"), ["gpuferry.yaml:1: name: name='house prices; rm -rf /'"]),
-        (("name: house-prices", "name: house-prices\nimage: {dockerfile: Dockerfile, base: python:3.11}"),
-         ["gpuferry.yaml:2: image: give exactly one of image.dockerfile"]),
-        (("    alpha: {type: number, exclusiveMinimum: 0, default: 0.1}", "    alpha: {type: numbr}"),
-         ["hyperparameters.properties.alpha.type: not a valid JSON Schema"]),
-        (("    alpha: {type: number, exclusiveMinimum: 0, default: 0.1}", "    alpha: {type: number, minimum: 1, default: 0.1}"),
-         ["a declared default is not valid: hyperparameters.alpha: 0.1 is less than the minimum of 1"]),
-        (("  command: [python, train.py]", "  command: [python, train.py]\n  secrets: {HF_TOKEN: hf_token_value}"),
-         ["train.secrets: train.secrets['HF_TOKEN']='hf_token_value' must name a Prefect Secret block"]),
-        (("promotion: {metric: rmse, direction: minimize}", "promotion: {metric: rmse, direction: minimize}\n"
-          "serve: {health_path: /live}"), ["serve.health_path describe your own server: set serve.command too"]),
+        (
+            ("  command: [python, train.py]", "  comand: [python, train.py]"),
+            [
+                "gpuferry.yaml:3: train.comand: unknown field; valid fields: command, env, secrets, resources",
+                "train.command: required field is missing",
+            ],
+        ),
+        (
+            ("promotion: {metric: rmse, direction: minimize}", "promotion: {metric: rmse, direction: down}"),
+            ["gpuferry.yaml:13: promotion.direction: Input should be 'maximize' or 'minimize'"],
+        ),
+        (
+            ("name: house-prices", "name: house prices; rm -rf /"),
+            ["gpuferry.yaml:1: name: name='house prices; rm -rf /'"],
+        ),
+        (
+            ("name: house-prices", "name: house-prices\nimage: {dockerfile: Dockerfile, base: python:3.11}"),
+            ["gpuferry.yaml:2: image: give exactly one of image.dockerfile"],
+        ),
+        (
+            ("    alpha: {type: number, exclusiveMinimum: 0, default: 0.1}", "    alpha: {type: numbr}"),
+            ["hyperparameters.properties.alpha.type: not a valid JSON Schema"],
+        ),
+        (
+            (
+                "    alpha: {type: number, exclusiveMinimum: 0, default: 0.1}",
+                "    alpha: {type: number, minimum: 1, default: 0.1}",
+            ),
+            ["a declared default is not valid: hyperparameters.alpha: 0.1 is less than the minimum of 1"],
+        ),
+        (
+            ("  command: [python, train.py]", "  command: [python, train.py]\n  secrets: {HF_TOKEN: hf_token_value}"),
+            ["train.secrets: train.secrets['HF_TOKEN']='hf_token_value' must name a Prefect Secret block"],
+        ),
+        (
+            (
+                "promotion: {metric: rmse, direction: minimize}",
+                "promotion: {metric: rmse, direction: minimize}\nserve: {health_path: /live}",
+            ),
+            ["serve.health_path describe your own server: set serve.command too"],
+        ),
         (("train:", "train: [oops"), ["not valid YAML"]),
     ],
 )
@@ -109,12 +139,18 @@ def test_the_bundled_examples_load() -> None:
 def test_hyperparameters_take_defaults_and_refuse_unknown_keys_naming_the_valid_ones(tmp_path: Path) -> None:
     schema = load_workload(str(write(tmp_path / "w"))).definition.schema
     assert schema.validate({"alpha": 0.3}) == {
-        "alpha": 0.3, "l1_ratio": 0.5, "solver": "cd", "layers": [8], "extra": {"depth": 3},
-    }  # fmt: skip
+        "alpha": 0.3,
+        "l1_ratio": 0.5,
+        "solver": "cd",
+        "layers": [8],
+        "extra": {"depth": 3},
+    }
     with pytest.raises(ConfigurationError) as info:
         schema.validate({"alpha": 0.3, "alhpa": 1, "extra": {"dpth": 2}})
     message = str(info.value)
-    assert "hyperparameters.alhpa: not a declared hyperparameter; valid: alpha, l1_ratio, solver, layers, extra" in message
+    assert (
+        "hyperparameters.alhpa: not a declared hyperparameter; valid: alpha, l1_ratio, solver, layers, extra" in message
+    )
     assert "hyperparameters.extra.dpth: not a declared hyperparameter; valid: depth" in message
 
 
@@ -137,11 +173,18 @@ def test_bad_hyperparameters_name_the_field(tmp_path: Path, values: dict, proble
 
 def test_numbers_are_floats_whatever_the_form_wrote() -> None:
     # The UI (and YAML) write 0 for a float: the job would log 0.0 where the run's params say 0.
-    schema = HyperparameterSchema({"type": "object", "properties": {
-        "dropout": {"type": "number", "default": 0}, "epochs": {"type": "integer", "default": 3},
-        "flag": {"type": "boolean", "default": True}, "rates": {"type": "array", "items": {"type": "number"}},
-        "inner": {"type": "object", "properties": {"w": {"type": "number"}}},
-    }})  # fmt: skip
+    schema = HyperparameterSchema(
+        {
+            "type": "object",
+            "properties": {
+                "dropout": {"type": "number", "default": 0},
+                "epochs": {"type": "integer", "default": 3},
+                "flag": {"type": "boolean", "default": True},
+                "rates": {"type": "array", "items": {"type": "number"}},
+                "inner": {"type": "object", "properties": {"w": {"type": "number"}}},
+            },
+        }
+    )
     values = schema.validate({"rates": [1, 0.5], "inner": {"w": 2}})
     assert values == {"dropout": 0.0, "epochs": 3, "flag": True, "rates": [1.0, 0.5], "inner": {"w": 2.0}}
     assert [type(values[k]) for k in ("dropout", "epochs", "flag")] == [float, int, bool]
@@ -149,13 +192,26 @@ def test_numbers_are_floats_whatever_the_form_wrote() -> None:
 
 
 def test_an_object_left_out_gets_its_fields_defaults_unless_it_would_lack_a_required_one() -> None:
-    schema = HyperparameterSchema({"type": "object", "properties": {
-        "schedule": {"type": "object", "properties": {"warmup": {"type": "integer", "default": 2},
-                                                      "kind": {"enum": ["constant", "cosine"], "default": "cosine"}}},
-        "data": {"type": "object", "properties": {"path": {"type": "string"}, "shuffle": {"type": "boolean",
-                                                  "default": True}}, "required": ["path"]},
-        "empty": {"type": "object", "properties": {"note": {"type": "string"}}},
-    }})  # fmt: skip
+    schema = HyperparameterSchema(
+        {
+            "type": "object",
+            "properties": {
+                "schedule": {
+                    "type": "object",
+                    "properties": {
+                        "warmup": {"type": "integer", "default": 2},
+                        "kind": {"enum": ["constant", "cosine"], "default": "cosine"},
+                    },
+                },
+                "data": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}, "shuffle": {"type": "boolean", "default": True}},
+                    "required": ["path"],
+                },
+                "empty": {"type": "object", "properties": {"note": {"type": "string"}}},
+            },
+        }
+    )
     assert schema.defaults == {"schedule": {"warmup": 2, "kind": "cosine"}}
     assert schema.validate({"schedule": {"warmup": 5}}) == {"schedule": {"warmup": 5, "kind": "cosine"}}
     assert schema.validate({"data": {"path": "d.csv"}})["data"] == {"path": "d.csv", "shuffle": True}
@@ -174,11 +230,19 @@ def test_a_grid_takes_any_declared_hyperparameter_and_checks_each_configuration(
     base = schema.validate({"alpha": 0.1})
     grid = schema.expand_grid(base, {"alpha": [0.01, 0.1], "solver": ["cd", "sgd"]}, [{"l1_ratio": 1.0}])
     assert [(c["alpha"], c["solver"], c["l1_ratio"]) for c in grid] == [
-        (0.01, "cd", 0.5), (0.01, "sgd", 0.5), (0.1, "cd", 0.5), (0.1, "sgd", 0.5), (0.1, "cd", 1.0),
-    ]  # fmt: skip
-    with pytest.raises(ConfigurationError, match="grid: 'lr' is not a declared hyperparameter of the workload; valid: alpha"):
+        (0.01, "cd", 0.5),
+        (0.01, "sgd", 0.5),
+        (0.1, "cd", 0.5),
+        (0.1, "sgd", 0.5),
+        (0.1, "cd", 1.0),
+    ]
+    with pytest.raises(
+        ConfigurationError, match="grid: 'lr' is not a declared hyperparameter of the workload; valid: alpha"
+    ):
         schema.expand_grid(base, {"lr": [0.1]}, [])
-    with pytest.raises(ConfigurationError, match=r"(?s)grid: configuration 1 \{'alpha': -1\}: .*hyperparameters.alpha: -1"):
+    with pytest.raises(
+        ConfigurationError, match=r"(?s)grid: configuration 1 \{'alpha': -1\}: .*hyperparameters.alpha: -1"
+    ):
         schema.expand_grid(base, {"alpha": [0.2, -1]}, [])
 
 
@@ -201,7 +265,10 @@ def test_the_run_plan_fills_in_the_workload_and_checks_before_anything_runs(tmp_
 @pytest.mark.parametrize(
     ("source", "parsed"),
     [
-        ("git+https://example.com/team/models.git@main#subdirectory=house", ("https://example.com/team/models.git", "main", "house")),
+        (
+            "git+https://example.com/team/models.git@main#subdirectory=house",
+            ("https://example.com/team/models.git", "main", "house"),
+        ),
         ("git+ssh://git@example.com/team/models.git", ("ssh://git@example.com/team/models.git", None, None)),
         ("git+ssh://git@example.com/team/models.git@v1.2", ("ssh://git@example.com/team/models.git", "v1.2", None)),
         ("git+file:///srv/models.git@0123abc", ("file:///srv/models.git", "0123abc", None)),
@@ -293,3 +360,94 @@ def test_a_local_workload_in_git_takes_what_git_would_commit(tmp_path: Path, mon
     with tarfile.open(dirty.code.archive) as tar:
         assert sorted(tar.getnames()) == [".gitignore", "gpuferry.yaml", "notes.txt", "train.py"]
     assert dirty.run_tags()["gpuferry.workload.dirty"] == "true"
+
+
+@pytest.mark.parametrize("in_git", [True, False])
+def test_the_code_archive_never_takes_gpuferrys_state_or_git(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_git: bool
+) -> None:
+    """gpuferry's state in the workload's directory (``./.gpuferry``, or $GPUFERRY_HOME pointed inside it: an MLflow
+    store, the hash cache) and git's own files are not the workload's code, ignored by .gitignore or not."""
+    monkeypatch.setenv("GPUFERRY_CACHE", str(tmp_path / "cache"))
+    root = write(tmp_path / "w", files={".gpuferry/mlflow.db": "db", "state/cache/sha256.json": "{}"})
+    monkeypatch.setenv("GPUFERRY_HOME", str(root / "state"))
+    if in_git:
+        git(root, "init", "-q")
+    work = load_workload(str(root))
+    with tarfile.open(work.code.archive) as tar:
+        assert sorted(tar.getnames()) == ["gpuferry.yaml", "train.py"]
+    assert work.code.files == 2
+
+
+SHAPED = (
+    MINIMAL
+    + """\
+serve:
+  service_name: houses
+  replicas: 2
+  max_replicas: 5
+  gpus: 1
+  cpu_request: "2"
+  memory_limit: 8Gi
+  url: https://houses.models.example.org
+"""
+)
+
+
+def test_the_serving_shape_is_declared_in_the_workload_and_recorded_on_the_version(tmp_path: Path) -> None:
+    """serve: declares the shape; a run takes it, overriding field by field what its own serving sets; the model
+    version's tags record the shape the run served with (what deploy-model serves again)."""
+    import json
+
+    from blocks.plan import SERVING_TAG
+    from blocks.records import ImageRef
+    from blocks.specs import ServingShape
+
+    work = load_workload(str(write(tmp_path / "w", SHAPED)))
+    declared = work.definition.serve.shape()
+    assert (declared.replicas, declared.max_replicas, declared.gpus) == (2, 5, 1)
+    assert (declared.cpu_request, declared.memory_limit, declared.memory_request) == ("2", "8Gi", None)
+
+    run = plan_run(work, TrainingSpec(hyperparameters={"alpha": 0.2}), ServingSpec(), PromotionPolicy())
+    assert run.serving.service == "houses" and (run.serving.replicas, run.serving.gpus) == (2, 1)
+    assert run.serving.url == "https://houses.models.example.org" and run.serving.device == "cuda"
+
+    # The run sets replicas and a MIG slice: those are its, the rest the workload's (a MIG slice replaces the
+    # declared whole GPU: the GPU fields go together).
+    override = ServingSpec(replicas=3, mig_profile="1g.10gb")
+    run = plan_run(work, TrainingSpec(hyperparameters={"alpha": 0.2}), override, PromotionPolicy())
+    assert (run.serving.replicas, run.serving.gpus, run.serving.mig_profile) == (3, 0, "1g.10gb")
+    assert (run.serving.max_replicas, run.serving.cpu_request) == (5, "2")
+
+    tags = run.version_tags(ImageRef(builder="docker", content_tag="t", reference=None))
+    recorded = ServingShape.model_validate_json(tags[SERVING_TAG])
+    assert recorded == run.serving.shape()
+    assert json.loads(tags[SERVING_TAG]) == {
+        "replicas": 3,
+        "max_replicas": 5,
+        "mig_profile": "1g.10gb",
+        "cpu_request": "2",
+        "memory_limit": "8Gi",
+        "url": "https://houses.models.example.org",
+    }
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            ("  memory_limit: 8Gi", "  memory_limit: 8 gigs"),
+            "gpuferry.yaml:20: serve.memory_limit: memory_limit='8 gigs' is not a Kubernetes quantity",
+        ),
+        (("  max_replicas: 5", "  max_replicas: 1"), "max_replicas=1 is below replicas=2"),
+        (("  gpus: 1", "  gpus: 1\n  mig_profile: 1g.10gb"), "set either gpus or mig_profile, not both"),
+        (("  replicas: 2", "  replicaz: 2"), "serve.replicaz: unknown field"),
+    ],
+)
+def test_a_bad_serving_shape_names_the_file_line_and_field(
+    tmp_path: Path, edit: tuple[str, str], expected: str
+) -> None:
+    root = write(tmp_path / "w", SHAPED.replace(*edit))
+    with pytest.raises(ConfigurationError) as info:
+        load_workload(str(root))
+    assert expected in str(info.value) and "gpuferry.yaml:" in str(info.value), str(info.value)

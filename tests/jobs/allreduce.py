@@ -20,11 +20,18 @@ gathered = [torch.zeros(1) for _ in range(world)]
 dist.all_gather(gathered, torch.tensor([float(rank)]))
 out = os.path.join(os.environ["ALLREDUCE_OUT"], f"rank-{rank}.json")
 with open(out + ".tmp", "w") as f:
-    json.dump({
-        "rank": rank, "world_size": world, "sum": value.item(), "ranks_seen": [int(t.item()) for t in gathered],
-        "node": os.environ.get("SLURMD_NODENAME"), "master_addr": os.environ.get("MASTER_ADDR"),
-        "host": socket.gethostname(),
-    }, f)
+    json.dump(
+        {
+            "rank": rank,
+            "world_size": world,
+            "sum": value.item(),
+            "ranks_seen": [int(t.item()) for t in gathered],
+            "node": os.environ.get("SLURMD_NODENAME"),
+            "master_addr": os.environ.get("MASTER_ADDR"),
+            "host": socket.gethostname(),
+        },
+        f,
+    )
 os.replace(out + ".tmp", out)
 print(f"rank {rank}/{world} on {os.environ.get('SLURMD_NODENAME')}: all_reduce sum {value.item()}", flush=True)
 dist.destroy_process_group()

@@ -1,0 +1,246 @@
+"""Sweeps on this machine: a job array of local processes, as many tasks at once as the machine has room for.
+
+``LocalArrays`` is a part of ``LocalProcesses`` (a mixin, ``supports_arrays``), with the semantics of a Slurm job
+array (``blocks/slurm/arrays.py``): the array is queued held (``array.json`` in its directory records it), each
+task gets its settings when ``release_sweep_tasks`` gives them, and each released task then runs as a local job of
+its own in ``task-<i>/`` (its checkpoints, progress, log; preempted, it is requeued like any local job).
+
+Nothing runs beside the flow to start tasks: each poll of the array (the flow's ``watch``) starts released tasks
+while fewer than ``parallelism`` run. That is the sweep's own setting; by default as many as the machine has GPUs
+for (``gpus_per_node`` each: task slot ``s`` gets GPUs ``s*g`` to ``s*g+g-1``), or cores for (``cpus_per_task`` ×
+processes each) when the job asks for none. A flow that stops leaves its running tasks running; a retry adopts the
+array by its key and its polls start the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from blocks.errors import ConfigurationError
+from blocks.records import JobHandle, JobStatus, TrainingJob
+
+ARRAY_FILE = "array.json"
+
+
+if TYPE_CHECKING:
+    from blocks.base.compute import ComputeBackend
+
+    class _Base(ComputeBackend):
+        """The type checker's view of ``LocalProcesses``: a compute backend, and the two internals of its jobs the
+        arrays read (each task is one of its jobs)."""
+
+        def _status(self, workdir: Path, job_id: str) -> JobStatus:
+            raise NotImplementedError
+
+        @staticmethod
+        def _state(workdir: Path) -> dict[str, Any] | None:
+            raise NotImplementedError
+
+else:
+    _Base = object  # a plain mixin here
+
+
+class LocalArrays(_Base):
+    """Job arrays of ``LocalProcesses`` (see the module's docstring)."""
+
+    def submit_held_sweep(self, job: TrainingJob, size: int, *, parallelism: int | None = None) -> JobHandle:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigurationError(f"a sweep has at least one task, not {size!r}")
+        self.validate_job(job)
+        workdir = Path(job.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        state = _read(workdir)
+        if state is not None:
+            if state["key"] != job.key:
+                raise ConfigurationError(f"{workdir} holds the sweep {state['key']!r}, not {job.key!r}")
+            return self._array_handle(workdir, state)  # adopt: a retry never queues a second array
+        slots = parallelism or self._room(job)
+        state = {
+            "key": job.key,
+            "size": size,
+            "parallelism": max(1, min(slots, size)),
+            "released": {},
+            "slots": {},
+            "cancelled": False,
+            "submitted": time.time(),
+            "job": job.model_dump(mode="json"),
+        }
+        _write(workdir, state)
+        return self._array_handle(workdir, state)
+
+    def release_sweep_tasks(
+        self, handle: JobHandle, tasks: Mapping[int, Mapping[str, str]], *, whole_array: bool = False
+    ) -> None:
+        workdir = Path(handle.workdir)
+        state = self._array_state(workdir)
+        for index, env in tasks.items():
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < state["size"]:
+                raise ConfigurationError(f"task index {index!r} is not one of the sweep's 0..{state['size'] - 1}")
+            state["released"].setdefault(str(index), dict(env))  # a retry gives the same settings
+        if whole_array:
+            missing = [i for i in range(state["size"]) if str(i) not in state["released"]]
+            if missing:
+                raise ConfigurationError(f"tasks {missing[:10]} of the sweep have no settings yet")
+        _write(workdir, state)
+        self._schedule(workdir, state)
+
+    def array_outcome(self, handle: JobHandle, size: int) -> dict[int, tuple[JobStatus, dict[str, float]]]:
+        workdir = Path(handle.workdir)
+        job = TrainingJob.model_validate(self._array_state(workdir)["job"])
+        gpus, cpus = job.resources.gpus_per_node, job.resources.cpus_per_task * job.resources.processes_per_node
+        out = {}
+        for index in range(size):
+            task = Path(self.task_dir(str(workdir), index))
+            status = self._status(task, f"{handle.job_id}_{index}")
+            task_state = self._state(task) or {}
+            hours = status.elapsed_seconds / 3600
+            usage = {
+                "gpu_hours": hours * gpus,
+                "cpu_hours": hours * cpus,
+                "wall_seconds": status.elapsed_seconds,
+                "requeues": float(task_state.get("attempt", 0)),
+            }
+            out[index] = (status, usage)
+        return out
+
+    def find_job(self, key: str) -> str | None:
+        workdir = Path(self.job_workdir(key))
+        state = _read(workdir)
+        return self._array_handle(workdir, state).job_id if state is not None and state["key"] == key else None
+
+    # ---- the array's state, as poll and cancel see it ----
+
+    def _array_status(self, handle: JobHandle) -> JobStatus:
+        workdir = Path(handle.workdir)
+        state = self._array_state(workdir)
+        self._schedule(workdir, state)
+        elapsed = time.time() - state["submitted"]
+        tasks = [self._task_status(workdir, state, i) for i in range(state["size"])]
+        running = [t for t in tasks if t is not None and not t.terminal]
+        if running or (not state["cancelled"] and any(t is None for t in tasks)):
+            started = any(t is not None for t in tasks)
+            reason = f"{sum(1 for t in tasks if t is not None and t.terminal)} of {len(tasks)} tasks ended"
+            return JobStatus(
+                job_id=handle.job_id, state="RUNNING" if started else "PENDING", elapsed_seconds=elapsed, reason=reason
+            )
+        if state["cancelled"]:
+            return JobStatus(job_id=handle.job_id, state="CANCELLED", elapsed_seconds=elapsed, reason="cancelled")
+        failed = [i for i, t in enumerate(tasks) if t is not None and t.state != "COMPLETED"]
+        return JobStatus(
+            job_id=handle.job_id,
+            state="FAILED" if failed else "COMPLETED",
+            elapsed_seconds=elapsed,
+            reason=f"tasks {failed[:10]} did not complete" if failed else "",
+        )
+
+    def _cancel_array(self, handle: JobHandle) -> None:
+        workdir = Path(handle.workdir)
+        state = self._array_state(workdir)
+        state["cancelled"] = True
+        _write(workdir, state)
+        for index in state["slots"]:
+            self.cancel(self._task_handle(workdir, state, int(index)))
+
+    # ---- internals ----
+
+    def _schedule(self, workdir: Path, state: dict[str, Any]) -> None:
+        """Start released tasks while fewer than ``parallelism`` run (each in a free GPU slot)."""
+        if state["cancelled"]:
+            return
+        busy: set[int] = set()
+        for index, slot in state["slots"].items():
+            status = self._task_status(workdir, state, int(index))
+            if status is not None and not status.terminal:
+                busy.add(slot)
+        job = TrainingJob.model_validate(state["job"])
+        gpus = job.resources.gpus_per_node
+        for index_text, env in sorted(state["released"].items(), key=lambda item: int(item[0])):
+            if index_text in state["slots"]:
+                continue
+            free = next((s for s in range(state["parallelism"]) if s not in busy), None)
+            if free is None:
+                break
+            task_env = dict(env)
+            if gpus:
+                task_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(free * gpus + g) for g in range(gpus))
+            index = int(index_text)
+            task = job.model_copy(
+                update={
+                    "key": f"{job.key}-task-{index}",
+                    "workdir": self.task_dir(str(workdir), index),
+                    "env": {**job.env, **task_env},
+                }
+            )
+            self.submit(task)
+            state["slots"][index_text] = free
+            busy.add(free)
+            _write(workdir, state)
+
+    def _task_status(self, workdir: Path, state: dict[str, Any], index: int) -> JobStatus | None:
+        """A started task's status (None: not started yet)."""
+        if str(index) not in state["slots"]:
+            return None
+        return self._status(Path(self.task_dir(str(workdir), index)), f"{state['key']}_{index}")
+
+    def _task_handle(self, workdir: Path, state: dict[str, Any], index: int) -> JobHandle:
+        task = Path(self.task_dir(str(workdir), index))
+        return JobHandle(
+            backend=self.backend_name,
+            job_id=f"local-{state['key']}-task-{index}",
+            key=f"{state['key']}-task-{index}",
+            workdir=str(task),
+            log_path=str(task / "job.log"),
+        )
+
+    def _array_handle(self, workdir: Path, state: dict[str, Any]) -> JobHandle:
+        return JobHandle(
+            backend=self.backend_name,
+            job_id=f"local-array-{state['key']}",
+            key=state["key"],
+            workdir=str(workdir),
+            log_path=str(workdir / "array.log"),
+        )
+
+    def _array_state(self, workdir: Path) -> dict[str, Any]:
+        state = _read(workdir)
+        if state is None:
+            raise ConfigurationError(f"{workdir} holds no sweep ({ARRAY_FILE} is missing)")
+        return state
+
+    def _room(self, job: TrainingJob) -> int:
+        """How many tasks the machine has room for at once: its GPUs, or its cores, per task."""
+        res = job.resources
+        if res.gpus_per_node:
+            from blocks.local.provider import LocalMachine
+
+            return max(1, len(LocalMachine()._gpus()) // res.gpus_per_node)
+        return max(1, (os.cpu_count() or 1) // (res.cpus_per_task * res.processes_per_node))
+
+
+def is_array(handle: JobHandle) -> bool:
+    return (Path(handle.workdir) / ARRAY_FILE).exists()
+
+
+def _read(workdir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((workdir / ARRAY_FILE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _write(workdir: Path, state: dict[str, Any]) -> None:
+    tmp = workdir / f"{ARRAY_FILE}.tmp"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, workdir / ARRAY_FILE)
+
+
+def array_handles(handles: Iterable[JobHandle]) -> tuple[list[JobHandle], list[JobHandle]]:
+    """(the arrays', the jobs') handles of ``handles``."""
+    handles = list(handles)
+    arrays = [h for h in handles if is_array(h)]
+    return arrays, [h for h in handles if not is_array(h)]
