@@ -156,7 +156,17 @@ DOCKERIGNORE = """\
 checkpoints/
 mlruns/
 .git/
+.gpuferry/
 __pycache__/
+"""
+
+# gpuferry's state (its local MLflow store, caches, job directories) and what a local run writes: not the code.
+GITIGNORE = """\
+.gpuferry/
+checkpoints/
+mlruns/
+__pycache__/
+*.pyc
 """
 
 
@@ -387,6 +397,7 @@ def files(name: str, template: str = "sklearn") -> dict[str, str]:
             "requirements.txt": TORCH_REQUIREMENTS,
             "Dockerfile": TORCH_DOCKERFILE,
             ".dockerignore": DOCKERIGNORE,
+            ".gitignore": GITIGNORE,
         }
     return {
         "gpuferry.yaml": WORKLOAD_YAML.format(name=name),
@@ -394,6 +405,7 @@ def files(name: str, template: str = "sklearn") -> dict[str, str]:
         "requirements.txt": REQUIREMENTS,
         "Dockerfile": DOCKERFILE,
         ".dockerignore": DOCKERIGNORE,
+        ".gitignore": GITIGNORE,
     }
 
 

@@ -37,6 +37,7 @@ def test_init_writes_a_workload_that_passes_check_and_runs(tmp_path: Path) -> No
     code, out = run("init", str(workload))
     assert code == 0 and sorted(p.name for p in workload.iterdir()) == [
         ".dockerignore",
+        ".gitignore",
         "Dockerfile",
         "gpuferry.yaml",
         "requirements.txt",
@@ -97,7 +98,13 @@ def test_init_writes_a_workload_that_passes_check_and_runs(tmp_path: Path) -> No
 def test_init_keeps_what_exists_unless_forced(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("# mine\n")
     written = skeleton.write(tmp_path, name="mine")
-    assert sorted(p.name for p in written) == [".dockerignore", "Dockerfile", "gpuferry.yaml", "requirements.txt"]
+    assert sorted(p.name for p in written) == [
+        ".dockerignore",
+        ".gitignore",
+        "Dockerfile",
+        "gpuferry.yaml",
+        "requirements.txt",
+    ]
     assert (tmp_path / "train.py").read_text() == "# mine\n"
     assert "name: mine" in (tmp_path / "gpuferry.yaml").read_text()
     skeleton.write(tmp_path, name="mine", force=True)

@@ -67,6 +67,20 @@ def test_dockerignore_follows_dockers_own_rules(tmp_path: Path) -> None:
     assert nested_md.tag != ctx.tag  # not ignored by `*.md`: a new image, never a stale one
 
 
+def test_gpuferrys_state_never_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a .dockerignore: gpuferry's state in the workload (./.gpuferry, or $GPUFERRY_HOME pointed inside it)
+    is not built into the image, and a change to it does not make a new one."""
+    root = tmp_path / "w"
+    monkeypatch.setenv("GPUFERRY_HOME", str(root / "state"))
+    state = {".gpuferry/mlflow.db": "db", "state/cache/sha256.json": "{}", "stateful.py": "kept\n"}
+    ctx = build_context(workload(root, files=state))
+    names = set(members(ctx.tar))
+    assert not [n for n in names if n.startswith(("state/", ".gpuferry/mlflow"))], names
+    assert {"stateful.py", "train.py", "Dockerfile"} <= names
+    changed = build_context(workload(root, files={**state, ".gpuferry/mlflow.db": "db2", "state/cache/x": "1"}))
+    assert changed.tag == ctx.tag
+
+
 def test_gpuferrys_model_server_goes_into_the_final_stage(tmp_path: Path) -> None:
     ctx = build_context(workload(tmp_path / "w"))
     files = members(ctx.tar)

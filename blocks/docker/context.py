@@ -61,12 +61,16 @@ def _ignore_patterns(context: Path) -> list[str]:
 
 
 def context_files(context: Path, dockerfile: str | None = None) -> list[str]:
-    """The files of ``context`` the engine would see: ``.dockerignore`` applied with Docker's own rules."""
+    """The files of ``context`` the engine would see: ``.dockerignore`` applied with Docker's own rules, never
+    gpuferry's state (``state_dirs``: its MLflow store and caches, wherever they are inside the workload)."""
+    from blocks.workload.source import state_dirs, under
+
     kept = exclude_paths(str(context), _ignore_patterns(context), dockerfile=dockerfile)
+    skip = [CONTEXT_DIR, *state_dirs(context)]
     files = []
     for rel in kept:
         path = context / rel
-        if path.is_file() and not path.is_symlink() and not rel.startswith(f"{CONTEXT_DIR}/"):
+        if path.is_file() and not path.is_symlink() and not under(Path(rel).as_posix(), skip):
             files.append(Path(rel).as_posix())
     return sorted(files)
 

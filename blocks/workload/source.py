@@ -282,18 +282,25 @@ def workload_files(root: Path, *, use_git: bool = True) -> list[str]:
     return _plain_files(root, listed)
 
 
-def _plain_files(root: Path, listed: list[str]) -> list[str]:
-    """The regular files of ``listed``, less what is never the workload's: git's own directory and gpuferry's state
-    (``./.gpuferry``, or wherever ``$GPUFERRY_HOME`` points inside the workload: its MLflow store, its caches)."""
-    state = [".git", ".gpuferry"]
+def state_dirs(root: Path) -> list[str]:
+    """gpuferry's state directories inside the workload ``root``, relative to it: ``./.gpuferry``, and wherever
+    ``$GPUFERRY_HOME`` points inside it (its MLflow store, its caches). Never the workload's files."""
+    state = [".gpuferry"]
     with contextlib.suppress(ValueError):
         state.append(gpuferry_home().resolve().relative_to(root.resolve()).as_posix())
-    state = [s for s in state if s not in ("", ".")]
+    return [s for s in state if s not in ("", ".")]
 
-    def ours(path: str) -> bool:
-        return any(path == s or path.startswith(s + "/") for s in state)
 
-    return sorted(p for p in listed if not ours(p) and (root / p).is_file() and not (root / p).is_symlink())
+def under(path: str, dirs: list[str]) -> bool:
+    """Whether the relative ``path`` is one of ``dirs`` or inside one."""
+    return any(path == d or path.startswith(d + "/") for d in dirs)
+
+
+def _plain_files(root: Path, listed: list[str]) -> list[str]:
+    """The regular files of ``listed``, less what is never the workload's: git's own directory and gpuferry's state
+    (``state_dirs``)."""
+    skip = [".git", *state_dirs(root)]
+    return sorted(p for p in listed if not under(p, skip) and (root / p).is_file() and not (root / p).is_symlink())
 
 
 def code_archive(root: Path, files: list[str] | None = None) -> CodeRef:
