@@ -101,6 +101,7 @@ class JobStatus(_Record):
     exit_code: int | None = None
     reason: str = ""
     elapsed_seconds: float = 0.0
+    nodes: str = Field("", description="The node(s) the job runs on, as the backend names them ('' while queued).")
     visible: bool = Field(
         True,
         description="False: the backend has no record of the job at all (not queued, not running, not in its "
@@ -110,6 +111,12 @@ class JobStatus(_Record):
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    def summary(self) -> str:
+        """The state in a few words for a log line or a progress note: ``PENDING (Slurm reason: Priority)``,
+        ``RUNNING on n1,n2``."""
+        words = self.state + (f" on {self.nodes}" if self.nodes else "")
+        return f"{words} ({self.reason})" if self.reason else words
 
 
 class JobResult(_Record):

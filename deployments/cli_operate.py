@@ -150,14 +150,39 @@ def run_row(run: Any, flow_names: dict[Any, str]) -> dict[str, Any]:
     return {
         "id": str(run.id),
         "name": run.name,
+        "final": bool(run.state and run.state.is_final()),
         "flow": flow_names.get(run.flow_id, ""),
         "state": run.state.name if run.state else "",
         "started": started.isoformat(timespec="seconds") if started else "",
         "seconds": round(run.total_run_time.total_seconds()) if run.total_run_time else 0,
         "stack": labels.get(RUN_STACK_LABEL, "") if RUN_STACK_LABEL in labels else "",
         "job": job,
+        "handle": labels.get(RUN_JOB_LABEL, ""),
+        "job_state": "",
         "model_version": labels.get(RUN_MODEL_LABEL, ""),
     }
+
+
+def add_job_states(rows: list[dict[str, Any]]) -> None:
+    """The queue state of each live run's job (PENDING and the scheduler's reason, RUNNING and its nodes), in
+    ``job_state``: ONE poll per stack for all its jobs. A stack that does not answer gets its error, in short."""
+    from blocks.errors import GpuferryError
+    from blocks.records import JobHandle
+
+    per_stack: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["handle"] and not row["final"]:
+            per_stack.setdefault(row["stack"], []).append(row)
+    for stack, live in per_stack.items():
+        handles = [JobHandle.model_validate_json(row["handle"]) for row in live]
+        try:
+            statuses = _stack(stack or None).compute.poll(handles)
+        except GpuferryError as exc:
+            for row in live:
+                row["job_state"] = f"? ({str(exc).splitlines()[0][:120]})"
+            continue
+        for row, handle in zip(live, handles, strict=True):
+            row["job_state"] = statuses[handle.job_id].summary()
 
 
 @explained
@@ -165,7 +190,8 @@ def runs(
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many runs, newest first.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print the runs as JSON.")] = False,
 ) -> None:
-    """The recent flow runs: flow, state, start, stack, training job and the model version each registered.
+    """The recent flow runs: flow, state, start, stack, training job (its queue state while the run lives: PENDING
+    and the scheduler's reason, RUNNING and its nodes) and the model version each registered.
 
     Example: `gpuferry runs -n 5`.
     """
@@ -179,6 +205,9 @@ def runs(
         flows = client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=ids))) if ids else []
     names = {f.id: f.name for f in flows}
     rows = [run_row(r, names) for r in found]
+    add_job_states(rows)
+    for row in rows:
+        del row["handle"], row["final"]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -192,7 +221,7 @@ def runs(
             row["state"],
             row["started"],
             row["stack"] or "(embedded)",
-            row["job"],
+            f"{row['job']}: {row['job_state']}" if row["job_state"] else row["job"],
             row["model_version"],
         )
     console().print(table)

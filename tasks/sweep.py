@@ -219,7 +219,11 @@ def train_sweep(
             )
             _release_as_runs_come(compute, handle, runs, make, configurations)
             logger.info("%d child runs of %s (%d made now)", len(runs), parent_run_id, len(runs) - found)
-            status = compute.watch(handle, timeout_seconds=timeout_seconds)
+            status = compute.watch(
+                handle,
+                on_state=lambda s: logger.info("job array %s: %s", handle.job_id, s.summary()),
+                timeout_seconds=timeout_seconds,
+            )
         except BaseException as exc:
             for future in make:
                 future.cancel()

@@ -33,20 +33,30 @@ def train(compute: ComputeBackend, job: TrainingJob, timeout_seconds: float | No
         UUID, create_progress_artifact(0.0, key="training-progress", description="Training steps done")
     )
 
+    done = [0.0]  # the share of steps done so far, kept for the state notes
+
     def on_progress(progress: dict[str, Any]) -> None:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in progress.get("metrics", {}).items())
+        done[0] = _progress_fraction(progress)
         update_progress_artifact(
             artifact_id,
-            _progress_fraction(progress),
+            done[0],
             description=f"step {progress.get('step')}/{progress.get('total_steps')} {metrics}",
         )
+
+    def on_state(status: JobStatus) -> None:
+        logger.info("job %s: %s", handle.job_id, status.summary())
+        if status.state != "RUNNING":  # while it runs, the steps say more
+            update_progress_artifact(artifact_id, done[0], description=f"job {handle.job_id}: {status.summary()}")
 
     def on_output(text: str) -> None:
         for line in text.rstrip("\n").splitlines():
             logger.info("[job %s] %s", handle.job_id, line)
 
     try:
-        status = compute.watch(handle, on_progress=on_progress, on_output=on_output, timeout_seconds=timeout_seconds)
+        status = compute.watch(
+            handle, on_progress=on_progress, on_output=on_output, on_state=on_state, timeout_seconds=timeout_seconds
+        )
     except (TerminationSignal, KeyboardInterrupt, asyncio.CancelledError):
         # The flow run was cancelled (Prefect's runner/worker delivers that as SIGTERM, raised here as
         # TerminationSignal) or interrupted: the job must not go on using the cluster unwatched.

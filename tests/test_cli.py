@@ -299,6 +299,7 @@ def test_runs_logs_services_and_rollback() -> None:
         backend, job_id = newest["job"].split()
         assert newest["stack"] == "" and backend == "gpuferry-local-processes", newest
         assert newest["model_version"].startswith(f"{model} v2 val_rmse="), newest
+        assert newest["job_state"] == "", newest  # an ended run's job is not polled
         code, out = run("logs", newest["name"])
         assert code == 0 and f"training job {job_id} on {backend}" in out, out
         code, out = run("logs", "no-such-run-name")
@@ -325,6 +326,7 @@ def test_runs_logs_services_and_rollback() -> None:
 def test_cancel_stops_the_training_job_and_the_run(tmp_path: Path) -> None:
     """A retrain in a process of its own (as `gpuferry run --local` starts one) whose job would run ten minutes:
     `cancel` stops the job on the stack it runs on and ends the run Cancelled; its process then ends."""
+    import json
     import time
     import uuid
 
@@ -359,6 +361,9 @@ def test_cancel_stops_the_training_job_and_the_run(tmp_path: Path) -> None:
                 time.sleep(1)
             compute = Stack.embedded().compute
             assert compute.poll([handle])[handle.job_id].state == "RUNNING"
+            code, out = run("runs", "--json", "-n", "20")
+            listed = next(r for r in json.loads(out) if r["name"] == name)
+            assert listed["job_state"].startswith("RUNNING") and listed["job"].endswith(handle.job_id), listed
 
             code, out = run("cancel", name)
             assert code == 0 and f"cancelled its training job {handle.job_id}" in out, out

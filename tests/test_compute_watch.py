@@ -165,3 +165,42 @@ def test_a_lost_slurm_job_says_what_to_check() -> None:
     assert "Neither squeue nor sacct knows job 7 (k): the controller lost its state" in text
     assert "`sacct -D -j 7`" in text and "/shared/jobs/k/job.log" in text
     assert commands[0] == ["scancel", "7"] and commands[1][:3] == ["rm", "-f", "--"]  # its secret files go
+
+
+def test_each_change_of_state_is_heard_once_with_its_reason() -> None:
+    """on_state hears PENDING, then RUNNING, then the end: once per change of state or reason, not per poll; a poll
+    the backend has no record for is not a change."""
+
+    class Reasons(Scripted):
+        def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
+            step = self.steps[min(self.polls, len(self.steps) - 1)]
+            self.polls += 1
+            if step == UNSEEN:
+                return {
+                    h.job_id: JobStatus(job_id=h.job_id, state="PENDING", reason=NOT_VISIBLE, visible=False)
+                    for h in handles
+                }
+            state, reason, nodes = step
+            return {h.job_id: JobStatus(job_id=h.job_id, state=state, reason=reason, nodes=nodes) for h in handles}
+
+    backend = Reasons(
+        steps=[
+            UNSEEN,
+            ("PENDING", "Slurm reason: Priority", ""),
+            ("PENDING", "Slurm reason: Priority", ""),
+            ("PENDING", "Slurm reason: Resources", ""),
+            ("RUNNING", "", "n1,n2"),
+            ("RUNNING", "", "n1,n2"),
+            ("COMPLETED", "", ""),
+        ],
+        poll_interval_start=0.01,
+        poll_interval_max=0.02,
+    )
+    heard: list[JobStatus] = []
+    assert backend.watch(HANDLE, on_state=heard.append).state == "COMPLETED"
+    assert [s.summary() for s in heard] == [
+        "PENDING (Slurm reason: Priority)",
+        "PENDING (Slurm reason: Resources)",
+        "RUNNING on n1,n2",
+        "COMPLETED",
+    ]

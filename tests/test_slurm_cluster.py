@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from blocks.base.mlflow_model import check_mlflow_model
 from blocks.errors import ConfigurationError, JobFailed
-from blocks.records import TrainingJob
+from blocks.records import JobStatus, TrainingJob
 from blocks.slurm.cluster import SlurmCluster
 from blocks.specs import Resources
 from runtime import contract
@@ -400,9 +400,30 @@ def test_a_job_that_waits_in_the_queue_past_its_time_limit_still_runs(cluster: S
 
     watcher = cluster.model_copy()
     object.__setattr__(watcher, "poll", poll)
-    status = watcher.watch(handle, timeout_seconds=4)  # far less than the 12 s it waits behind the blocker
+    changes: list[JobStatus] = []
+    # far less than the 12 s it waits behind the blocker
+    status = watcher.watch(handle, timeout_seconds=4, on_state=changes.append)
     assert status.state == "COMPLETED", status
     assert seen.count("PENDING") >= 3, seen  # it did wait in the queue, past the limit, and was not cancelled
+    # Each change was heard once, the scheduler's reason with it: not once per poll.
+    assert len(changes) < len(seen) and changes[-1].state == "COMPLETED", changes
+    waiting = [c for c in changes if c.state == "PENDING"]
+    assert any("Slurm reason: Dependency" in c.reason for c in waiting), changes
+    assert all(not c.nodes for c in waiting), changes
+
+
+def test_a_running_job_names_its_node(cluster: SlurmCluster) -> None:
+    """squeue's node list reaches the status of a running job (what `gpuferry runs` and the run's log show)."""
+    handle = cluster.submit_command(key("where"), ["sleep", "30"])
+    try:
+        deadline = time.monotonic() + 120
+        while (status := cluster.poll([handle])[handle.job_id]).state != "RUNNING":
+            assert time.monotonic() < deadline and not status.terminal, status
+            time.sleep(0.5)
+        assert status.nodes in ("n1", "n2"), status
+        assert status.summary().startswith(f"RUNNING on {status.nodes}"), status.summary()
+    finally:
+        cluster.cancel(handle)
 
 
 def test_a_job_neither_squeue_nor_sacct_knows_is_lost_after_the_grace_a_fresh_one_is_seen_at_once(

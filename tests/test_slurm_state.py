@@ -73,6 +73,7 @@ def test_squeue_records_and_their_states() -> None:
     assert by_id["118"]["state"] == "PENDING" and by_id["118"]["reason"] == "Slurm reason: JobHeldUser"
     assert by_id["118_1"]["state"] == "COMPLETED" and by_id["118_1"]["exit_code"] == 0
     assert by_id["119"]["state"] == "RUNNING" and by_id["119"]["elapsed_seconds"] == NOW - 1796175601
+    assert by_id["119"]["nodes"] == "n1" and by_id["118"]["nodes"] == "" and by_id["123"]["nodes"] == ""
     assert by_id["121"]["state"] == "FAILED" and by_id["121"]["exit_code"] == 3  # wait status 768 = exit 3
     assert by_id["122"]["exit_code"] == 137 and "SIGKILL" in by_id["122"]["reason"]  # killed by signal 9
     assert by_id["123"]["state"] == "CANCELLED"

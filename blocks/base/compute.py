@@ -139,6 +139,7 @@ class ComputeBackend(Block, ABC):
         *,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         on_output: Callable[[str], None] | None = None,
+        on_state: Callable[[JobStatus], None] | None = None,
         timeout_seconds: float | None = None,
     ) -> JobStatus:
         """Poll until the job is terminal; stream its output and progress meanwhile.
@@ -149,12 +150,15 @@ class ComputeBackend(Block, ABC):
         logged and polling continues, for up to ``outage_tolerance_seconds`` in a row; then it is raised.
         ``timeout_seconds`` bounds the time one attempt runs (see the module's docstring): a job that
         waits in the queue, or is requeued, is not cancelled for it. A job the backend has lost fails after
-        ``lost_job_grace_seconds`` (``blocks/base/watchdog.py``).
+        ``lost_job_grace_seconds`` (``blocks/base/watchdog.py``). ``on_state`` hears each new state of the job
+        (PENDING with the scheduler's reason, RUNNING with its nodes, requeued...): once per change of state,
+        reason or nodes, not once per poll.
         """
         poll = Poll(self.poll_interval_start, self.poll_interval_max)
         watchdog = Watchdog(self, handle, timeout_seconds)
         offset = 0
         last_progress: dict[str, Any] | None = None
+        last_state: tuple[str, str, str] | None = None
         outage_since: float | None = None
         while True:
             try:
@@ -181,6 +185,10 @@ class ComputeBackend(Block, ABC):
                     "job %s: the backend answers again after %.0f s", handle.job_id, time.monotonic() - outage_since
                 )
                 outage_since = None
+            seen = (status.state, status.reason, status.nodes)
+            if on_state is not None and seen != last_state and status.visible:
+                on_state(status)
+                last_state = seen
             if on_progress is not None and progress and progress != last_progress:
                 on_progress(progress)
                 last_progress = progress

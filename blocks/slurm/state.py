@@ -159,6 +159,7 @@ SQUEUE_FIELDS: tuple[tuple[str, str], ...] = (
     ("EndTime", "end_time"),
     ("NumCPUs", "cpus"),
     ("tres-alloc", "tres_alloc_str"),
+    ("NodeList", "nodes"),
 )
 _SQUEUE_INTS = ("job_id", "array_job_id", "exit_code", "restart_cnt", "start_time", "end_time", "cpus")
 
@@ -230,6 +231,7 @@ def status_from_squeue(record: dict[str, Any], now: float | None = None) -> JobS
         exit_code=exit_code if state != "RUNNING" else None,
         reason=reason,
         elapsed_seconds=elapsed if state != "PENDING" else 0.0,
+        nodes=str(record.get("nodes") or "") if state == "RUNNING" else "",
     )
 
 
@@ -379,6 +381,7 @@ def aggregate(job_id: str, items: list[JobStatus]) -> JobStatus:
             state=state,
             elapsed_seconds=elapsed,
             reason=f"array: {done} tasks finished, {len(live)} records still queued or running",
+            nodes=",".join(sorted({i.nodes for i in live if i.nodes})),
         )
     failed = [i for i in items if i.state != "COMPLETED"]
     if not failed:
