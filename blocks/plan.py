@@ -164,7 +164,9 @@ def plan_run(workload: Workload, training: TrainingSpec, serving: ServingSpec, p
         experiment=training.experiment or definition.name,
         model_name=training.model_name or definition.name,
         hyperparameters=hyperparameters,
-        resources=training.resources or definition.train.resources,
+        resources=(
+            training.resources.over(definition.train.resources) if training.resources else definition.train.resources
+        ),
         checkpoint_every=training.checkpoint_every or definition.train.checkpoint_every,
         promotion=filled_promotion,
         serving=filled_serving,

@@ -58,6 +58,21 @@ class Resources(_Spec):
     mem_gb: float | None = Field(None, gt=0, description="Memory per node in GiB (None: the cluster default).")
     time_limit_minutes: int = Field(60, ge=1, le=60 * 24 * 30, description="Wall-clock limit of the job.")
     partition: str | None = Field(None, description="Slurm partition (None: the cluster default).")
+    account: str | None = Field(
+        None, description="Slurm account the job is charged to (None: the stack's account, else the user's default)."
+    )
+    qos: str | None = Field(
+        None,
+        description="Slurm QoS of the job (None: the stack's QoS, else the association's default): a sweep on a "
+        "preemptible QoS, the weekly retrain on a high one.",
+    )
+    nice: int | None = Field(
+        None,
+        ge=-2147483645,
+        le=2147483645,
+        description="Slurm priority adjustment, sbatch --nice (None: the stack's additional_directives, else 0): "
+        "positive lowers the job's priority; a negative one needs a Slurm operator.",
+    )
     max_requeues: int = Field(
         3, ge=0, le=100, description="How often a preempted job is requeued and resumed before giving up."
     )
@@ -82,10 +97,15 @@ class Resources(_Spec):
     def _gpu_devices(cls, value: list[str]) -> list[str]:
         return check_gpu_devices(value, "gpu_devices")
 
-    @field_validator("partition")
+    @field_validator("partition", "account", "qos")
     @classmethod
-    def _partition(cls, value: str | None) -> str | None:
-        return None if value is None else check_name(value, "partition")
+    def _slurm_names(cls, value: str | None, info: Any) -> str | None:
+        return None if value is None else check_name(value, info.field_name)
+
+    def over(self, base: Resources) -> Resources:
+        """These resources over ``base`` (the workload's defaults), field by field: what was set here wins, the
+        rest is ``base``'s. ``-p training.resources.qos=low`` changes the QoS and keeps the workload's GPUs."""
+        return Resources.model_validate({**base.model_dump(), **self.model_dump(include=self.model_fields_set)})
 
     @property
     def world_size(self) -> int:
@@ -105,7 +125,9 @@ class TrainingSpec(_Spec):
         default_factory=dict,
         description="Hyperparameters, checked against the workload's JSON Schema; what is left out takes its default.",
     )
-    resources: Resources | None = Field(None, description="Resources of the job (None: the workload's defaults).")
+    resources: Resources | None = Field(
+        None, description="Resources of the job, field by field over the workload's defaults (None: those defaults)."
+    )
     checkpoint_every: int | None = Field(
         None, ge=1, description="Save a checkpoint every this many optimizer steps (None: the workload's setting)."
     )

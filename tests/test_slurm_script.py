@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from blocks.errors import ConfigurationError
 from blocks.records import CodeRef, TrainingJob
@@ -140,6 +141,23 @@ def test_golden_training_job_script() -> None:
     assert "/opt/venv/bin/python train.py --fast &" in single
     own = training_cluster()._script_for_job(job.model_copy(update={"python": "/envs/ml/bin/python"}))
     assert "/envs/ml/bin/python -m torch.distributed.run" in own  # the workload's environment.python wins
+
+
+def test_a_runs_account_qos_and_nice_win_over_the_stacks() -> None:
+    """The stack's account and QoS are the defaults; a run's own (training.resources) replace them, and its nice
+    replaces the stack's additional nice. Refused before anything is sent when not a Slurm name."""
+    job = TrainingJob(key="k", workdir="/shared/jobs/k", command=["python", "train.py"], code=CODE)
+    cluster = training_cluster().model_copy(update={"additional_directives": {"nice": "5", "exclusive": True}})
+    text = cluster._script_for_job(job)
+    assert "#SBATCH --account=research" in text and "#SBATCH --qos=normal" in text and "#SBATCH --nice=5" in text
+    own = Resources(account="sweeps", qos="preemptible", nice=100)
+    text = cluster._script_for_job(job.model_copy(update={"resources": own}))
+    assert "#SBATCH --account=sweeps" in text and "#SBATCH --qos=preemptible" in text
+    assert "#SBATCH --nice=100" in text and "--nice=5" not in text and "#SBATCH --exclusive" in text
+    assert "research" not in text and "--qos=normal" not in text
+    for field, bad in (("qos", "low;rm -rf /"), ("account", "a b")):
+        with pytest.raises(ValidationError, match=field):
+            Resources(**{field: bad})
 
 
 def test_unknown_option_lists_the_valid_ones() -> None:

@@ -259,6 +259,22 @@ def test_the_run_plan_fills_in_the_workload_and_checks_before_anything_runs(tmp_
         plan_run(workload, TrainingSpec(hyperparameters={"alpha": -1}), ServingSpec(), PromotionPolicy())
 
 
+def test_a_runs_resources_go_over_the_workloads_field_by_field(tmp_path: Path) -> None:
+    """`-p training.resources.qos=preemptible` changes the QoS only: the workload's GPUs and time limit stay."""
+    text = MINIMAL.replace(
+        "  command: [python, train.py]\n",
+        "  command: [python, train.py]\n  resources: {gpus_per_node: 2, time_limit_minutes: 240, qos: high}\n",
+    )
+    workload = load_workload(str(write(tmp_path / "w", text)))
+    assert workload.definition.train.resources.qos == "high"
+    spec = TrainingSpec.model_validate({"resources": {"qos": "preemptible", "nice": 10}})
+    run = plan_run(workload, spec, ServingSpec(), PromotionPolicy())
+    assert (run.resources.qos, run.resources.nice) == ("preemptible", 10)
+    assert (run.resources.gpus_per_node, run.resources.time_limit_minutes) == (2, 240)
+    same = plan_run(workload, TrainingSpec(), ServingSpec(), PromotionPolicy())
+    assert same.resources == workload.definition.train.resources
+
+
 # ---- git sources and the code archive ------------------------------------------------------------
 
 

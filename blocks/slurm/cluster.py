@@ -257,8 +257,11 @@ class SlurmCluster(SlurmTransport, SlurmSubmit, SlurmJobs, SlurmContainers, Slur
             env[contract.CHECKPOINT_DIR] = posixpath.join(workdir, "checkpoints")
             env[contract.PROGRESS_FILE] = posixpath.join(workdir, "progress.json")
         options = self._common_options()
-        if res.partition:
-            options["partition"] = res.partition
+        for key in ("partition", "account", "qos"):  # the run's own, over the stack's
+            if getattr(res, key):
+                options[key] = getattr(res, key)
+        if res.nice is not None:
+            options["additional"] = {**options.get("additional", {}), "nice": str(res.nice)}
         torchrun = res.processes_per_node > 1 or res.nodes > 1
         options.update(
             job_name=job.key,
