@@ -4,7 +4,7 @@
     gpuferry stack apply FILE [--dry-run]       save the stacks a file declares (only what changed)
     gpuferry stack list | show NAME             the saved stacks (secrets masked)
     gpuferry check [STACK] [--workload DIR]     contact every backend of the stack; one table, exit 1 on a failure
-    gpuferry deploy [--workload DIR]            register the deployments (each workload with its own form)
+    gpuferry deploy [--workload DIR] [--cron]   register the deployments, each workload with its form (cli_deploy.py)
     gpuferry run retrain|sweep|deploy ...       a run through its deployment (or --local), followed to its end
     gpuferry services | rollback SERVICE        what serves where; an earlier version again (cli_operate.py)
     gpuferry worker | watch | events ...        the long-running services (deployments/cli_services.py)
@@ -257,10 +257,10 @@ def check(
 
 
 def _register() -> None:
-    from deployments import cli_operate, cli_run, cli_services, skeleton
+    from deployments import cli_deploy, cli_operate, cli_run, cli_services, skeleton
 
     app.command("init")(explained(skeleton.init))
-    app.command("deploy")(explained(cli_run.deploy))
+    app.command("deploy")(explained(cli_deploy.deploy))
     app.add_typer(cli_run.run_app, name="run")
     cli_services.register(app)
     cli_operate.register(app)

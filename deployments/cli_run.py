@@ -1,9 +1,4 @@
-"""``gpuferry deploy`` (register the deployments) and ``gpuferry run`` (a run through its deployment, followed).
-
-``gpuferry deploy`` runs ``prefect deploy`` on gpuferry's prefect.yaml, then gives each deployment of a
-workload that workload's own parameter form (``deployments/forms.py``). With ``--workload`` it registers, for
-each workload given, a ``retrain/<name>`` and a ``sweep/<name>`` deployment of that workload (nothing else),
-so a team's own models get their own deployments and forms.
+"""``gpuferry run``: a run through its deployment, followed (``gpuferry deploy`` registers them: cli_deploy.py).
 
 ``gpuferry run retrain|sweep|deploy`` creates the run through the deployment on the server, prints the
 Prefect UI's link, follows its state and logs to the end, and prints the summary (MLflow run, model version,
@@ -13,150 +8,23 @@ a name no stack has is an error listing the saved ones.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Annotated, Any, cast
 
 import typer
-import yaml
 
 from blocks.errors import ConfigurationError
 from deployments.cli_common import DEFAULT_POOL, PoolOption, StackOption, explained, fail
+from deployments.cli_deploy import register, workload_source
 
-# The directory holding gpuferry's packages (the checkout, or site-packages when installed): prefect.yaml's
-# entrypoints (flows/retrain.py) are relative to it.
-REPO = Path(__file__).resolve().parent.parent
-PREFECT_FILE = Path(__file__).with_name("prefect.yaml")  # the checkout's prefect.yaml, also in an installed package
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 run_app = typer.Typer(
     help="Start a run through its deployment (or --local) and follow it to its end.",
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-# ---- gpuferry deploy ------------------------------------------------------------------------------------
-
-
-def workload_source(path_or_url: str) -> str:
-    """A workload as a deployment records it: a git URL as given, a local path made absolute."""
-    return path_or_url if path_or_url.startswith("git+") else str(Path(path_or_url).expanduser().resolve())
-
-
-def workload_deployments(config: dict[str, Any], sources: list[str], pool: str) -> list[dict[str, Any]]:
-    """A retrain and a sweep deployment of each workload, named after it, from prefect.yaml's entrypoints."""
-    from blocks.workload.source import load_workload
-
-    entry = {d["entrypoint"].rsplit(":", 1)[1]: d["entrypoint"] for d in config["deployments"]}
-    out = []
-    for source in sources:
-        work = load_workload(source)
-        for flow in ("retrain", "sweep"):
-            out.append(
-                {
-                    "name": work.name,
-                    "entrypoint": entry[flow],
-                    "work_pool": {"name": pool},
-                    "description": f"{flow.capitalize()} {work.name} ({source}) on the stack given in `stack`.",
-                    "parameters": {"workload": source, "stack": None},
-                }
-            )
-    return out
-
-
-def ensure_pool(pool: str) -> None:
-    """Create the work pool (a process pool, as prefect.yaml's) when the server has none by that name."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
-    from prefect.workers.process import ProcessWorker
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_work_pool(pool)
-            return
-        except ObjectNotFound:
-            pass
-        client.create_work_pool(
-            WorkPoolCreate(name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template())
-        )
-    typer.echo(
-        f"created work pool {pool} (process): start a worker on it, `python -m deployments.worker --pool {pool}`"
-    )
-
-
-def register(sources: list[str], pool: str) -> list[str]:
-    """``prefect deploy`` of prefect.yaml's deployments (none given) or of the given workloads' own, on ``pool``
-    (created when missing); the names registered (``flow/name``)."""
-    ensure_pool(pool)
-    config = yaml.safe_load(PREFECT_FILE.read_text())
-    if sources:
-        config["deployments"] = workload_deployments(config, sources, pool)
-    else:
-        for deployment in config["deployments"]:
-            deployment["work_pool"] = {**deployment.get("work_pool", {}), "name": pool}
-    with tempfile.TemporaryDirectory(prefix="gpuferry-deploy-") as tmp:
-        prefect_file = Path(tmp) / "prefect.yaml"
-        prefect_file.write_text(yaml.safe_dump(config, sort_keys=False))
-        done = subprocess.run(
-            [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    if done.returncode != 0:
-        raise ConfigurationError(f"prefect deploy failed:\n{(done.stdout + done.stderr)[-3000:]}")
-    return [f"{_flow_of(d['entrypoint'])}/{d['name']}" for d in config["deployments"]]
-
-
-def _flow_of(entrypoint: str) -> str:
-    """The name of the flow at ``flows/retrain.py:retrain`` (its @flow's)."""
-    import importlib
-
-    path, _, function = entrypoint.partition(":")
-    return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), function).name
-
-
-def deploy(
-    workload: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--workload",
-            "-w",
-            help="Register this workload's own "
-            "retrain and sweep deployments (a path or git+URL@REF#subdirectory=PATH); repeatable.",
-        ),
-    ] = None,
-    pool: PoolOption = DEFAULT_POOL,
-) -> None:
-    """Register the deployments with the Prefect server, each workload's with its own parameter form.
-
-    Example: `gpuferry deploy --workload ./house-prices --pool gpuferry`.
-    """
-    from deployments.forms import apply_forms
-
-    sources = [workload_source(w) for w in workload or []]
-    if not sources and not (REPO / "examples").is_dir():
-        raise ConfigurationError(
-            "gpuferry deploy without --workload registers prefect.yaml's deployments, whose "
-            "workloads are the examples of a clone of gpuferry: run it in a clone, or name "
-            "your workload with --workload DIR"
-        )
-    names = register(sources, pool)
-    if sources:
-        formed = apply_forms([n for n in names if n.split("/")[0] in ("retrain", "sweep")])
-    else:
-        with contextlib.chdir(REPO):  # prefect.yaml's workloads are paths relative to the checkout
-            formed = apply_forms()
-    typer.echo(f"registered on work pool {pool}: {', '.join(names)}")
-    typer.echo(f"with their workload's form: {', '.join(formed) or 'none'}")
 
 
 # ---- gpuferry run -------------------------------------------------------------------------------------

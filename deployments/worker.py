@@ -13,7 +13,10 @@ standby whose preloaded project files changed since it imported them, or whose p
 replaces itself with a cold ``python -m prefect.engine`` (same pid), so a run never executes stale
 code. A deployment that sets the ``command`` job variable runs exactly as on the process worker.
 
-    python -m deployments.worker --pool gpuferry [--name NAME] [--preload flows.deploy_model ...]
+    gpuferry worker --pool gpuferry [--name NAME] [--preload flows.deploy_model ...]
+
+The flows run from this gpuferry's own packages (a clone or an installed one; ``--code-dir`` or
+``$GPUFERRY_CODE_DIR`` names another checkout), which each flow-run process enters as its working directory.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ STANDBY_FLAG = "--standby"
 # Everything the project's flows import comes with these (flows.deploy_model imports flows.retrain,
 # which imports every block and task); mlflow is imported by the tracking block's first call.
 DEFAULT_PRELOAD = ("flows.deploy_model", "flows.sweep", "flows.provision", "mlflow")
+# The directory holding this gpuferry's packages (a clone, or site-packages when installed): the flows' entrypoints
+# (flows/retrain.py) are relative to it.
+INSTALLATION = Path(__file__).resolve().parent.parent
 
 
 # ---- the standby process ----
@@ -301,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--code-dir",
-        default=os.environ.get("GPUFERRY_CODE_DIR") or os.getcwd(),
-        help="directory the preload modules are imported from (default: $GPUFERRY_CODE_DIR, else cwd)",
+        default=os.environ.get("GPUFERRY_CODE_DIR") or str(INSTALLATION),
+        help="directory the flows are run from (default: $GPUFERRY_CODE_DIR, else this gpuferry's own: "
+        f"{INSTALLATION})",
     )
     parser.add_argument("--limit", type=int, default=None, help="most flow runs at once")
     parser.add_argument(
@@ -313,8 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     code_dir = Path(args.code_dir).resolve()
-    if not code_dir.is_dir():
-        parser.error(f"--code-dir {code_dir}: not a directory; give the checkout the flows are loaded from")
+    if not (code_dir / "flows").is_dir():
+        parser.error(f"--code-dir {code_dir}: no flows/ in it; give the checkout the flows are loaded from")
+    # The deployments' pull step (prefect.yaml: set_working_directory) enters it in each flow-run process.
+    os.environ["GPUFERRY_CODE_DIR"] = str(code_dir)
 
     import anyio
 

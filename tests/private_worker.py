@@ -106,21 +106,40 @@ def worker_env(api_url: str, home: Path) -> dict[str, str]:
 
 
 def start_worker(
-    pool: str, name: str, env: dict[str, str], log: Path, kind: str = "standby", new_session: bool = False
+    pool: str,
+    name: str,
+    env: dict[str, str],
+    log: Path,
+    kind: str = "standby",
+    new_session: bool = False,
+    argv: list[str] | None = None,
+    cwd: Path = REPO,
 ) -> subprocess.Popen[bytes]:
     """Start a worker for ``pool`` (created if missing) and wait until the server lists it.
 
     ``new_session``: the worker leads a process group of its own (with the flow-run processes it starts),
-    which ``os.killpg`` can kill at once."""
-    if kind == "standby":
-        argv = [sys.executable, "-m", "deployments.worker", "--pool", pool, "--name", name, "--code-dir", str(REPO)]
-    elif kind == "process":
-        argv = [str(REPO / ".venv/bin/prefect"), "worker", "start", "--pool", pool, "--type", "process", "--name", name]
-    else:
+    which ``os.killpg`` can kill at once. ``argv``: another command than this checkout's worker (an installed
+    gpuferry's), started in ``cwd``."""
+    kinds = {
+        "standby": [
+            sys.executable,
+            "-m",
+            "deployments.worker",
+            "--pool",
+            pool,
+            "--name",
+            name,
+            "--code-dir",
+            str(REPO),
+        ],
+        "process": [str(REPO / ".venv/bin/prefect"), "worker", "start", "--pool", pool, "--type", "process"],
+    }
+    if argv is None and kind not in kinds:
         raise ValueError(f"kind={kind!r}: use 'standby' (deployments/worker.py) or 'process' (Prefect's)")
+    argv = argv or kinds[kind] + (["--name", name] if kind == "process" else [])
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session
+            argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=new_session
         )
 
     def listed() -> bool:
@@ -158,7 +177,7 @@ def remove(api_url: str, deployments: list[str], pool: str) -> None:
         for name in deployments:
             try:
                 client.delete_deployment(client.read_deployment_by_name(name).id)
-            except Exception as exc:  # noqa: BLE001 - recorded and raised by the caller - recorded and raised by the caller
+            except Exception as exc:  # noqa: BLE001 - best effort: printed, the test goes on
                 print(f"cleanup: deployment {name}: {exc}")
         try:
             client.delete_work_pool(pool)

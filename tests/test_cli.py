@@ -128,14 +128,38 @@ def test_bad_run_options_name_the_option() -> None:
     assert code == 2 and "--hp 'alpha': write NAME=VALUE" in out
 
 
-def test_deploy_without_a_workload_outside_a_clone_says_to_name_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from deployments import cli_run
+def test_deploy_registers_the_bundled_examples_from_wherever_gpuferry_is_installed(tmp_path: Path) -> None:
+    """Without --workload: prefect.yaml's deployments, each example's workload by absolute path into the examples
+    shipped with gpuferry (no clone needed); with --workload: the workload's retrain and sweep, the retrain on its
+    train.schedule or --cron; the deployments no workload owns (on-champion, provision, release) come apart."""
+    import yaml
 
-    monkeypatch.setattr(cli_run, "REPO", tmp_path)  # an installed gpuferry: site-packages, no examples/
-    code, out = run("deploy")
-    assert code == 2 and "run it in a clone, or name your workload with --workload DIR" in out
+    from deployments import cli_deploy
+
+    config = yaml.safe_load(cli_deploy.PREFECT_FILE.read_text())
+    bundled = cli_deploy.bundled_deployments(config, skeleton.EXAMPLES_DIR)
+    workloads = [d["parameters"]["workload"] for d in bundled if "workload" in d["parameters"]]
+    assert workloads and all(Path(w).is_absolute() and (Path(w) / "gpuferry.yaml").is_file() for w in workloads)
+    shared = {f"{cli_deploy.flow_of(d['entrypoint'])}/{d['name']}" for d in cli_deploy.shared_deployments(config)}
+    assert shared == {"deploy-model/on-champion", "provision/provision", "release/release"}
+
+    work = tmp_path / "house-prices"
+    skeleton.write(work, name="house-prices")
+    text = (work / "gpuferry.yaml").read_text().replace("train:\n", "train:\n  schedule: {cron: '0 3 * * 1'}\n", 1)
+    (work / "gpuferry.yaml").write_text(text)
+    retrain, sweep = cli_deploy.workload_deployments(config, [str(work)], stack="hpc")
+    assert (retrain["name"], retrain["entrypoint"]) == ("house-prices", "flows/retrain.py:retrain")
+    assert retrain["schedules"] == [{"cron": "0 3 * * 1", "timezone": "UTC"}] and "schedules" not in sweep
+    assert retrain["parameters"] == {"workload": str(work), "stack": "hpc"} == sweep["parameters"]
+    (asked, _) = cli_deploy.workload_deployments(config, [str(work)], cron="30 1 * * *", timezone="Europe/Berlin")
+    assert asked["schedules"] == [{"cron": "30 1 * * *", "timezone": "Europe/Berlin"}]
+    with pytest.raises(Exception, match=r"train.schedule.cron='30 1 \* \*': write five fields"):
+        cli_deploy.workload_deployments(config, [str(work)], cron="30 1 * *")
+    (work / "gpuferry.yaml").write_text(text.replace("'0 3 * * 1'}", "'0 3 * * 1', timezone: Mars/Base}"))
+    code, out = run("check", "--workload", str(work), "--no-prefect")
+    assert code != 0 and "train.schedule.timezone='Mars/Base': give an IANA time zone" in out, out
+    code, out = run("deploy", "--cron", "0 3 * * 1")
+    assert code == 2 and "name the workload with --workload DIR" in out, out
 
 
 def test_the_pytorch_template_trains_resumes_and_serves(tmp_path: Path) -> None:

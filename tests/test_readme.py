@@ -146,12 +146,24 @@ def world(
         "MLFLOW_TRACKING_PASSWORD": mlflow["MLFLOW_TRACKING_PASSWORD"],
     }
     env.pop("PREFECT_HOME", None)
-    worker = private_worker.start_worker(
-        pool,
-        f"readme-{uid}",
-        private_worker.worker_env(prefect["PREFECT_API_URL"], tmp_path / "worker-home"),
-        tmp_path / "worker.log",
-    )
+    workers: list[subprocess.Popen[bytes]] = []
+
+    def start_worker() -> None:
+        """`gpuferry worker` of the installed tool, as a team runs it: no clone, no GPUFERRY_CODE_DIR, started
+        outside the checkout with nothing of it on the path (started once the README installed it)."""
+        worker_env = {**private_worker.worker_env(prefect["PREFECT_API_URL"], tmp_path / "worker-home")}
+        for name in ("GPUFERRY_CODE_DIR", "PYTHONPATH", "VIRTUAL_ENV"):
+            worker_env.pop(name, None)
+        worker_env["PATH"] = env["PATH"]
+        name = f"readme-{uid}"
+        argv = [str(tmp_path / "bin" / "gpuferry"), "worker", "--pool", pool, "--name", name]
+        (tmp_path / "worker-cwd").mkdir()
+        workers.append(
+            private_worker.start_worker(
+                pool, name, worker_env, tmp_path / "worker.log", argv=argv, cwd=tmp_path / "worker-cwd"
+            )
+        )
+
     try:
         yield {
             "tmp": tmp_path,
@@ -164,10 +176,13 @@ def world(
             "namespace": k8s_namespace,
             "mlflow": mlflow_server(),
             "kubeconfig": k8s["KUBECONFIG"],
+            "start_worker": start_worker,
         }
     finally:
-        private_worker.stop(worker)
-        print((tmp_path / "worker.log").read_text()[-5000:])
+        for worker in workers:
+            private_worker.stop(worker)
+        if (tmp_path / "worker.log").exists():
+            print((tmp_path / "worker.log").read_text()[-5000:])
         private_worker.remove(prefect["PREFECT_API_URL"], [f"retrain/{workload}", f"sweep/{workload}"], pool)
         _forget(prefect["PREFECT_API_URL"], stack, mlflow_server(), workload)
         remove_on_cluster(cluster, workdir)
@@ -213,6 +228,8 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
         print(f"$ {line}  ({time.monotonic() - started:.1f} s)\n{out[-4000:]}")
         assert done.returncode == 0, f"{line}\n{out[-6000:]}"
         outputs.append(out)
+        if len(outputs) == 1:  # installed: the team's worker starts from it
+            world["start_worker"]()
     print(f"the README's commands: {time.monotonic() - began:.0f} s")
     assert not any("kubectl" in c for c in commands)  # the deploy gives the pods the store's keys itself
     install, init, apply, check, local, deployed = outputs

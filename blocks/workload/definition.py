@@ -17,6 +17,7 @@ It says everything gpuferry needs to run someone else's code, and nothing about 
       env: {OMP_NUM_THREADS: "4"}
       secrets: {HF_TOKEN: hf-token}     # variable -> name of a Prefect Secret block (never a value here)
       resources: {gpus_per_node: 1, time_limit_minutes: 120}
+      schedule: {cron: "0 3 * * 1", timezone: UTC}   # retrain by itself (its retrain deployment's schedule)
     hyperparameters:                    # a JSON Schema: types, defaults, bounds, enums, required
       type: object
       properties:
@@ -149,6 +150,33 @@ class EnvironmentDefinition(_Part):
         return value
 
 
+class ScheduleDefinition(_Part):
+    """When the workload retrains by itself: its ``retrain/<name>`` deployment runs on this schedule."""
+
+    cron: str = Field(description="A cron line: minute hour day-of-month month day-of-week, e.g. '0 3 * * 1'.")
+    timezone: str = Field("UTC", description="The IANA time zone the cron line is read in, e.g. Europe/Berlin.")
+
+    @model_validator(mode="after")
+    def _valid(self) -> ScheduleDefinition:
+        from prefect.client.schemas.schedules import CronSchedule
+        from pydantic import ValidationError
+
+        try:
+            CronSchedule(cron=self.cron, timezone=self.timezone)
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            field = problem["loc"][0] if problem["loc"] else "cron"
+            raise ValueError(
+                f"train.schedule.{field}={getattr(self, str(field))!r}: "
+                + (
+                    "write five fields, minute hour day-of-month month day-of-week, e.g. '0 3 * * 1'"
+                    if field == "cron"
+                    else "give an IANA time zone, e.g. UTC or Europe/Berlin"
+                )
+            ) from None
+        return self
+
+
 class TrainDefinition(_Part):
     """The training job."""
 
@@ -159,6 +187,11 @@ class TrainDefinition(_Part):
     )
     resources: Resources = Field(default_factory=Resources, description="Default resources of one training job.")
     checkpoint_every: int = Field(50, ge=1, description="CHECKPOINT_EVERY: steps between checkpoints.")
+    schedule: ScheduleDefinition | None = Field(
+        None,
+        description="When the workload retrains by itself (None: only when asked): `gpuferry deploy --workload` "
+        "gives its retrain deployment this schedule; `--cron` overrides it.",
+    )
 
     @field_validator("command")
     @classmethod
