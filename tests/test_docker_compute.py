@@ -489,6 +489,32 @@ def test_cancel_stops_the_job_for_good(
     assert containers_of(engine, job.key) == [] and c._requeues(handle) == 0
 
 
+def test_a_sweep_runs_as_an_array_of_containers_each_task_on_gpus_of_its_own(
+    stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path, keys: list[str]
+) -> None:
+    """Three configurations, two at a time, one GPU each: held until released, each task a container of its own
+    with its own settings and GPU (from the allocator), started by the watch's polls; a retry adopts the array."""
+    c = compute(stack, gpus, tmp_path)
+    job = make_job(c, image, keys, "sweep", gpus_per_node=1)
+    keys.extend(f"{job.key}-task-{i}" for i in range(3))
+    handle = c.submit_held_sweep(job, 3, parallelism=2)
+    assert c.submit_held_sweep(job, 3, parallelism=2) == handle  # adopted by its key, not queued twice
+    assert c.poll([handle])[handle.job_id].state == "PENDING" and not containers_of(engine, f"{job.key}-task-0")
+    settings = {i: {"HPARAMS": json.dumps({"epochs": 1, "hidden": 8 * (i + 1)})} for i in range(3)}
+    c.release_sweep_tasks(handle, {0: settings[0]})
+    c.release_sweep_tasks(handle, {1: settings[1], 2: settings[2]}, whole_array=True)
+    status = c.watch(handle, timeout_seconds=900)
+    assert status.state == "COMPLETED", status
+    outcome = c.array_outcome(handle, 3)
+    assert [outcome[i][0].state for i in range(3)] == ["COMPLETED"] * 3, outcome
+    seen = [json.loads((Path(c.task_dir(job.workdir, i)) / "probe.json").read_text()) for i in range(3)]
+    assert [s["env"]["HPARAMS"] for s in seen] == [settings[i]["HPARAMS"] for i in range(3)]
+    assert all(len(s["devices"]) == 1 for s in seen), seen  # one GPU each, as asked
+    for i in range(3):
+        assert check_mlflow_model(Path(c.task_dir(job.workdir, i)) / "checkpoints" / "final").pyfunc
+        assert containers_of(engine, f"{job.key}-task-{i}") == []  # each removed once it ended
+
+
 def test_out_of_memory_is_an_actionable_error(
     stack: dict[str, str], gpus: FakeGpus, image: ImageRef, engine: docker.DockerClient, tmp_path: Path, keys: list[str]
 ) -> None:

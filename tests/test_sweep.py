@@ -9,9 +9,7 @@ from pydantic import ValidationError
 
 from blocks.errors import ConfigurationError
 from blocks.specs import SweepGrid
-from blocks.stack import Stack
 from blocks.workload.hparams import HyperparameterSchema
-from tests.examples import DIGITS
 
 SCHEMA = HyperparameterSchema(
     {
@@ -80,16 +78,20 @@ def test_grids_are_checked_against_the_workloads_schema(grid: dict, message: str
         expand(SweepGrid(**grid))
 
 
-@pytest.mark.usefixtures("prefect_server")
-def test_embedded_stack_refuses_a_sweep_before_anything_runs() -> None:
-    from flows.sweep import sweep
+def test_a_backend_without_job_arrays_names_those_that_have_them() -> None:
+    """Every bundled compute backend runs sweeps (Slurm's arrays; arrays of local processes or of containers); one
+    that does not says which do, and that retrain trains one configuration at a time."""
+    from blocks.docker.compute import DockerCompute
+    from blocks.local.compute import LocalProcesses
+    from blocks.slurm.cluster import SlurmCluster
 
-    jobs = Stack.embedded().compute.job_workdir("x")
-    with pytest.raises(ConfigurationError, match="no job arrays.*Slurm.*retrain"):
-        sweep(workload=str(DIGITS), grid=SweepGrid(values={"lr": [0.1, 0.2]}))
-    from pathlib import Path
+    assert LocalProcesses.supports_arrays and DockerCompute.supports_arrays and SlurmCluster.supports_arrays
 
-    assert not any(Path(jobs).parent.glob("*-sweep"))  # nothing was submitted
+    class Plain(LocalProcesses):
+        supports_arrays = False
+
+    message = str(Plain().no_arrays())
+    assert "SlurmCluster, LocalProcesses, DockerCompute" in message and "`retrain`" in message, message
 
 
 class HeldArray:
@@ -120,10 +122,12 @@ class HeldArray:
         self.released.update(tasks)
         self.releases.append(sorted(tasks))
 
-    def watch(self, handle, timeout_seconds=None):  # type: ignore[no-untyped-def]
+    def watch(self, handle, timeout_seconds=None, on_state=None):  # type: ignore[no-untyped-def]
         from blocks.records import JobStatus
 
         assert self.whole_released, "watched before the array was released"
+        if on_state is not None:  # the sweep logs the array's queue state as it changes
+            on_state(JobStatus(job_id="42", state="PENDING", reason="Slurm reason: Priority"))
         return JobStatus(job_id="42", state="COMPLETED")
 
     def array_outcome(self, handle, size):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""Sweeps without Slurm: a grid on the embedded stack runs as a local job array (blocks/local/arrays.py), a child
+"""Sweeps without Slurm: a grid on the embedded stack runs as a local job array (blocks/base/arrays.py), a child
 MLflow run per configuration, as many at once as asked (or as the machine has room for), the best promoted.
 
 The regressor's alpha x l1_ratio, as tests/test_slurm_sweep.py runs it on Slurm: the same flow, the same records."""

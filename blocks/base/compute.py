@@ -266,8 +266,8 @@ class ComputeBackend(Block, ABC):
     def no_arrays(self) -> ConfigurationError:
         return ConfigurationError(
             f"the stack's compute backend ({self.backend_name}) has no job arrays, which a sweep needs: use a "
-            "stack whose compute runs job arrays (SlurmCluster, LocalProcesses), or train one configuration at a time "
-            "with `retrain`"
+            "stack whose compute runs job arrays (SlurmCluster, LocalProcesses, DockerCompute), or train one "
+            "configuration at a time with `retrain`"
         )
 
     def submit_held_sweep(self, job: TrainingJob, size: int, *, parallelism: int | None = None) -> JobHandle:

@@ -32,13 +32,14 @@ from typing import Any
 
 from pydantic import Field
 
+from blocks.base.arrays import PolledArrays, array_handles, is_array
 from blocks.base.compute import ComputeBackend, job_environment
 from blocks.base.launch import launch_command
 from blocks.base.log import run_logger
 from blocks.base.secrets import SECRET_ENV_NAME, check_env_names, job_secret_values, write_secret_env
 from blocks.checks import CheckRow, Probe
 from blocks.docker.engine import NameInUse, offset_second, read_from, save, strip_timestamps
-from blocks.docker.gpu_alloc import GpuRequest, HostGpu, claim_label, parse_claim_label
+from blocks.docker.gpu_alloc import GpuRequest, GpusBusy, HostGpu, claim_label, parse_claim_label
 from blocks.docker.gpu_host import DockerGpuHost
 from blocks.docker.spec import (
     EXIT_RECORD,
@@ -63,7 +64,7 @@ LOG_NAME = "job.log"
 _RUNNING = frozenset({"running", "paused", "restarting", "stopping"})
 
 
-class DockerCompute(ComputeBackend, DockerGpuHost):
+class DockerCompute(PolledArrays, ComputeBackend, DockerGpuHost):
     """Training jobs as containers of the workload's image on one Docker host, GPUs chosen per job."""
 
     _block_type_name = "gpuferry Docker Compute"
@@ -300,7 +301,10 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
     # ---- state -------------------------------------------------------------------------------
 
     def poll(self, handles: Iterable[JobHandle]) -> dict[str, JobStatus]:
-        return {h.job_id: self._status(Path(h.workdir), h.job_id) for h in handles}
+        arrays, jobs = array_handles(handles)
+        out = {handle.job_id: self._array_status(handle) for handle in arrays}
+        out.update({h.job_id: self._status(Path(h.workdir), h.job_id) for h in jobs})
+        return out
 
     def _status(self, workdir: Path, job_id: str) -> JobStatus:
         ended = _read_json(workdir / EXIT_RECORD)
@@ -415,6 +419,9 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
         return _recorded(job_id, record)
 
     def cancel(self, handle: JobHandle) -> None:
+        if is_array(handle):
+            self._cancel_array(handle)
+            return
         workdir = Path(handle.workdir)
         with _locked(workdir):
             state = _read_json(workdir / STATE_NAME)
@@ -426,8 +433,32 @@ class DockerCompute(ComputeBackend, DockerGpuHost):
         self.engine().stop(state["container"], timeout=self.stop_timeout_seconds)
 
     def _requeues(self, handle: JobHandle) -> int:
-        state = _read_json(Path(handle.workdir) / STATE_NAME)
+        return self._task_requeues(Path(handle.workdir))
+
+    # ---- sweeps: job arrays of containers (blocks/base/arrays.py) -------------------------------
+
+    def _task_requeues(self, task: Path) -> int:
+        state = _read_json(task / STATE_NAME)
         return 0 if state is None else int(state["attempt"])
+
+    def _room(self, job: TrainingJob) -> int:
+        """As many tasks as the host's GPUs hold (``gpus_per_node`` each), or its cores when they ask for none."""
+        res = job.resources
+        if res.gpus_per_node:
+            return max(1, len(self.inventory() or []) // res.gpus_per_node)
+        engine = self.engine()
+        with engine.calling("describe itself"):
+            cores = int(engine.client.info().get("NCPU") or 1)
+        return max(1, cores // (res.cpus_per_task * res.processes_per_node))
+
+    def _start_task(self, task: TrainingJob) -> bool:
+        """A task whose GPUs other jobs hold waits for the next poll (the allocator chooses a task's GPUs)."""
+        try:
+            self.submit(task)
+        except GpusBusy as exc:
+            run_logger().info("sweep task %s waits for GPUs: %s", task.key, exc)
+            return False
+        return True
 
     # ---- output ------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from blocks.base.arrays import PolledArrays, array_handles, is_array
 from blocks.base.compute import ComputeBackend, inherited_environment, job_environment
 from blocks.base.launch import launch_command
 from blocks.base.proc import alive, start_time
@@ -27,12 +28,11 @@ from blocks.checks import CheckRow, Probe, executable, writable_dir
 from blocks.errors import ConfigurationError, explain_exit_code
 from blocks.home import gpuferry_home
 from blocks.local import job_runner as _job_runner
-from blocks.local.arrays import LocalArrays, array_handles, is_array
 from blocks.records import JobHandle, JobStatus, TrainingJob
 from runtime import contract
 
 
-class LocalProcesses(LocalArrays, ComputeBackend):
+class LocalProcesses(PolledArrays, ComputeBackend):
     """Runs the training job as processes on this machine (torchrun standalone for several).
 
     The embedded default: no cluster needed. Each job gets a directory under ``workdir_root``
@@ -56,8 +56,7 @@ class LocalProcesses(LocalArrays, ComputeBackend):
     poll_interval_max: float = Field(2.0, gt=0, description="Longest wait between two polls, in seconds.")
 
     _RUNNING_STATES: ClassVar[frozenset[str]] = frozenset({"PENDING", "RUNNING", "REQUEUED"})
-    # Sweeps run as local job arrays (blocks/local/arrays.py), as many tasks at once as the machine has room for.
-    supports_arrays: ClassVar[bool] = True
+    # Sweeps run as job arrays of local processes (blocks/base/arrays.py), as many at once as the machine has room for.
 
     def validate_job(self, job: TrainingJob) -> None:
         res = job.resources
@@ -142,7 +141,7 @@ class LocalProcesses(LocalArrays, ComputeBackend):
         threads = self.threads_per_process or max(1, (os.cpu_count() or 1) // res.processes_per_node)
         env.setdefault("OMP_NUM_THREADS", str(threads))
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if res.gpus_per_node:  # a sweep's task has its own GPUs in its env (blocks/local/arrays.py)
+        if res.gpus_per_node:  # a sweep's task has its own GPUs in its env (_task_env)
             env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(res.gpus_per_node)))
         # The supervisor is a plain script (the standard library only): the job's environment needs nothing of ours.
         command = self.command(job)
@@ -220,6 +219,25 @@ class LocalProcesses(LocalArrays, ComputeBackend):
             workdir=str(workdir),
             log_path=str(workdir / "job.log"),
         )
+
+    # ---- what a sweep's tasks need of the machine (blocks/base/arrays.py) ----
+
+    def _room(self, job: TrainingJob) -> int:
+        """How many tasks the machine has room for at once: its GPUs, or its cores, per task."""
+        res = job.resources
+        if res.gpus_per_node:
+            from blocks.local.provider import LocalMachine
+
+            return max(1, len(LocalMachine()._gpus()) // res.gpus_per_node)
+        return max(1, (os.cpu_count() or 1) // (res.cpus_per_task * res.processes_per_node))
+
+    def _task_env(self, job: TrainingJob, slot: int) -> dict[str, str]:
+        """Task slot ``s`` gets GPUs ``s*g`` to ``s*g+g-1`` (``g``: the job's gpus_per_node)."""
+        gpus = job.resources.gpus_per_node
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(slot * gpus + g) for g in range(gpus))} if gpus else {}
+
+    def _task_requeues(self, task: Path) -> int:
+        return int((self._state(task) or {}).get("attempt", 0))
 
     @staticmethod
     def _state(workdir: Path) -> dict[str, Any] | None:

@@ -1,15 +1,21 @@
-"""Sweeps on this machine: a job array of local processes, as many tasks at once as the machine has room for.
+"""Job arrays a backend runs itself, started by the flow's own polls: sweeps where no scheduler runs arrays.
 
-``LocalArrays`` is a part of ``LocalProcesses`` (a mixin, ``supports_arrays``), with the semantics of a Slurm job
-array (``blocks/slurm/arrays.py``): the array is queued held (``array.json`` in its directory records it), each
-task gets its settings when ``release_sweep_tasks`` gives them, and each released task then runs as a local job of
-its own in ``task-<i>/`` (its checkpoints, progress, log; preempted, it is requeued like any local job).
+``PolledArrays`` is a mixin of a compute backend whose jobs live in directories the flow's process sees
+(``LocalProcesses``: this machine; ``DockerCompute``: one Docker host), with the semantics of a Slurm job array
+(``blocks/slurm/arrays.py``): the array is queued held (``array.json`` in its directory records it), each task gets
+its settings when ``release_sweep_tasks`` gives them, and each released task then runs as a job of the backend of
+its own in ``task-<i>/`` (its checkpoints, progress, log; preempted, it is requeued like any of its jobs).
 
 Nothing runs beside the flow to start tasks: each poll of the array (the flow's ``watch``) starts released tasks
-while fewer than ``parallelism`` run. That is the sweep's own setting; by default as many as the machine has GPUs
-for (``gpus_per_node`` each: task slot ``s`` gets GPUs ``s*g`` to ``s*g+g-1``), or cores for (``cpus_per_task`` ×
-processes each) when the job asks for none. A flow that stops leaves its running tasks running; a retry adopts the
-array by its key and its polls start the rest.
+while fewer than ``parallelism`` run. That is the sweep's own setting; by default as many as the backend has room
+for (``_room``: its GPUs, ``gpus_per_node`` each, or its cores when the job asks for no GPU). Which GPUs a task
+gets is the backend's: a task slot's own (``_task_env``, ``LocalProcesses``), or its allocator's
+(``DockerCompute``, where a task that finds its GPUs taken waits for the next poll: ``_start_task``). A flow that
+stops leaves its running tasks running; a retry adopts the array by its key and its polls start the rest.
+
+The backend gives: ``_status(task_dir, job_id)`` (a job's status from its directory), ``_task_requeues(task_dir)``
+and ``_room(job)``; it sends the arrays among the handles it polls or cancels here (``array_handles``,
+``is_array``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from blocks.errors import ConfigurationError
 from blocks.records import JobHandle, JobStatus, TrainingJob
@@ -31,22 +37,37 @@ if TYPE_CHECKING:
     from blocks.base.compute import ComputeBackend
 
     class _Base(ComputeBackend):
-        """The type checker's view of ``LocalProcesses``: a compute backend, and the two internals of its jobs the
-        arrays read (each task is one of its jobs)."""
+        """The type checker's view of the backend: a compute backend, and the internal of its jobs the arrays read
+        (each task is one of its jobs)."""
 
         def _status(self, workdir: Path, job_id: str) -> JobStatus:
-            raise NotImplementedError
-
-        @staticmethod
-        def _state(workdir: Path) -> dict[str, Any] | None:
             raise NotImplementedError
 
 else:
     _Base = object  # a plain mixin here
 
 
-class LocalArrays(_Base):
-    """Job arrays of ``LocalProcesses`` (see the module's docstring)."""
+class PolledArrays(_Base):
+    """Job arrays run by the backend itself, each task one of its jobs (see the module's docstring)."""
+
+    supports_arrays: ClassVar[bool] = True
+
+    def _room(self, job: TrainingJob) -> int:
+        """How many tasks of ``job`` the backend has room for at once."""
+        raise NotImplementedError
+
+    def _task_requeues(self, task: Path) -> int:
+        """How often the task in directory ``task`` was requeued."""
+        raise NotImplementedError
+
+    def _task_env(self, job: TrainingJob, slot: int) -> dict[str, str]:
+        """Variables of the task that runs in ``slot`` (0 .. parallelism-1) besides its settings; none here."""
+        return {}
+
+    def _start_task(self, task: TrainingJob) -> bool:
+        """Submit one task; False when it cannot start yet (the next poll tries again)."""
+        self.submit(task)
+        return True
 
     def submit_held_sweep(self, job: TrainingJob, size: int, *, parallelism: int | None = None) -> JobHandle:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -97,13 +118,12 @@ class LocalArrays(_Base):
         for index in range(size):
             task = Path(self.task_dir(str(workdir), index))
             status = self._status(task, f"{handle.job_id}_{index}")
-            task_state = self._state(task) or {}
             hours = status.elapsed_seconds / 3600
             usage = {
                 "gpu_hours": hours * gpus,
                 "cpu_hours": hours * cpus,
                 "wall_seconds": status.elapsed_seconds,
-                "requeues": float(task_state.get("attempt", 0)),
+                "requeues": float(self._task_requeues(task)),
             }
             out[index] = (status, usage)
         return out
@@ -158,25 +178,22 @@ class LocalArrays(_Base):
             if status is not None and not status.terminal:
                 busy.add(slot)
         job = TrainingJob.model_validate(state["job"])
-        gpus = job.resources.gpus_per_node
         for index_text, env in sorted(state["released"].items(), key=lambda item: int(item[0])):
             if index_text in state["slots"]:
                 continue
             free = next((s for s in range(state["parallelism"]) if s not in busy), None)
             if free is None:
                 break
-            task_env = dict(env)
-            if gpus:
-                task_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(free * gpus + g) for g in range(gpus))
             index = int(index_text)
             task = job.model_copy(
                 update={
                     "key": f"{job.key}-task-{index}",
                     "workdir": self.task_dir(str(workdir), index),
-                    "env": {**job.env, **task_env},
+                    "env": {**job.env, **env, **self._task_env(job, free)},
                 }
             )
-            self.submit(task)
+            if not self._start_task(task):
+                break
             state["slots"][index_text] = free
             busy.add(free)
             _write(workdir, state)
@@ -211,15 +228,6 @@ class LocalArrays(_Base):
         if state is None:
             raise ConfigurationError(f"{workdir} holds no sweep ({ARRAY_FILE} is missing)")
         return state
-
-    def _room(self, job: TrainingJob) -> int:
-        """How many tasks the machine has room for at once: its GPUs, or its cores, per task."""
-        res = job.resources
-        if res.gpus_per_node:
-            from blocks.local.provider import LocalMachine
-
-            return max(1, len(LocalMachine()._gpus()) // res.gpus_per_node)
-        return max(1, (os.cpu_count() or 1) // (res.cpus_per_task * res.processes_per_node))
 
 
 def is_array(handle: JobHandle) -> bool:
