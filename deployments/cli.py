@@ -7,6 +7,7 @@
     gpuferry deploy [--workload DIR] [--cron]   register the deployments, each workload with its form (cli_deploy.py)
     gpuferry run retrain|sweep|deploy ...       a run through its deployment (or --local), followed to its end
     gpuferry services | rollback SERVICE        what serves where; an earlier version again (cli_operate.py)
+    gpuferry serve MODEL                        a model on this machine, in the foreground (cli_serve.py)
     gpuferry worker | watch | events ...        the long-running services (deployments/cli_services.py)
 
 The checks live in the blocks (``blocks/checks.py`` and each block's ``self_check``); this module renders
@@ -257,10 +258,11 @@ def check(
 
 
 def _register() -> None:
-    from deployments import cli_deploy, cli_operate, cli_run, cli_services, skeleton
+    from deployments import cli_deploy, cli_operate, cli_run, cli_serve, cli_services, skeleton
 
     app.command("init")(explained(skeleton.init))
     app.command("deploy")(explained(cli_deploy.deploy))
+    app.command("serve")(cli_serve.serve)
     app.add_typer(cli_run.run_app, name="run")
     cli_services.register(app)
     cli_operate.register(app)

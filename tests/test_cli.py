@@ -347,6 +347,71 @@ def test_runs_logs_services_and_rollback() -> None:
         serving.undeploy(service)
 
 
+def test_serve_runs_a_registered_version_on_this_machine_with_mlflows_scoring_protocol() -> None:
+    """`gpuferry serve MODEL`: the version the alias points at, from the stack's store, checked against the sha256
+    the version records, answering POST /invocations until SIGTERM; a model or device that does not exist is a
+    short error."""
+    import signal
+    import time
+    import uuid
+
+    from blocks.base.proc import free_port
+    from blocks.specs import ServingSpec, TrainingSpec
+    from blocks.stack import Stack
+    from flows.retrain import retrain
+
+    model = f"diabetes-serve-{uuid.uuid4().hex[:6]}"
+    serving = Stack.embedded().serving
+    retrain(
+        workload=str(DIABETES),
+        training=TrainingSpec(model_name=model),
+        serving=ServingSpec(service_name=model),
+        force_deploy=True,
+    )
+    serving.undeploy(model)
+    port = free_port()
+    argv = [sys.executable, "-c", "import sys; from deployments.cli import main; sys.argv[0] = 'gpuferry'; main()"]
+    proc = subprocess.Popen(
+        [*argv, "serve", model, "--port", str(port), "--device", "cpu"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        ready = None
+        while ready is None or ready.status_code != 200:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the server was never ready"
+            time.sleep(0.5)
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+            except httpx.TransportError:
+                ready = None
+        tags = Stack.embedded().tracking.version_tags(model, "1")
+        assert ready.json()["model"]["checkpoint_sha256"] == tags["checkpoint_sha256"]
+        columns = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/invocations",
+            json={"dataframe_split": {"columns": columns, "data": [[0.0] * 10, [0.01] * 10]}},
+            timeout=30,
+        )
+        assert answer.status_code == 200 and len(answer.json()["predictions"]) == 2, answer.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) is not None
+        out = proc.stdout.read() if proc.stdout else ""
+        assert f"serving {model} v1 (alias 'champion')" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    code, out = run("serve", f"{model}-none")
+    assert code == 2 and "has no such alias" in out, out
+    code, out = run("serve", model, "--device", "tpu")
+    assert code == 2 and "--device 'tpu': give auto, cpu, cuda or cuda:N" in out, out
+
+
 def test_cancel_stops_the_training_job_and_the_run(tmp_path: Path) -> None:
     """A retrain in a process of its own (as `gpuferry run --local` starts one) whose job would run ten minutes:
     `cancel` stops the job on the stack it runs on and ends the run Cancelled; its process then ends."""
