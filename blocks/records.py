@@ -154,6 +154,15 @@ class SweepJobResult(_Record):
         return [t for t in self.tasks if t.status.state == "COMPLETED"]
 
 
+class Garbage(_Record):
+    """Something ``gpuferry gc`` may free: what it is, where, how big, when it was last written."""
+
+    kind: Literal["checkpoint", "job directory", "code archive"]
+    where: str = Field(description="Its URI or path.")
+    size_bytes: int = 0
+    modified: float = Field(description="When it was last written (epoch seconds).")
+
+
 class CheckpointRef(_Record):
     """A checkpoint in storage: its manifest (path, size, sha256 of each file) was written last."""
 

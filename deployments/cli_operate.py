@@ -304,9 +304,58 @@ def cancel(run: RunArgument) -> None:
             typer.echo(f"{found.name}: cancelled its training job {handle.job_id} on {handle.backend}")
 
 
+def _size(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    amount, unit = float(size), "B"
+    for unit in ("KiB", "MiB", "GiB"):
+        amount /= 1024
+        if amount < 1024:
+            break
+    return f"{amount:.1f} {unit}"
+
+
+@explained
+def gc(
+    stack: StackOption = None,
+    older_than: Annotated[
+        float, typer.Option("--older-than", min=0, help="Only what was last written (or used) this many days ago.")
+    ] = 30,
+    apply: Annotated[bool, typer.Option("--apply", help="Free it (without: list what would be freed).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
+) -> None:
+    """Free what no registered version and no running job uses: stored checkpoints, job directories, code archives.
+
+    A dry run by default: it lists what it would free; `--apply` frees it. Example: `gpuferry gc --stack hpc
+    --older-than 14`, then `gpuferry gc --stack hpc --older-than 14 --apply`.
+    """
+    import time
+
+    from blocks.housekeeping import collect, garbage
+
+    blocks = _stack(stack)
+    items = garbage(blocks, older_than)
+    total = sum(i.size_bytes for i in items)
+    if as_json:
+        typer.echo(json.dumps([i.model_dump() for i in items], indent=2))
+    else:
+        from rich.table import Table
+
+        table = Table("kind", "where", "size", "days old")
+        for item in items:
+            table.add_row(item.kind, item.where, _size(item.size_bytes), f"{(time.time() - item.modified) / 86400:.1f}")
+        console().print(table)
+    if not apply:
+        typer.echo(f"would free {_size(total)} in {len(items)} items: run again with --apply to free them", err=True)
+        return
+    freed = collect(blocks, items)
+    typer.echo(f"freed {_size(freed)} in {len(items)} items", err=True)
+
+
 def register(app: typer.Typer) -> None:
     app.command("runs")(runs)
     app.command("logs")(logs)
     app.command("cancel")(cancel)
     app.command("services")(services)
     app.command("rollback")(rollback)
+    app.command("gc")(gc)

@@ -412,6 +412,77 @@ def test_serve_runs_a_registered_version_on_this_machine_with_mlflows_scoring_pr
     assert code == 2 and "--device 'tpu': give auto, cpu, cuda or cuda:N" in out, out
 
 
+def test_gc_frees_only_what_no_registered_version_and_no_running_job_uses(tmp_path: Path) -> None:
+    """On the embedded stack, with some things aged 40 days: `gc --older-than 30` lists an orphan checkpoint, an
+    ended job's directory and an unused code archive, and not the registered version's checkpoint, a running
+    job's directory or anything young; `--apply` frees exactly what it listed."""
+    import json
+    import os
+    import time
+    import uuid
+
+    from blocks.home import gpuferry_cache
+    from blocks.records import CodeRef, TrainingJob
+    from blocks.specs import ServingSpec, TrainingSpec
+    from blocks.stack import Stack
+    from flows.retrain import retrain
+
+    old = time.time() - 40 * 86400
+
+    def age(path: Path) -> None:
+        for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+            os.utime(p, (old, old))
+
+    blocks = Stack.embedded()
+    model = f"diabetes-gc-{uuid.uuid4().hex[:6]}"
+    retrain(
+        workload=str(DIABETES),
+        training=TrainingSpec(model_name=model),
+        serving=ServingSpec(service_name=model),
+        force_deploy=True,
+    )
+    blocks.serving.undeploy(model)
+    kept_uri = blocks.tracking.model_source(model, "1")
+    kept = Path(kept_uri.removeprefix("file://"))
+    age(kept)
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "weights.bin").write_bytes(b"x" * 4096)
+    orphan = blocks.storage.put(tmp_path / "orphan", f"gc-orphan-{uuid.uuid4().hex[:6]}")
+    age(Path(orphan.uri.removeprefix("file://")))
+
+    compute = blocks.compute
+    code = CodeRef(root=str(tmp_path), archive=str(tmp_path / "unused.tar.gz"), sha256="0" * 64)
+    done = TrainingJob(key=f"gc-done-{uuid.uuid4().hex[:6]}", workdir="", command=["python", "-c", "pass"], code=code)
+    done = done.model_copy(update={"workdir": compute.job_workdir(done.key)})
+    assert compute.watch(compute.submit(done), timeout_seconds=120).state == "COMPLETED"
+    age(Path(done.workdir))
+    busy = done.model_copy(update={"key": f"gc-busy-{uuid.uuid4().hex[:6]}", "command": ["sleep", "300"]})
+    busy = busy.model_copy(update={"workdir": compute.job_workdir(busy.key)})
+    running = compute.submit(busy)
+    archive = gpuferry_cache() / "code" / f"{'ab' * 32}.tar.gz"
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    archive.write_bytes(b"archive")
+    age(archive)
+    try:
+        age(Path(busy.workdir))
+        code, out = run("gc", "--older-than", "30", "--json")
+        assert code == 0, out
+        listed = {item["where"] for item in json.loads(out[out.index("[") : out.rindex("]") + 1])}
+        wanted = {orphan.uri, done.workdir, str(archive)}
+        assert wanted <= listed, listed
+        assert not {kept_uri, busy.workdir} & listed, listed
+        assert "would free" in out and "--apply" in out
+        assert all(Path(p.removeprefix("file://")).exists() for p in wanted)  # a dry run touches nothing
+
+        code, out = run("gc", "--older-than", "30", "--apply")
+        assert code == 0 and "freed" in out, out
+        assert not any(Path(p.removeprefix("file://")).exists() for p in wanted)
+        assert (kept / "MANIFEST.json").exists() and Path(busy.workdir).exists()
+        assert blocks.storage.read_manifest(kept_uri)["files"]
+    finally:
+        compute.cancel(running)
+
+
 def test_cancel_stops_the_training_job_and_the_run(tmp_path: Path) -> None:
     """A retrain in a process of its own (as `gpuferry run --local` starts one) whose job would run ten minutes:
     `cancel` stops the job on the stack it runs on and ends the run Cancelled; its process then ends."""

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from blocks.errors import ConfigurationError
-from blocks.records import JobHandle, JobStatus, TrainingJob
+from blocks.records import Garbage, JobHandle, JobStatus, TrainingJob
 
 ARRAY_FILE = "array.json"
 
@@ -68,6 +69,38 @@ class PolledArrays(_Base):
         """Submit one task; False when it cannot start yet (the next poll tries again)."""
         self.submit(task)
         return True
+
+    def _job_ended(self, workdir: Path) -> bool | None:
+        """Whether the job in ``workdir`` ended (None: ``workdir`` holds no job of this backend)."""
+        raise NotImplementedError
+
+    # ---- housekeeping: the directories of jobs and arrays that ended (``gpuferry gc``) ----
+
+    def ended_jobs(self) -> list[Garbage]:
+        root = Path(self.job_workdir("-")).parent
+        out = []
+        for workdir in sorted(root.iterdir()) if root.is_dir() else []:
+            if not workdir.is_dir() or workdir.name.startswith("."):
+                continue
+            state = _read(workdir)
+            ended = self._array_ended(workdir, state) if state is not None else self._job_ended(workdir)
+            if ended:
+                size, modified = _usage(workdir)
+                out.append(Garbage(kind="job directory", where=str(workdir), size_bytes=size, modified=modified))
+        return out
+
+    def remove_job(self, where: str) -> None:
+        workdir = Path(where)
+        if workdir.resolve().parent != Path(self.job_workdir("-")).resolve().parent:
+            raise ConfigurationError(f"{where} is not a job directory of this backend")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def _array_ended(self, workdir: Path, state: dict[str, Any]) -> bool:
+        """No task runs, and none is left to start (every task ended, or the array was cancelled)."""
+        tasks = [self._task_status(workdir, state, i) for i in range(state["size"])]
+        if any(t is not None and not t.terminal for t in tasks):
+            return False
+        return bool(state["cancelled"]) or all(t is not None for t in tasks)
 
     def submit_held_sweep(self, job: TrainingJob, size: int, *, parallelism: int | None = None) -> JobHandle:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -228,6 +261,16 @@ class PolledArrays(_Base):
         if state is None:
             raise ConfigurationError(f"{workdir} holds no sweep ({ARRAY_FILE} is missing)")
         return state
+
+
+def _usage(workdir: Path) -> tuple[int, float]:
+    """(bytes, the newest mtime) of the files under ``workdir``."""
+    size, newest = 0, workdir.stat().st_mtime
+    for path in workdir.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            info = path.stat()
+            size, newest = size + info.st_size, max(newest, info.st_mtime)
+    return size, newest
 
 
 def is_array(handle: JobHandle) -> bool:

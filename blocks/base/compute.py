@@ -43,7 +43,7 @@ from blocks.base.watchdog import Watchdog
 from blocks.checks import CheckRow, Probe
 from blocks.errors import ConfigurationError, GpuferryError, JobFailed, TransientError, explain_exit_code
 from blocks.home import gpuferry_home
-from blocks.records import CheckpointRef, JobHandle, JobResult, JobStatus, TrainingJob
+from blocks.records import CheckpointRef, Garbage, JobHandle, JobResult, JobStatus, TrainingJob
 from runtime import contract
 
 # What a local job inherits from this process's environment: enough to find programs and write files,
@@ -291,6 +291,17 @@ class ComputeBackend(Block, ABC):
     def find_job(self, key: str) -> str | None:
         """The id of a job (or array) carrying ``key``, or None."""
         return None
+
+    # ---- housekeeping (``gpuferry gc``) ----
+
+    def ended_jobs(self) -> list[Garbage]:
+        """The directories of this backend's jobs that ended, with their size and last write: what ``gpuferry gc``
+        may free. None listed here: a backend that can tell says (``blocks/base/arrays.py``)."""
+        return []
+
+    def remove_job(self, where: str) -> None:
+        """Delete the directory of a job that ended (one ``ended_jobs`` listed)."""
+        raise ConfigurationError(f"the {self.backend_name} backend does not remove job directories")
 
 
 def _size(path: str) -> int:

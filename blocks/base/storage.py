@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from blocks.checks import CheckRow, Probe
 from blocks.errors import ChecksumMismatch, ConfigurationError
 from blocks.home import gpuferry_home
-from blocks.records import CheckpointRef
+from blocks.records import CheckpointRef, Garbage
 from blocks.values import check_name
 from runtime import contract, manifest
 from runtime.manifest import manifest_from_entries, sha256_file  # re-exported
@@ -139,6 +139,15 @@ class CheckpointStore(Block, ABC):
     @abstractmethod
     def read_manifest(self, uri: str) -> dict:
         """The stored checkpoint's manifest; ``ChecksumMismatch`` when it has none (its upload did not finish)."""
+
+    def stored(self) -> list[Garbage]:
+        """Every stored checkpoint (one with a manifest) under ``prefix``: its URI, size and when its manifest was
+        written (what ``gpuferry gc`` weighs). A store that cannot list its checkpoints says so."""
+        raise ConfigurationError(f"{type(self).__name__} cannot list its checkpoints: gpuferry gc leaves it alone")
+
+    def remove(self, uri: str) -> None:
+        """Delete the stored checkpoint at ``uri``, its manifest first (readers stop trusting it at once)."""
+        raise ConfigurationError(f"{type(self).__name__} cannot delete checkpoints")
 
     @abstractmethod
     def _read_bytes(self, uri: str, path: str) -> bytes | None:

@@ -437,6 +437,11 @@ class DockerCompute(PolledArrays, ComputeBackend, DockerGpuHost):
 
     # ---- sweeps: job arrays of containers (blocks/base/arrays.py) -------------------------------
 
+    def _job_ended(self, workdir: Path) -> bool | None:
+        if not (workdir / STATE_NAME).exists():
+            return None
+        return (workdir / EXIT_RECORD).exists() or self._status(workdir, workdir.name).terminal
+
     def _task_requeues(self, task: Path) -> int:
         state = _read_json(task / STATE_NAME)
         return 0 if state is None else int(state["attempt"])

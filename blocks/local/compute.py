@@ -239,6 +239,11 @@ class LocalProcesses(PolledArrays, ComputeBackend):
     def _task_requeues(self, task: Path) -> int:
         return int((self._state(task) or {}).get("attempt", 0))
 
+    def _job_ended(self, workdir: Path) -> bool | None:
+        if self._state(workdir) is None:
+            return None
+        return self._status(workdir, workdir.name).terminal
+
     @staticmethod
     def _state(workdir: Path) -> dict[str, Any] | None:
         try:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from blocks.base.storage import (
     read_manifest,
 )
 from blocks.checks import CheckRow, Probe, writable_dir
-from blocks.records import CheckpointRef
+from blocks.errors import ConfigurationError
+from blocks.records import CheckpointRef, Garbage
 from runtime.contract import manifest_bytes
 from runtime.manifest import manifest_from_entries, sha256_file  # noqa: F401 - re-exported
 
@@ -68,6 +70,27 @@ class LocalCheckpointStore(CheckpointStore):
             return (local_path(uri) / path).read_bytes()
         except FileNotFoundError:
             return None
+
+    def stored(self) -> list[Garbage]:
+        out = []
+        for manifest in sorted(self.root().rglob(MANIFEST)) if self.root().is_dir() else []:
+            size = sum(p.stat().st_size for p in manifest.parent.rglob("*") if p.is_file())
+            out.append(
+                Garbage(
+                    kind="checkpoint",
+                    where=manifest.parent.as_uri(),
+                    size_bytes=size,
+                    modified=manifest.stat().st_mtime,
+                )
+            )
+        return out
+
+    def remove(self, uri: str) -> None:
+        path = local_path(uri)
+        if not path.resolve().is_relative_to(self.root()):
+            raise ConfigurationError(f"{uri} is not a checkpoint of this store ({self.root()})")
+        (path / MANIFEST).unlink(missing_ok=True)  # first: no reader trusts what is left
+        shutil.rmtree(path, ignore_errors=True)
 
     def get(self, uri: str, dest: str | Path) -> Path:
         source = local_path(uri)

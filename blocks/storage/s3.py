@@ -54,7 +54,7 @@ from blocks.base.storage import (
 )
 from blocks.checks import CheckRow, Probe
 from blocks.errors import ChecksumMismatch, ConfigurationError
-from blocks.records import CheckpointRef
+from blocks.records import CheckpointRef, Garbage
 from blocks.storage.s3_requests import UploadJournal, explained
 from runtime import checkpoint as verified
 from runtime import s3_upload
@@ -300,6 +300,37 @@ class S3CheckpointStore(CheckpointStore):
         key = f"{root}/{path}"
         with explained(bucket, key):
             return _read_object(self.client(), bucket, key)
+
+    def stored(self) -> list[Garbage]:
+        """One listing of the prefix: each checkpoint is the folder of a manifest; its size, every object in it."""
+        root = "/".join(p for p in (self.bucket.bucket_folder.strip("/"), self.prefix.strip("/")) if p)
+        bucket = self.bucket.bucket_name
+        objects: list[tuple[str, int]] = []
+        manifests: dict[str, float] = {}
+        with explained(bucket, root):
+            pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{root}/")
+            for page in pages:
+                for item in page.get("Contents", []):
+                    objects.append((item["Key"], int(item["Size"])))
+                    if item["Key"].endswith(f"/{MANIFEST}"):
+                        manifests[item["Key"].removesuffix(f"/{MANIFEST}")] = item["LastModified"].timestamp()
+        sizes = dict.fromkeys(manifests, 0)
+        for key, size in objects:
+            folder = key.rsplit("/", 1)[0]
+            while folder and folder not in sizes:
+                folder = folder.rsplit("/", 1)[0] if "/" in folder else ""
+            if folder:
+                sizes[folder] += size
+        return [
+            Garbage(kind="checkpoint", where=f"s3://{bucket}/{key}", size_bytes=sizes[key], modified=modified)
+            for key, modified in sorted(manifests.items())
+        ]
+
+    def remove(self, uri: str) -> None:
+        root = "/".join(p for p in (self.bucket.bucket_folder.strip("/"), self.prefix.strip("/")) if p)
+        if not uri.startswith(f"s3://{self.bucket.bucket_name}/{root}/"):
+            raise ConfigurationError(f"{uri} is not a checkpoint of this store (s3://{self.bucket.bucket_name}/{root})")
+        self.delete(uri)
 
     def delete(self, uri: str) -> int:  # type: ignore[override]  # Block.delete removes a saved block document
         """Delete a stored checkpoint (its manifest first, so readers stop trusting it); returns objects deleted."""

@@ -307,6 +307,18 @@ class MlflowTracking(Block):
     def model_source(self, model_name: str, version: str) -> str:
         return self.client.get_model_version(model_name, version).source
 
+    def registered_sources(self) -> set[str]:
+        """The checkpoint URI of every version of every registered model (what ``gpuferry gc`` never frees),
+        without a trailing slash; the registry's pages read to the end."""
+        sources: set[str] = set()
+        token = None
+        while True:
+            page = self.client.search_model_versions(max_results=1000, page_token=token)
+            sources.update(str(v.source).rstrip("/") for v in page if v.source)
+            token = page.token
+            if not token:
+                return sources
+
     def version_tags(self, model_name: str, version: str) -> dict[str, str]:
         return dict(self.client.get_model_version(model_name, version).tags)
 

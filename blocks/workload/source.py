@@ -317,4 +317,6 @@ def code_archive(root: Path, files: list[str] | None = None) -> CodeRef:
         tmp = target.with_name(f".{target.name}.{os.getpid()}")
         tmp.write_bytes(raw)
         os.replace(tmp, target)
+    else:
+        os.utime(target)  # used now: `gpuferry gc` frees archives by how long they went unused
     return CodeRef(root=str(root), archive=str(target), sha256=digest, files=len(files), size_bytes=len(raw))
