@@ -262,6 +262,14 @@ def test_version_and_short_help() -> None:
         ("check", "hpc"),
         ("run", "retrain", "--workload", str(DIABETES), "--stack", "hpc"),
         ("deploy",),
+        ("deploy", "--workload", str(DIABETES)),
+        ("runs",),
+        ("logs", "clever-fox"),
+        ("cancel", "clever-fox"),
+        ("services", "--stack", "hpc"),
+        ("rollback", "house-prices", "--stack", "hpc"),
+        ("serve", "house-prices", "--stack", "hpc"),
+        ("gc", "--stack", "hpc"),
     ],
 )
 def test_an_unreachable_prefect_server_is_two_lines_naming_the_setting(command: tuple[str, ...]) -> None:
