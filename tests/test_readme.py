@@ -140,6 +140,7 @@ def world(
         "PREFECT_UI_URL": prefect["PREFECT_UI_URL"],
         "GPUFERRY_WORK_POOL": pool,
         "GPUFERRY_HOME": str(tmp_path / "home"),
+        "COLUMNS": "240",  # the tables of `services` and `runs` unwrapped
         "REGISTRY_PASSWORD": Path(registry["REGISTRY_PASSWORD_FILE"]).read_text().strip(),
         "AWS_ACCESS_KEY_ID": s3["AWS_ACCESS_KEY_ID"],
         "AWS_SECRET_ACCESS_KEY": s3["AWS_SECRET_ACCESS_KEY"],
@@ -232,7 +233,7 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
             world["start_worker"]()
     print(f"the README's commands: {time.monotonic() - began:.0f} s")
     assert not any("kubectl" in c for c in commands)  # the deploy gives the pods the store's keys itself
-    install, init, apply, check, local, deployed = outputs
+    install, init, apply, check, local, deployed, services, runs = outputs
     # The commands ran the gpuferry installed from the committed HEAD, not this checkout's.
     assert "Installed 1 executable: gpuferry" in install
     assert shutil.which("gpuferry", path=world["env"]["PATH"]) == str(world["tmp"] / "bin" / "gpuferry")
@@ -247,6 +248,8 @@ def test_the_readme_commands_serve_a_model_on_slurm_s3_mlflow_and_kubernetes(wor
     assert f"registered retrain/{model}, sweep/{model}" in deployed  # the first run through a deployment
     assert "promoted: yes" in deployed and f"endpoint: http://{model}.{ns}.svc.cluster.local:80" in deployed
     assert re.search(r": Completed — http://\S+/runs/flow-run/", deployed)
+    assert re.search(rf"{model}\s.*{model}\s.*\b2\s.*http://{model}\.{ns}\.svc\.cluster\.local", services), services
+    assert re.search(rf"retrain\s.*Completed\s.*{stack}\s.*{model} v2 val_rmse=", runs), runs
 
     # Version 2 serves on Kubernetes: its pod loaded the checkpoint from S3 and answers the model's input example.
     from pydantic import SecretStr
