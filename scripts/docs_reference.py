@@ -572,8 +572,9 @@ ENVIRONMENT: list[tuple[str, str, str]] = [
     ),
     (
         "GPUFERRY_CODE_DIR",
-        "`python -m deployments.worker`",
-        "The directory the worker's deployments load the flows from (`--code-dir`); default the working directory.",
+        "`gpuferry worker`, the deployments' pull step",
+        "The directory holding the gpuferry packages the worker runs the flows from (`--code-dir`); default the "
+        "worker's own installation, which it then sets here for each flow run's pull step.",
     ),
     (
         "GPUFERRY_WEBHOOK_SECRET",
