@@ -173,12 +173,16 @@ def add_job_states(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         if row["handle"] and not row["final"]:
             per_stack.setdefault(row["stack"], []).append(row)
-    for stack, live in per_stack.items():
-        handles = [JobHandle.model_validate_json(row["handle"]) for row in live]
+    for stack, rows_of_stack in per_stack.items():
         try:
-            statuses = _stack(stack or None).compute.poll(handles)
+            compute = _stack(stack or None).compute
+            handles = [JobHandle.model_validate_json(row["handle"]) for row in rows_of_stack]
+            # A job of another backend (the stack changed since) is not this backend's to poll.
+            live = [row for row, h in zip(rows_of_stack, handles, strict=True) if h.backend == compute.backend_name]
+            handles = [h for h in handles if h.backend == compute.backend_name]
+            statuses = compute.poll(handles)
         except GpuferryError as exc:
-            for row in live:
+            for row in rows_of_stack:
                 row["job_state"] = f"? ({str(exc).splitlines()[0][:120]})"
             continue
         for row, handle in zip(live, handles, strict=True):
@@ -305,14 +309,12 @@ def cancel(run: RunArgument) -> None:
 
 
 def _size(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    amount, unit = float(size), "B"
-    for unit in ("KiB", "MiB", "GiB"):
-        amount /= 1024
+    amount = float(size)
+    for unit in ("B", "KiB", "MiB"):
         if amount < 1024:
-            break
-    return f"{amount:.1f} {unit}"
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    return f"{amount:.1f} GiB"
 
 
 @explained
