@@ -55,7 +55,6 @@ def main() -> None:
     subprocess.run(["make", "-s", "-C", str(REPO), "slurm-up"], check=True, stdout=subprocess.DEVNULL)
     from blocks.records import JobHandle
     from blocks.slurm.state import index_ranges
-    from blocks.specs import HyperParameters, SweepGrid
     from tasks.sweep import FIRST_RELEASE, _release_as_runs_come
     from tests.private_worker import wait_until
     from tests.stacks import stack_env
@@ -92,9 +91,7 @@ def main() -> None:
             else:
                 sh("scontrol", "release", f"{handle.job_id}_[{index_ranges(tasks)}]")
 
-    configurations = SweepGrid(values={"seed": list(range(args.n))}, max_configurations=args.n).expand(
-        HyperParameters()
-    )
+    configurations = [{"seed": seed} for seed in range(args.n)]  # one configuration per array task
 
     def completed(job: str) -> int:
         out = sh("squeue", "--local", "-h", "-t", "all", "-j", job, "-O", "ArrayTaskID:|,State:|")

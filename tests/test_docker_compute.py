@@ -377,7 +377,7 @@ import json, sys
 from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 from blocks.docker.compute import DockerCompute
-from blocks.specs import TrainingJob
+from blocks.records import TrainingJob
 args = json.load(open(sys.argv[1]))
 block = DockerCompute(docker_host=DockerHost(base_url=args["base_url"]), cdi_kind=args["cdi_kind"],
                       registry_credentials=DockerRegistryCredentials(**args["credentials"]),

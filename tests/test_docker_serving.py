@@ -262,11 +262,17 @@ def test_a_front_that_cannot_reach_the_new_version_goes_back_to_the_old_one(
 ) -> None:
     """The new version answered on its own port, but not through the front (made so here: the readiness check
     through the front never succeeds): the front is pointed back at v1, v2 is removed, no request is lost."""
+    import blocks.docker.front as front_module
     import blocks.docker.serving as module
 
     first = serving.deploy(spec(model), release("1", images[0], model))
     real_ready = module.is_ready
-    monkeypatch.setattr(module, "is_ready", lambda url, path="/readyz": url != first.url and real_ready(url, path))
+
+    def not_through_the_front(url: str, path: str = "/readyz") -> bool:
+        return url != first.url and real_ready(url, path)
+
+    for patched in (module, front_module):  # the front's own check (front.py) and the backend's
+        monkeypatch.setattr(patched, "is_ready", not_through_the_front)
     impatient = serving.model_copy(update={"front_ready_seconds": 3})
     with SteadyLoad(first.url, model[1]) as load:
         with pytest.raises(

@@ -35,7 +35,8 @@ FLOW = textwrap.dedent("""
     from prefect.runtime import flow_run
 
     from blocks.slurm.cluster import SlurmCluster
-    from blocks.specs import Resources, TrainingJob
+    from blocks.records import TrainingJob
+    from blocks.specs import Resources
     from blocks.workload.source import code_archive
     from tasks.train import train
 
