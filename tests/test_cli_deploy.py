@@ -32,7 +32,7 @@ def test_deploy_registers_the_workloads_own_deployments_with_its_form(tmp_path: 
     env = {**os.environ, "PREFECT_API_URL": api, "GPUFERRY_WORK_POOL": pool}
     env.pop("PREFECT_HOME", None)
     names = [f"retrain/{name}", f"sweep/{name}"]
-    shared = ["deploy-model/on-champion", "provision/provision", "release/release"]
+    shared = ["provision/provision", "release/release", "deploy-model/on-champion"]  # prefect.yaml's order
 
     def exists(client: SyncPrefectClient, full: str) -> bool:
         try:

@@ -81,6 +81,22 @@ def test_gpuferrys_state_never_reaches_the_engine(tmp_path: Path, monkeypatch: p
     assert changed.tag == ctx.tag
 
 
+@pytest.mark.parametrize("ignore", [".gpuferry/\n", "*\n!train.py\n!Dockerfile\n"])
+def test_the_engine_applying_the_dockerignore_again_keeps_what_gpuferry_adds(tmp_path: Path, ignore: str) -> None:
+    """The engine applies the context's .dockerignore once more (Docker's rules, as here): a workload that ignores
+    `.gpuferry/` (its state), or everything but what it lists, still gets gpuferry's Dockerfile and runtime."""
+    from docker.utils.build import exclude_paths
+
+    ctx = build_context(workload(tmp_path / "w", files={".dockerignore": ignore}))
+    unpacked = tmp_path / "engine"
+    with tarfile.open(fileobj=io.BytesIO(ctx.tar)) as t:
+        t.extractall(unpacked, filter="data")
+    patterns = [p for p in (unpacked / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")]
+    assert patterns[: len(ignore.split())] == ignore.split()  # the workload's own patterns, first and unchanged
+    seen = set(exclude_paths(str(unpacked), patterns, dockerfile=DOCKERFILE))
+    assert {DOCKERFILE, ".gpuferry/runtime/requirements.txt", ".gpuferry/runtime/serve.py", "train.py"} <= seen
+
+
 def test_gpuferrys_model_server_goes_into_the_final_stage(tmp_path: Path) -> None:
     ctx = build_context(workload(tmp_path / "w"))
     files = members(ctx.tar)

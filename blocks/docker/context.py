@@ -75,6 +75,14 @@ def context_files(context: Path, dockerfile: str | None = None) -> list[str]:
     return sorted(files)
 
 
+def _engine_dockerignore(path: Path) -> bytes:
+    """The workload's ``.dockerignore`` as the engine gets it. Its patterns were applied here already; the engine
+    applies them again, so what gpuferry adds to the context (``.gpuferry/Dockerfile``, ``.gpuferry/runtime``) is
+    re-included after them, whatever they say (``.gpuferry/``, or ``*`` then ``!src``)."""
+    lines = [path.read_text().rstrip("\n"), "", "# Added by gpuferry: what it adds to the context."]
+    return "\n".join([*lines, f"!{DOCKERFILE}", f"!{CONTEXT_DIR}/runtime", ""]).encode()
+
+
 def _runtime_files() -> list[tuple[str, Path]]:
     from blocks.workload.source import workload_files
 
@@ -149,7 +157,9 @@ def build_context(workload: Workload, build_args: dict[str, str] | None = None) 
         text = f"FROM {image.prebuilt}\n"
         files = []
         description = f"{image.prebuilt} with gpuferry's runtime"
-    entries: list[tuple[str, Path | bytes]] = [(rel, context / rel) for rel in files]
+    entries: list[tuple[str, Path | bytes]] = [
+        (rel, _engine_dockerignore(context / rel) if rel == ".dockerignore" else context / rel) for rel in files
+    ]
     entries += _runtime_files()
     entries.append((DOCKERFILE, _with_runtime(text, serve_check).encode()))
     return BuildContext(
