@@ -37,15 +37,19 @@ class Histogram:
         return lines
 
 
+def latency_histogram(name: str, help_text: str) -> Histogram:
+    """A histogram of seconds with the server's latency buckets."""
+    return Histogram(name, help_text, _LATENCY_BOUNDS)
+
+
 class Metrics:
     """Requests by status code, request latency, rows and duration of each predict call, fallbacks."""
 
     def __init__(self) -> None:
         self.requests: dict[int, int] = {}
-        self.latency = Histogram(
+        self.latency = latency_histogram(
             "inference_request_duration_seconds",
             "Time from the start of an /invocations request until its response is ready to send.",
-            _LATENCY_BOUNDS,
         )
         self.batch_size = Histogram("inference_batch_size", "Rows per predict call.", _ROWS_BOUNDS)
         self.batch_requests = Histogram("inference_batch_requests", "Requests per predict call.", _ROWS_BOUNDS)
@@ -65,7 +69,7 @@ class Metrics:
         self.batch_requests.observe(requests)
         self.predict_seconds.observe(seconds)
 
-    def render(self, queue_depth: int, ready: bool) -> bytes:
+    def render(self, queue_depth: int, ready: bool, extra: list[str] | None = None) -> bytes:
         lines = [
             "# HELP inference_requests_total /invocations requests by HTTP status code.",
             "# TYPE inference_requests_total counter",
@@ -84,5 +88,6 @@ class Metrics:
             "# HELP inference_ready 1 when the server reports ready.",
             "# TYPE inference_ready gauge",
             f"inference_ready {int(ready)}",
+            *(extra or []),
         ]
         return ("\n".join(lines) + "\n").encode()

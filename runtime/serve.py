@@ -56,7 +56,11 @@ Endpoints:
 ``GET /version``       The MLflow version serving the model, as ``mlflow models serve`` answers it (the body is
                        the bare version); once loaded, an ``X-Model-Device`` header says where the model runs.
 ``GET /metrics``       Prometheus text: requests by status code, latency, rows and requests per predict call,
-                       predict time, fallbacks, queue depth, readiness.
+                       predict time, fallbacks, queue depth, readiness; with a shadow, what ``runtime.shadow``
+                       measures (its answers by code, their latency, the rows that agree and those that do not).
+
+Shadow traffic: with ``SHADOW_URL`` set (and the other ``SHADOW_*`` settings of ``runtime/shadow.py``), a copy of a
+share of the requests goes to another version once this server has answered; clients get this server's answers only.
 
 Concurrent requests are queued and predicted together on one dedicated thread, never on the event loop, so the
 probes answer while the model works. On SIGTERM (or Ctrl+C) readiness turns false at once, requests keep being
@@ -99,6 +103,7 @@ from runtime.jsonio import dumps, error_body
 from runtime.loading import LoadedModel, load
 from runtime.metrics import Metrics
 from runtime.settings import Settings
+from runtime.shadow import Shadow
 
 log = logging.getLogger("runtime.serve")
 
@@ -148,6 +153,7 @@ class InferenceApp:
         # runtime.scoring imports MLflow, which load() imports on the predict thread (two threads importing it
         # at once fail on its circular imports): the event loop reaches it only once the model is loaded.
         self._request_error: type[Exception] = _NotLoaded
+        self.shadow = Shadow(settings.shadow) if settings.shadow is not None else None
 
     @property
     def ready(self) -> bool:
@@ -232,6 +238,8 @@ class InferenceApp:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.batcher.close()
+        if self.shadow is not None:
+            await self.shadow.close()
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._scratch, ignore_errors=True)
 
@@ -262,10 +270,13 @@ class InferenceApp:
                 await _respond(send, *_error(405, "use POST", "BAD_REQUEST"), allow=b"POST")
                 return
             started = time.perf_counter()
-            status, body, headers = await self._invocations(scope, receive)
+            request = _Request(scope)
+            status, body, headers = await self._invocations(request, receive)
             # Counted before the response goes out, so a client never sees a response the metrics miss.
             self.metrics.observe_request(status, time.perf_counter() - started)
             await _respond(send, status, body, headers)
+            if self.shadow is not None and request.body is not None:  # after the answer: a copy never delays it
+                self.shadow.offer(request.body, request.content_type, status, body)
             return
         if method != "GET":
             await _respond(send, *_error(405, "use GET", "BAD_REQUEST"), allow=b"GET")
@@ -281,7 +292,8 @@ class InferenceApp:
         elif path == "/metrics":
             fallbacks = self.scorer.fallbacks if self.scorer is not None else 0
             self.metrics.fallbacks = fallbacks
-            await _respond(send, 200, self.metrics.render(self.batcher.depth, self.ready), content_type=_TEXT)
+            shadow = self.shadow.render() if self.shadow is not None else None
+            await _respond(send, 200, self.metrics.render(self.batcher.depth, self.ready, shadow), content_type=_TEXT)
         else:
             await _respond(send, *_error(404, f"no route {path}", "ENDPOINT_NOT_FOUND"))
 
@@ -310,18 +322,17 @@ class InferenceApp:
 
         return version("mlflow-skinny") if _installed("mlflow-skinny") else version("mlflow")
 
-    async def _invocations(self, scope: Scope, receive: Receive) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
+    async def _invocations(
+        self, request: _Request, receive: Receive
+    ) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
         scorer = self.scorer
         if scorer is None:
             return _error(503, f"the model is not ready ({self.state})", "TEMPORARILY_UNAVAILABLE")
-        content_type = None
+        content_type = request.content_type
         limit = self.settings.max_request_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                content_type = value.decode("latin-1")
-            elif name == b"content-length" and value.isdigit() and int(value) > limit:
-                return _error(413, f"the body exceeds {limit} bytes (MAX_REQUEST_BYTES)", "BAD_REQUEST")
-        body = await _read_body(receive, limit)
+        if request.length is not None and request.length > limit:
+            return _error(413, f"the body exceeds {limit} bytes (MAX_REQUEST_BYTES)", "BAD_REQUEST")
+        body = request.body = await _read_body(receive, limit)
         if body is None:
             return _error(413, f"the body exceeds {limit} bytes (MAX_REQUEST_BYTES)", "BAD_REQUEST")
         if self.batcher.full:  # refuse before spending time on parsing
@@ -341,6 +352,20 @@ class InferenceApp:
             log.exception("scoring failed")
             return _error(500, "inference failed", "INTERNAL_ERROR")
         return 200, answer, ()
+
+
+class _Request:
+    """An /invocations request: its media type and length from the headers, its body once read."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.content_type: str | None = None
+        self.length: int | None = None
+        self.body: bytes | None = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                self.content_type = value.decode("latin-1")
+            elif name == b"content-length" and value.isdigit():
+                self.length = int(value)
 
 
 def _installed(distribution: str) -> bool:
@@ -466,6 +491,8 @@ def main() -> None:
         settings.drain_seconds,
         settings.warmup_iterations,
     )
+    if settings.shadow is not None:
+        log.info("copying %g of the requests to the shadow %s", settings.shadow.share, settings.shadow.url)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -12,6 +12,7 @@ from typing import Any
 
 from runtime import contract
 from runtime.device import AUTO, parse_device
+from runtime.shadow import ShadowSettings
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Settings:
     warmup_iterations: int = 3
     torch_threads: int | None = None
     model_device: str = AUTO  # auto, cpu, cuda or cuda:N (runtime.device)
+    shadow: ShadowSettings | None = None  # where copies of requests go (runtime.shadow; SHADOW_URL unset: None)
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | None = None) -> Settings:
@@ -70,6 +72,7 @@ class Settings:
             warmup_iterations=number("WARMUP_ITERATIONS", cls.warmup_iterations, int, 1),
             torch_threads=number("TORCH_NUM_THREADS", None, int, 1),
             model_device=parse_device(env.get(contract.MODEL_DEVICE, "")),
+            shadow=ShadowSettings.from_env(env),
         )
 
 

@@ -511,6 +511,7 @@ def server_page() -> str:
     if missing:
         raise SystemExit(f"runtime/serve.py's docstring does not describe {', '.join(missing)}: add them there")
     front_doc = inspect.getdoc(importlib.import_module("runtime.front")) or ""
+    shadow_doc = inspect.getdoc(importlib.import_module("runtime.shadow")) or ""
     lines = [
         "# The model server",
         "",
@@ -532,6 +533,12 @@ def server_page() -> str:
         "|---|---|---|",
         *(f"| `{name}` | {kind} | {cell(text)} |" for name, kind, text in server_metrics()),
         "",
+        "## Shadow traffic",
+        "",
+        "With `SHADOW_URL` set, the server copies a share of its requests to another version (`runtime/shadow.py`). "
+        "Its docstring:",
+        "",
+        docstring_md(shadow_doc),
         "## The front of a Docker service",
         "",
         "`DockerServing` puts a front (`runtime/front.py`) before the versions of a service. Its docstring:",

@@ -1,4 +1,4 @@
-"""Cancelling a flow run through the Prefect API cancels its Slurm job.
+"""Cancelling a flow run through the Prefect API, or with `gpuferry cancel`, cancels its Slurm job.
 
 The flow is served by a real Prefect runner (a subprocess, as in production); cancelling the run sets
 it Cancelling, the runner's observer sees that and stops the flow's process with SIGTERM, the waiting
@@ -7,6 +7,7 @@ train task gets TerminationSignal and scancels the job.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -23,8 +24,10 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
 from blocks.slurm.cluster import SlurmCluster
+from tests import private_worker
 from tests.processes import stop_process_group
 from tests.test_slurm_cluster import REPO, cluster, env, wait_for  # noqa: F401 - fixtures
+from tests.test_worker_crash import DEADLINE, World, log_tail, world  # noqa: F401 - world: the fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
@@ -119,3 +122,79 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(cluster: SlurmCluster, tm
     finally:
         stop_process_group(runner, signal.SIGINT, 60)  # SIGINT first: the runner's own cancellation path
         log.close()
+
+
+def test_gpuferry_cancel_ends_a_running_and_a_suspended_retrain_and_their_jobs(world: World) -> None:
+    """`gpuferry cancel` (the installed tool) on two retrains of the Slurm stack: one running in the worker's
+    process (wait=block) and one suspended while its job runs (wait=suspend: no process, no watcher). Both end
+    Cancelled with their jobs CANCELLED and nothing left in the queue; `gpuferry logs` shows the job's own lines."""
+    w = world
+    w.start_worker(f"cancel-{w.uid}")
+    training = {
+        "experiment": f"cancel-{w.uid}",
+        "model_name": f"cancel-{w.uid}",
+        "hyperparameters": {"epochs": 100000},  # far longer than the test: only a cancel ends it
+        "resources": {"mem_gb": 2, "gpus_per_node": 1},
+    }
+    with w.client() as client:
+        deployment = client.read_deployment_by_name(w.deployment)
+        runs = {
+            wait: client.create_flow_run_from_deployment(
+                deployment.id, parameters={"stack": w.stack, "wait": wait, "training": training}
+            )
+            for wait in ("block", "suspend")
+        }
+
+    def state_name(wait: str) -> str:
+        with w.client() as client:
+            state = client.read_flow_run(runs[wait].id).state
+        return state.name if state else ""
+
+    def job(wait: str) -> list[str]:
+        jobs = w.slurm_jobs(f"{runs[wait].id}-train")
+        return jobs[0] if len(jobs) == 1 else ["", "", ""]
+
+    def logged(wait: str) -> str:
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        with w.client() as client:
+            entries = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[runs[wait].id])), limit=200)
+        return "\n".join(e.message for e in entries)
+
+    def ready() -> bool:
+        assert state_name("block") not in ("Failed", "Crashed", "Completed"), log_tail(w, "cancel")
+        assert state_name("suspend") not in ("Failed", "Crashed", "Completed"), log_tail(w, "cancel")
+        return (
+            state_name("suspend") == "Suspended"
+            and job("suspend")[2] in ("RUNNING", "PENDING")
+            and job("block")[2] == "RUNNING"
+            and "training 100000 epochs" in logged("block")  # the job's own line, forwarded into the run's log
+        )
+
+    private_worker.wait_until("a running and a suspended run, with their jobs", ready, timeout=DEADLINE, interval=2)
+    jobs = {wait: job(wait)[0] for wait in runs}
+    gpuferry = [str(REPO / ".venv/bin/gpuferry")]
+    for wait, run in runs.items():
+        done = subprocess.run([*gpuferry, "cancel", run.name], env=w.env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{run.name}: {'Cancelling' if wait == 'block' else 'Cancelled'}" in done.stdout, done.stdout
+        assert f"cancelled its training job {jobs[wait]} on " in done.stdout, done.stdout
+
+    def ended(wait: str) -> bool:
+        return state_name(wait) == "Cancelled" and job(wait)[2].startswith("CANCELLED")
+
+    for wait in runs:
+        private_worker.wait_until(f"the {wait} run and its job Cancelled", functools.partial(ended, wait), 300)
+        live = subprocess.run(
+            ["squeue", "-h", "-n", f"{runs[wait].id}-train"],
+            env={"SLURM_CONF": w.slurm["SLURM_CONF"], "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert not live.strip(), live  # nothing pending, running or suspended
+    shown = subprocess.run(
+        [*gpuferry, "logs", runs["block"].name], env=w.env, capture_output=True, text=True, timeout=300
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert f"[job {jobs['block']}] training 100000 epochs" in shown.stdout, shown.stdout[-3000:]
