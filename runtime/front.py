@@ -6,7 +6,9 @@ the Docker network of the versions; it needs nothing but Python's standard libra
 from the file ``FRONT_TARGET_FILE`` (/tmp/gpuferry-front/target), or from ``FRONT_TARGET`` while that file does
 not exist. ``python -m runtime.front set HOST:PORT``, run in the front's container (``docker exec``), replaces
 the file at once (a rename); the front reads it again whenever it changed, so every request that starts after
-``set`` returned goes to the new target, and requests under way finish where they started.
+``set`` returned goes to the new target, and requests under way finish where they started. With several targets
+and their weights (``set v1:8080=9 v2:8080=1``, a canary) each request goes to one of them, spread by weight
+and evenly spaced: with 9 and 1, every tenth request goes to the second.
 
 Each request picks its upstream connection when it starts: an idle one to the current target (kept for at
 most 1 s idle, and only for the target of the moment: a switch closes the others), else a new one. Nothing
@@ -65,16 +67,46 @@ def parse_target(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+Address = tuple[str, int]
+Weighted = tuple[Address, float]
+
+
+def parse_targets(text: str) -> list[Weighted]:
+    """The target file's lines, ``host:port`` or ``host:port weight`` (a weight above 0; 1 when left out), one per
+    version → [((host, port), weight)]; ValueError when a line is not one, or names a version twice."""
+    out: list[Weighted] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        address, _, weight_text = line.strip().partition(" ")
+        try:
+            weight = float(weight_text) if weight_text.strip() else 1.0
+        except ValueError:
+            weight = -1.0
+        if not (0 < weight < float("inf")):
+            raise ValueError(f"{line.strip()!r}: the weight must be a number above 0")
+        target = parse_target(address)
+        if any(target == t for t, _ in out):
+            raise ValueError(f"{address!r} is named twice")
+        out.append((target, weight))
+    if not out:
+        raise ValueError("no target")
+    return out
+
+
 class Target:
-    """The current target: the file when it exists (read again when it changed), else the variable."""
+    """The current targets: the file when it exists (read again when it changed), else the variable. With several,
+    ``pick`` spreads the requests by weight (smooth weighted round robin: with weights 9 and 1, the second gets
+    every tenth request, evenly spaced)."""
 
     def __init__(self, path: str, fallback: str | None) -> None:
         self.path = path
-        self.fallback = parse_target(fallback) if fallback else None
+        self.fallback: list[Weighted] | None = [(parse_target(fallback), 1.0)] if fallback else None
         self._seen: tuple[int, int, int] | None = None
-        self._value: tuple[str, int] | None = None
+        self._value: list[Weighted] | None = None
+        self._credit: dict[Address, float] = {}
 
-    def get(self) -> tuple[str, int] | None:
+    def get(self) -> list[Weighted] | None:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -83,25 +115,46 @@ class Target:
         if key != self._seen:
             try:
                 with open(self.path) as handle:
-                    value = parse_target(handle.read())
+                    value = parse_targets(handle.read())
             except (OSError, ValueError) as exc:  # keep the last good one
                 log.error("target file %s: %s", self.path, exc)
             else:
                 if value != self._value:
-                    log.info("forwarding to %s:%d", *value)
+                    log.info("forwarding to %s", ", ".join(f"{h}:{p} ({w:g})" for (h, p), w in value))
+                    self._credit = {}
                 self._value = value
             self._seen = key
         return self._value or self.fallback
 
+    def pick(self) -> Address | None:
+        """The target of the next request."""
+        targets = self.get()
+        if not targets:
+            return None
+        if len(targets) == 1:
+            return targets[0][0]
+        total = sum(w for _, w in targets)
+        for target, weight in targets:
+            self._credit[target] = self._credit.get(target, 0.0) + weight
+        chosen = max(targets, key=lambda t: self._credit[t[0]])[0]
+        self._credit[chosen] -= total
+        return chosen
 
-def write_target(path: str, target: str) -> None:
-    """Replace the target file at once (write a sibling, then rename it over)."""
-    parse_target(target)
+    def current(self, target: Address) -> bool:
+        """Whether ``target`` is one of the current targets."""
+        return any(target == t for t, _ in self.get() or [])
+
+
+def write_target(path: str, *targets: str) -> None:
+    """Replace the target file at once (write a sibling, then rename it over); each of ``targets`` is
+    ``host:port`` or ``host:port=weight``."""
+    lines = [t.strip().replace("=", " ", 1) for t in targets]
+    parse_targets("\n".join(lines))
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as handle:
-        handle.write(target.strip() + "\n")
+        handle.write("".join(line + "\n" for line in lines))
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
@@ -256,10 +309,11 @@ class Front:
 
         upstream, status, response_first = None, 0, b""
         response_headers: list[tuple[bytes, bytes]] = []
+        chosen = self.target.pick()
         for attempt in range(2):
-            upstream = self._kept() if body is not None and attempt == 0 else None
+            upstream = self._kept(chosen) if body is not None and attempt == 0 else None
             if upstream is None:
-                upstream = await self._connect()
+                upstream = await self._connect(chosen)
                 if upstream is None:
                     writer.write(
                         _simple(
@@ -333,23 +387,30 @@ class Front:
         await writer.drain()
         return keep_alive
 
-    def _kept(self) -> Connection | None:
-        """An idle connection to the current target that is still fresh; older ones and other targets' are closed."""
-        target = self.target.get()
-        while self._idle:
-            (kept_target, reader, writer), since = self._idle.pop()
+    def _kept(self, target: Address | None) -> Connection | None:
+        """An idle connection to ``target`` that is still fresh; stale ones and those to a former target are
+        closed."""
+        found = None
+        fresh: list[tuple[Connection, float]] = []
+        for (kept_target, reader, writer), since in self._idle:
             if (
-                kept_target == target
-                and time.monotonic() - since < KEEP_IDLE_S
-                and not reader.at_eof()
-                and not writer.is_closing()
+                time.monotonic() - since >= KEEP_IDLE_S
+                or reader.at_eof()
+                or writer.is_closing()
+                or not self.target.current(kept_target)
             ):
-                return kept_target, reader, writer
-            writer.close()
-        return None
+                writer.close()
+            else:
+                fresh.append(((kept_target, reader, writer), since))
+        for index in range(len(fresh) - 1, -1, -1):  # the most recently kept first
+            if fresh[index][0][0] == target:
+                found = fresh.pop(index)[0]
+                break
+        self._idle = fresh
+        return found
 
     def _keep(self, upstream: Connection) -> None:
-        if upstream[0] == self.target.get() and len(self._idle) < KEEP_MAX:
+        if self.target.current(upstream[0]) and len(self._idle) < KEEP_MAX:
             self._idle.append((upstream, time.monotonic()))
         else:
             upstream[2].close()
@@ -379,11 +440,15 @@ class Front:
                 continue
             return status, headers, first
 
-    async def _connect(self) -> Connection | None:
+    async def _connect(self, chosen: Address | None) -> Connection | None:
+        """A new connection to ``chosen``, or, once it is no longer a target (a switch meanwhile), to the target
+        of that moment; tried again for ``connect_timeout`` while it refuses."""
         deadline = time.monotonic() + self.connect_timeout
         delay = 0.02
+        target = chosen
         while True:
-            target = self.target.get()
+            if target is None or not self.target.current(target):
+                target = self.target.pick()
             if target is not None:
                 try:
                     reader, writer = await asyncio.wait_for(
@@ -407,7 +472,7 @@ async def serve(port: int, front: Front, drain_seconds: float) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("front listening on :%d, target %s", port, front.target.get())
+    log.info("front listening on :%d, targets %s", port, front.target.get())
     await stop.wait()
     server.close()
     deadline = time.monotonic() + drain_seconds
@@ -419,15 +484,15 @@ async def serve(port: int, front: Front, drain_seconds: float) -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = os.environ.get(TARGET_FILE_ENV, DEFAULT_TARGET_FILE)
-    if argv[:1] == ["set"] and len(argv) == 2:
+    if argv[:1] == ["set"] and len(argv) >= 2:
         try:
-            write_target(path, argv[1])
+            write_target(path, *argv[1:])
         except ValueError as exc:
             print(f"front: {exc}", file=sys.stderr)
             return 2
         return 0
     if argv:
-        print("usage: python -m runtime.front [set HOST:PORT]", file=sys.stderr)
+        print("usage: python -m runtime.front [set HOST:PORT[=WEIGHT] ...]", file=sys.stderr)
         return 2
     try:
         front = Front(Target(path, os.environ.get(TARGET_ENV)), float(os.environ.get(CONNECT_TIMEOUT_ENV, "10")))

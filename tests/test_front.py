@@ -150,10 +150,10 @@ def run_front(tmp_path: Path) -> Iterator:
         assert process.wait(30) == 0  # SIGTERM: it stops and exits 0
 
 
-def set_target(target_file: Path, target: str) -> None:
+def set_target(target_file: Path, *targets: str) -> None:
     """What the deploy runs in the front's container (docker exec)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), front.TARGET_FILE_ENV: str(target_file)}
-    subprocess.run([sys.executable, "-m", "runtime.front", "set", target], env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "runtime.front", "set", *targets], env=env, check=True, timeout=60)
 
 
 def test_a_switch_under_steady_load_loses_no_request_and_what_starts_after_it_reaches_the_new_version(
@@ -308,6 +308,28 @@ def test_set_refuses_what_is_not_host_and_port(tmp_path: Path) -> None:
     set_target(tmp_path / "target", "v2-abc123-digits:8080")
     assert (tmp_path / "target").read_text() == "v2-abc123-digits:8080\n"
     assert front.parse_target("v2-abc123-digits:8080") == ("v2-abc123-digits", 8080)
+
+
+def test_weighted_targets_split_the_requests_by_weight_evenly_spaced(run_front, tmp_path: Path) -> None:
+    with Version("v1") as v1, Version("v2") as v2:
+        url, target_file = run_front(v1.target)
+        set_target(target_file, f"{v1.target}=9", f"{v2.target}=1")
+        with httpx.Client(timeout=60) as client:
+            answers = [client.get(f"{url}/x").text for _ in range(200)]
+            assert answers.count("v2") == 20 and answers.count("v1") == 180
+            assert [i for i, a in enumerate(answers) if a == "v2"] == list(range(answers.index("v2"), 200, 10))
+            set_target(target_file, v2.target)  # the canary passed: all of it
+            assert {client.get(f"{url}/x").text for _ in range(20)} == {"v2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), front.TARGET_FILE_ENV: str(tmp_path / "other")}
+    for bad, why in (
+        (["a:1=0", "b:2=1"], "the weight must be a number above 0"),
+        (["a:1=x"], "the weight must be a number above 0"),
+        (["a:1", "a:1=2"], "'a:1' is named twice"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "runtime.front", "set", *bad], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2 and why in done.stderr, done.stderr
 
 
 def wait_for(condition, timeout: float = 120) -> None:

@@ -1,0 +1,189 @@
+"""Judging a new version by live traffic: its servers' own ``/metrics`` read at the start and at the end of a
+window, compared with the version serving now over the same window.
+
+What every serving backend shares for canary and shadow rollouts: the counters gpuferry's model server exposes
+(``runtime/metrics.py``, ``runtime/shadow.py``) parsed into a ``Sample``, the difference of two samples a
+``Window``, and ``judge``, which applies a ``RolloutPolicy``'s gates to the two versions' windows and gives a
+``Verdict`` with the numbers it measured. Nothing here talks to a server: the backends fetch the text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from blocks.specs import RolloutPolicy
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass
+class Sample:
+    """The counters of one server (or several replicas', added) at one moment."""
+
+    requests: dict[str, float] = field(default_factory=dict)  # /invocations answers by status code
+    latency: dict[float, float] = field(default_factory=dict)  # cumulative buckets: upper bound → count
+    shadow_rows: dict[str, float] = field(default_factory=dict)  # agree / disagree
+    shadow_requests: dict[str, float] = field(default_factory=dict)  # copies by the shadow's status code
+
+    @classmethod
+    def parse(cls, text: str) -> Sample:
+        """The counters of a ``/metrics`` body (Prometheus text); other series are left out."""
+        sample = cls()
+        for line in text.splitlines():
+            match = _LINE.match(line.strip())
+            if not match:
+                continue
+            name, labels, raw = match.groups()
+            value = float(raw)
+            label = dict(_LABEL.findall(labels or ""))
+            if name == "inference_requests_total" and "code" in label:
+                sample.requests[label["code"]] = value
+            elif name == "inference_request_duration_seconds_bucket" and "le" in label:
+                sample.latency[math.inf if label["le"] == "+Inf" else float(label["le"])] = value
+            elif name == "inference_shadow_rows_total" and "result" in label:
+                sample.shadow_rows[label["result"]] = value
+            elif name == "inference_shadow_requests_total" and "code" in label:
+                sample.shadow_requests[label["code"]] = value
+        return sample
+
+    def __add__(self, other: Sample) -> Sample:
+        def added(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
+            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
+
+        return Sample(
+            added(self.requests, other.requests),
+            added(self.latency, other.latency),
+            added(self.shadow_rows, other.shadow_rows),
+            added(self.shadow_requests, other.shadow_requests),
+        )
+
+    def __sub__(self, earlier: Sample) -> Window:
+        """What happened between ``earlier`` and this sample (a server that restarted meanwhile counts from 0)."""
+
+        def delta(now: dict[Any, float], then: dict[Any, float]) -> dict[Any, float]:
+            restarted = any(now.get(k, 0.0) < v for k, v in then.items())
+            return dict(now) if restarted else {k: v - then.get(k, 0.0) for k, v in now.items()}
+
+        return Window(
+            delta(self.requests, earlier.requests),
+            delta(self.latency, earlier.latency),
+            delta(self.shadow_rows, earlier.shadow_rows),
+            delta(self.shadow_requests, earlier.shadow_requests),
+        )
+
+
+@dataclass
+class Window(Sample):
+    """The counts of one window."""
+
+    @property
+    def answered(self) -> int:
+        return int(sum(self.requests.values()))
+
+    @property
+    def errors(self) -> int:
+        """Answers with a 5xx code: the server's failures (a 4xx is the request's fault, whichever version)."""
+        return int(sum(n for code, n in self.requests.items() if code.startswith("5")))
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.answered if self.answered else 0.0
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile of the latency in seconds, interpolated in its bucket as Prometheus'
+        ``histogram_quantile`` does; None without requests. Past the last finite bound: that bound."""
+        bounds = sorted(self.latency)
+        total = self.latency.get(math.inf, 0.0)
+        if not bounds or total <= 0:
+            return None
+        rank = q * total
+        lower, below = 0.0, 0.0
+        for bound in bounds:
+            count = self.latency[bound]
+            if count >= rank:
+                if bound == math.inf:
+                    return lower
+                inside = count - below
+                return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+            lower, below = bound, count
+        return lower
+
+    @property
+    def agreement(self) -> float | None:
+        """The share of compared rows that agree; None when none were compared."""
+        compared = self.shadow_rows.get("agree", 0.0) + self.shadow_rows.get("disagree", 0.0)
+        return self.shadow_rows.get("agree", 0.0) / compared if compared else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the new version passed, why not, and what was measured (names as the model version's tags)."""
+
+    passed: bool
+    reasons: list[str]
+    numbers: dict[str, float]
+
+    def summary(self) -> str:
+        return "passed" if self.passed else "failed: " + "; ".join(self.reasons)
+
+
+def judge(policy: RolloutPolicy, current: Window, candidate: Window) -> Verdict:
+    """The policy's gates over one window. ``current``: the version serving now (for a shadow rollout, with its
+    copies' comparisons); ``candidate``: the new version's own counts (a canary's share of the traffic, or the
+    copies a shadow received)."""
+    numbers: dict[str, float] = {
+        "current_requests": current.answered,
+        "candidate_requests": candidate.answered,
+        "current_error_rate": round(current.error_rate, 6),
+        "candidate_error_rate": round(candidate.error_rate, 6),
+    }
+    for name, window in (("current", current), ("candidate", candidate)):
+        p99 = window.quantile(0.99)
+        if p99 is not None:
+            numbers[f"{name}_p99_ms"] = round(p99 * 1000, 3)
+    reasons = []
+    if candidate.answered < policy.min_requests:
+        reasons.append(
+            f"the new version answered {candidate.answered} requests in the window, fewer than min_requests="
+            f"{policy.min_requests}: too little traffic to judge (a longer window_seconds, or a lower min_requests)"
+        )
+    allowed = current.error_rate + policy.max_error_rate_increase
+    if candidate.answered and candidate.error_rate > allowed:
+        reasons.append(
+            f"error rate {candidate.error_rate:.2%} against {current.error_rate:.2%} for the version serving "
+            f"(max_error_rate_increase={policy.max_error_rate_increase:g})"
+        )
+    mine, theirs = current.quantile(0.99), candidate.quantile(0.99)
+    if mine is not None and theirs is not None:
+        limit = mine * policy.max_p99_ratio + policy.p99_slack_ms / 1000
+        if theirs > limit:
+            reasons.append(
+                f"p99 latency {theirs * 1000:.1f} ms against {mine * 1000:.1f} ms for the version serving "
+                f"(max_p99_ratio={policy.max_p99_ratio:g}, p99_slack_ms={policy.p99_slack_ms:g})"
+            )
+    if policy.strategy == "shadow":
+        agreement = current.agreement
+        compared = current.shadow_rows.get("agree", 0.0) + current.shadow_rows.get("disagree", 0.0)
+        numbers["compared_rows"] = compared
+        copies = sum(current.shadow_requests.values())
+        unanswered = current.shadow_requests.get("none", 0.0)
+        numbers["unanswered_copies"] = unanswered
+        if copies and unanswered / copies > policy.max_error_rate_increase:
+            reasons.append(
+                f"{unanswered:.0f} of {copies:.0f} copies got no answer from the new version in time "
+                f"(max_error_rate_increase={policy.max_error_rate_increase:g})"
+            )
+        if agreement is None:
+            reasons.append("no answers of the two versions could be compared in the window")
+        else:
+            numbers["agreement"] = round(agreement, 6)
+            if agreement < policy.min_agreement:
+                reasons.append(
+                    f"{agreement:.1%} of {compared:.0f} rows agree with the version serving "
+                    f"(min_agreement={policy.min_agreement:g})"
+                )
+    return Verdict(passed=not reasons, reasons=reasons, numbers=numbers)

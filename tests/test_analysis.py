@@ -1,0 +1,94 @@
+"""Judging a new version by live traffic (blocks/base/analysis.py), over the metrics text the model server renders
+(runtime/metrics.py, runtime/shadow.py): the gates, the p99 from the histogram, replicas added, restarts."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from blocks.base.analysis import Sample, judge
+from blocks.specs import RolloutPolicy
+from runtime.metrics import Metrics
+from runtime.shadow import Shadow, ShadowSettings
+
+
+def server(ok: int, errors: int = 0, seconds: float = 0.003, agree: int = 0, disagree: int = 0) -> Metrics:
+    """A server's metrics after ``ok`` 200s and ``errors`` 500s, each taking ``seconds``."""
+    metrics = Metrics()
+    for _ in range(ok):
+        metrics.observe_request(200, seconds)
+    for _ in range(errors):
+        metrics.observe_request(500, seconds)
+    return metrics
+
+
+def text(metrics: Metrics, shadow: Shadow | None = None) -> str:
+    return metrics.render(0, True, shadow.render() if shadow is not None else None).decode()
+
+
+def window(ok: int, errors: int = 0, seconds: float = 0.003):  # type: ignore[no-untyped-def] - a Window
+    return Sample.parse(text(server(ok, errors, seconds))) - Sample()
+
+
+CANARY = RolloutPolicy(strategy="canary", share=0.1, min_requests=50)
+
+
+def test_a_healthy_canary_passes_with_its_numbers() -> None:
+    verdict = judge(CANARY, window(900, 1), window(100))
+    assert verdict.passed and verdict.summary() == "passed"
+    assert verdict.numbers["candidate_requests"] == 100 and verdict.numbers["current_error_rate"] == round(1 / 901, 6)
+    # 0.003 s lies in the (2.5 ms, 5 ms] bucket: p99 interpolated as Prometheus does, 2.5 + 2.5 * 0.99.
+    assert verdict.numbers["candidate_p99_ms"] == pytest.approx(4.975)
+
+
+def test_a_canary_failing_a_fifth_of_its_requests_fails_naming_the_rates() -> None:
+    verdict = judge(CANARY, window(900), window(80, 20))
+    assert not verdict.passed and verdict.numbers["candidate_error_rate"] == 0.2
+    assert verdict.reasons == ["error rate 20.00% against 0.00% for the version serving (max_error_rate_increase=0.01)"]
+
+
+def test_a_slower_canary_fails_on_p99_and_one_within_the_slack_passes() -> None:
+    slow = judge(CANARY, window(900, seconds=0.02), window(100, seconds=0.2))
+    assert not slow.passed and "p99 latency" in slow.reasons[0] and slow.numbers["candidate_p99_ms"] > 100
+    near = judge(CANARY, window(900, seconds=0.0004), window(100, seconds=0.004))  # 10x, but a few ms
+    assert near.passed, near.reasons
+
+
+def test_too_little_traffic_is_not_a_pass() -> None:
+    verdict = judge(CANARY, window(900), window(10))
+    assert not verdict.passed and "fewer than min_requests=50" in verdict.reasons[0]
+
+
+def test_a_shadow_that_disagrees_on_a_third_of_the_rows_fails() -> None:
+    policy = RolloutPolicy(strategy="shadow", share=1, min_requests=50, min_agreement=0.95)
+    shadow = Shadow(ShadowSettings(url="http://shadow:8080/invocations"))
+    shadow.codes, shadow.rows = {"200": 90}, {"agree": 60, "disagree": 30}
+    serving = Sample.parse(text(server(90), shadow)) - Sample()
+    verdict = judge(policy, serving, window(90))
+    assert not verdict.passed and verdict.numbers["agreement"] == round(60 / 90, 6)
+    assert verdict.reasons == ["66.7% of 90 rows agree with the version serving (min_agreement=0.95)"]
+    shadow.rows = {"agree": 90, "disagree": 0}
+    assert judge(policy, Sample.parse(text(server(90), shadow)) - Sample(), window(90)).passed
+    shadow.codes = {"200": 60, "none": 30}  # a third of the copies unanswered
+    unanswered = judge(policy, Sample.parse(text(server(90), shadow)) - Sample(), window(60))
+    assert not unanswered.passed and "30 of 90 copies got no answer" in unanswered.reasons[0]
+
+
+def test_replicas_add_up_and_a_window_is_the_difference_of_two_samples() -> None:
+    a, b = server(100, 1), server(50)
+    before = Sample.parse(text(a)) + Sample.parse(text(b))
+    for _ in range(10):
+        a.observe_request(500, 0.003)
+        b.observe_request(200, 0.003)
+    w = (Sample.parse(text(a)) + Sample.parse(text(b))) - before
+    assert (w.answered, w.errors, w.error_rate) == (20, 10, 0.5)
+    restarted = Sample.parse(text(server(5))) - Sample.parse(text(server(100)))  # counters went back: from 0
+    assert restarted.answered == 5
+
+
+def test_bad_policies_name_the_field() -> None:
+    with pytest.raises(ValidationError, match="a canary answers at most half"):
+        RolloutPolicy(strategy="canary", share=0.6)
+    with pytest.raises(ValidationError, match="share"):
+        RolloutPolicy(strategy="shadow", share=0)
+    assert RolloutPolicy(strategy="shadow", share=1).share == 1
