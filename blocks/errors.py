@@ -50,6 +50,20 @@ class RolledBack(DeployFailed):
         self.reason = reason
 
 
+class CanaryFailed(DeployFailed):
+    """A new version judged by live traffic (canary or shadow) did not pass: it was removed, the version serving
+    before serves every request again. ``numbers``: what the window measured; ``reasons``: the gates it failed."""
+
+    def __init__(
+        self, message: str, *, version: str, serving_version: str, reasons: list[str], numbers: dict[str, float]
+    ):
+        super().__init__(message)
+        self.version = version
+        self.serving_version = serving_version
+        self.reasons = reasons
+        self.numbers = numbers
+
+
 def explain_exit_code(exit_code: int | None) -> str:
     """An actionable sentence for a training process's exit code."""
     if exit_code is None:

@@ -158,7 +158,12 @@ def plan_run(workload: Workload, training: TrainingSpec, serving: ServingSpec, p
     )
     # The workload's declared shape, and over it, field by field, what this run's serving sets.
     filled_serving = serving.over(definition.serve.shape())
-    filled_serving = filled_serving.model_copy(update={"service_name": serving.service_name or definition.service_name})
+    filled_serving = filled_serving.model_copy(
+        update={
+            "service_name": serving.service_name or definition.service_name,
+            "rollout": serving.rollout or definition.serve.rollout,
+        }
+    )
     return RunPlan(
         workload=workload,
         experiment=training.experiment or definition.name,
@@ -192,9 +197,31 @@ def preflight(blocks: Stack, run: RunPlan) -> None:
             "gpuferry.yaml has no image section: add one (dockerfile, base + requirements, or prebuilt)"
         )
     blocks.serving.validate(run.serving)
+    check_rollout(blocks, run)
     blocks.compute.validate_job(
         run.job("preflight", "/nonexistent", image, env={}, secret_env=blocks.tracking.job_secrets())
     )
+
+
+def check_rollout(blocks: Stack, run: RunPlan) -> None:
+    """A canary or shadow rollout needs a serving backend that does it, and gpuferry's model server (its
+    ``/metrics`` are what the versions are judged by)."""
+    rollout = run.serving.rollout
+    if rollout is None or rollout.strategy == "rolling":
+        return
+    backend = blocks.serving
+    if rollout.strategy not in backend.rollout_strategies:
+        raise ConfigurationError(
+            f"serving.rollout.strategy={rollout.strategy!r}: stack.serving ({type(backend).__name__}) rolls out "
+            f"{' or '.join(backend.rollout_strategies)} only; use one of those (serve.rollout in gpuferry.yaml, or "
+            "the run's serving.rollout), or a stack whose serving backend does it"
+        )
+    if not run.workload.definition.serve.mlflow_server:
+        raise ConfigurationError(
+            f"serving.rollout.strategy={rollout.strategy!r} judges the new version by the /metrics of gpuferry's "
+            "model server, and this workload runs its own (serve.command): use rollout strategy 'rolling', or "
+            "gpuferry's server"
+        )
 
 
 def check_images_for_serving(blocks: Stack) -> None:

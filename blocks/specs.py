@@ -311,6 +311,60 @@ SHAPE_FIELDS = (
 GPU_FIELDS = ("gpus", "gpu_devices", "share_gpus", "mig_profile")
 
 
+class RolloutPolicy(_Spec):
+    """How a new version takes over a service: at once (``rolling``), or after live traffic judged it.
+
+    ``canary``: the new version answers a share of the requests for a window; ``shadow``: a copy of a share of the
+    requests goes to it and the two versions' answers are compared, while clients get the serving version's only.
+    At the window's end the gates compare the two versions over the same window, from their servers' own
+    ``/metrics``: the new version passes when every gate holds, and only then takes all the traffic.
+
+    Where: ``DockerServing`` rolls out ``rolling`` and ``canary``; the other serving backends ``rolling`` only (a
+    strategy the stack's backend does not do is refused before the run starts).
+    """
+
+    strategy: Literal["rolling", "canary", "shadow"] = Field(
+        "rolling", description="rolling: the new version replaces the old at once; canary or shadow: judged first."
+    )
+    share: float = Field(
+        0.1, gt=0, le=1, description="The share of requests the canary answers, or that are copied to the shadow."
+    )
+    window_seconds: float = Field(300, gt=0, le=86_400, description="How long the new version is judged.")
+    window_requests: int | None = Field(
+        None, ge=1, description="End the window early once the new version has answered this many requests."
+    )
+    min_requests: int = Field(
+        100, ge=1, description="Fewer requests to the new version in the window: it fails (too little to judge)."
+    )
+    max_error_rate_increase: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="The new version's share of failed answers (not 2xx) may exceed the serving version's by at "
+        "most this.",
+    )
+    max_p99_ratio: float = Field(
+        1.5, ge=1, description="The new version's p99 latency may be at most this many times the serving version's ..."
+    )
+    p99_slack_ms: float = Field(
+        5, ge=0, description="... plus this many milliseconds (latencies of a few ms are measured in coarse buckets)."
+    )
+    min_agreement: float = Field(
+        0.99, ge=0, le=1, description="shadow: the share of compared rows whose answers must agree."
+    )
+    rtol: float = Field(1e-6, ge=0, le=1, description="shadow: numbers agree within this relative difference ...")
+    atol: float = Field(0, ge=0, description="shadow: ... or within this absolute one; classes must be equal.")
+
+    @model_validator(mode="after")
+    def _canary_share(self) -> RolloutPolicy:
+        if self.strategy == "canary" and self.share > 0.5:
+            raise ValueError(
+                f"rollout.share={self.share:g}: a canary answers at most half of the requests (0.5); for more, "
+                "let it pass and take them all"
+            )
+        return self
+
+
 class ServingSpec(ServingShape):
     """How the inference service runs."""
 
@@ -322,6 +376,11 @@ class ServingSpec(ServingShape):
     max_queue: int = Field(256, ge=1, description="Requests queued before the server answers 503.")
     ready_timeout_seconds: float = Field(
         120, gt=0, description="How long a new version may take to become ready before the deploy fails."
+    )
+    rollout: RolloutPolicy | None = Field(
+        None,
+        description="How the new version takes over: rolling, or judged by live traffic first (canary, shadow); "
+        "None: the workload's serve.rollout.",
     )
     smoke_request: dict[str, Any] | None = Field(
         None,
@@ -362,56 +421,6 @@ class ServingSpec(ServingShape):
             if field not in taken:
                 data[field] = getattr(declared, field)
         return ServingSpec.model_validate(data)
-
-
-class RolloutPolicy(_Spec):
-    """How a new version takes over a service: at once (``rolling``), or after live traffic judged it.
-
-    ``canary``: the new version answers a share of the requests for a window; ``shadow``: a copy of a share of the
-    requests goes to it and the two versions' answers are compared, while clients get the serving version's only.
-    At the window's end the gates compare the two versions over the same window, from their servers' own
-    ``/metrics``: the new version passes when every gate holds, and only then takes all the traffic.
-    """
-
-    strategy: Literal["rolling", "canary", "shadow"] = Field(
-        "rolling", description="rolling: the new version replaces the old at once; canary or shadow: judged first."
-    )
-    share: float = Field(
-        0.1, gt=0, le=1, description="The share of requests the canary answers, or that are copied to the shadow."
-    )
-    window_seconds: float = Field(300, gt=0, le=86_400, description="How long the new version is judged.")
-    window_requests: int | None = Field(
-        None, ge=1, description="End the window early once the new version has answered this many requests."
-    )
-    min_requests: int = Field(
-        100, ge=1, description="Fewer requests to the new version in the window: it fails (too little to judge)."
-    )
-    max_error_rate_increase: float = Field(
-        0.01,
-        ge=0,
-        le=1,
-        description="The new version's share of 5xx answers may exceed the serving version's by at most this.",
-    )
-    max_p99_ratio: float = Field(
-        1.5, ge=1, description="The new version's p99 latency may be at most this many times the serving version's"
-    )
-    p99_slack_ms: float = Field(
-        5, ge=0, description="... plus this many milliseconds (latencies of a few ms are measured in coarse buckets)."
-    )
-    min_agreement: float = Field(
-        0.99, ge=0, le=1, description="shadow: the share of compared rows whose answers must agree."
-    )
-    rtol: float = Field(1e-6, ge=0, le=1, description="shadow: numbers agree within this relative difference ...")
-    atol: float = Field(0, ge=0, description="shadow: ... or within this absolute one; classes must be equal.")
-
-    @model_validator(mode="after")
-    def _canary_share(self) -> RolloutPolicy:
-        if self.strategy == "canary" and self.share > 0.5:
-            raise ValueError(
-                f"rollout.share={self.share:g}: a canary answers at most half of the requests (0.5); for more, "
-                "let it pass and take them all"
-            )
-        return self
 
 
 class PromotionPolicy(_Spec):

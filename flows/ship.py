@@ -4,7 +4,9 @@ deploy's outcome recorded in MLflow. Composition only: each step is a task.
 ``deploy_and_record`` is the one place a deploy's outcome reaches MLflow, as ``deploy.*`` tags on the
 model version, on its source run and on any other run given (a sweep's parent run): ``deployed``
 (version, endpoint), ``rolled_back`` (the failed version, the version serving again, the rollout's
-reason) or ``failed`` (the error). A deploy that did not serve the new version still fails the flow.
+reason), ``canary_failed`` (the same, and what its window measured, ``deploy.rollout.*``) or ``failed`` (the
+error). A deploy that did not serve the new version still fails the flow. With a canary or shadow rollout
+(``serve.rollout``), a version that beat the champion moves the alias only once it passed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from blocks.specs import ServingSpec
 from blocks.stack import Stack
 from runtime import contract
 from tasks.deploy import deploy
-from tasks.track import log_run, record_deploy, register_model
+from tasks.track import log_run, record_deploy, register_model, set_alias
 from tasks.upload import inspect_model, serving_example, store_model
 from tasks.waiting import RUN_MODEL_LABEL, label_run
 
@@ -81,8 +83,17 @@ def ship(
             "mlflow_model.flavors": ",".join(model.flavors),
         },
     )
+    # A version judged by live traffic (canary, shadow) becomes the champion only once it passed.
+    judged = run.serving.rollout is not None and run.serving.rollout.strategy != "rolling"
     version = register_model(
-        blocks.tracking, run_id, run.model_name, checkpoint, run.promotion, value, run.version_tags(image)
+        blocks.tracking,
+        run_id,
+        run.model_name,
+        checkpoint,
+        run.promotion,
+        value,
+        run.version_tags(image),
+        move_alias=not judged,
     )
     label_run({RUN_MODEL_LABEL: f"{version.name} v{version.version} {version.metric}={value:.4g}"})
     endpoint = None
@@ -101,6 +112,8 @@ def ship(
         )
         spec = run.serving.model_copy(update={"smoke_request": smoke or run.workload.definition.serve.input_example})
         endpoint = deploy_and_record(blocks, spec, release, runs)
+        if judged and version.promoted and version.champion_before != version.version:
+            set_alias(blocks.tracking, version.name, run.promotion.alias, version.version)
     else:
         get_run_logger().info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
     return Shipped(checkpoint, version, endpoint)

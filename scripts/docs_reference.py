@@ -803,6 +803,11 @@ ADVICE = {
     "RolledBack": "The rollout failed (ImagePullBackOff, CrashLoopBackOff, OOMKilled, no progress, a failed "
     "smoke request) and was rolled back: fix what `reason` names (the image, memory limits, the model's input "
     "example) and deploy again (`gpuferry run deploy`).",
+    "CanaryFailed": "The new version failed its canary window (its rate of failed answers or its p99 latency "
+    "against the serving version's, or too few requests to judge): it was removed and the serving version "
+    "answers every request; the alias did not move. The model version's `deploy.rollout.*` tags hold what was "
+    "measured; fix the model, or widen the policy (`serve.rollout` in gpuferry.yaml) when the gates were too "
+    "strict for its traffic.",
     "NoModel": "The job wrote no readable MLflow model to `$CHECKPOINT_DIR/final/`: save one there with "
     "`mlflow.<flavour>.save_model(model, path, input_example=...)`.",
     "ImageBuildFailed": "A Dockerfile step failed; the message holds the step and the build log's tail. Fix the "

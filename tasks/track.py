@@ -49,8 +49,10 @@ def register_model(
     policy: PromotionPolicy,
     value: float,
     version_tags: dict[str, str] | None = None,
+    move_alias: bool = True,
 ) -> ModelVersionRef:
-    """Register the checkpoint as a new version; move the alias to it only if it beats the champion."""
+    """Register the checkpoint as a new version; move the alias to it only if it beats the champion, and only
+    now with ``move_alias`` (else its rollout moves it once live traffic judged it: ``set_alias``)."""
     logger = get_run_logger()
     assert policy.metric is not None  # filled in from the workload (blocks/plan.py)
     version = tracking.register(model_name, run_id, checkpoint, policy.metric, value, version_tags)
@@ -59,9 +61,10 @@ def register_model(
     if champion is not None and champion != version:
         champion_value = tracking.version_metric(model_name, champion, policy.metric)
     promoted = champion == version or policy.beats(value, champion_value)
-    if promoted and champion != version:
+    waits = promoted and champion != version and not move_alias
+    if promoted and champion != version and move_alias:
         tracking.set_alias(model_name, policy.alias, version)
-    verdict = "promoted" if promoted else "not promoted"
+    verdict = "candidate" if waits else "promoted" if promoted else "not promoted"
     tracking.tag_version(model_name, version, {"promotion": verdict})
     logger.info(
         "%s v%s %s=%.4f vs %s %s: %s",
@@ -84,6 +87,14 @@ def register_model(
         champion_before=champion,
         champion_value=champion_value,
     )
+
+
+@task(name="set-alias", **retry_options())
+def set_alias(tracking: MlflowTracking, model_name: str, alias: str, version: str) -> None:
+    """Move ``alias`` to ``version`` (its rollout passed) and tag it promoted."""
+    tracking.set_alias(model_name, alias, version)
+    tracking.tag_version(model_name, version, {"promotion": "promoted"})
+    get_run_logger().info("%s v%s passed its rollout: %s points at it", model_name, version, alias)
 
 
 @task(name="finish-run", **retry_options())

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
 
-from blocks.base.analysis import Sample, judge
+from blocks.base.analysis import Sample, Window, judge
+from blocks.errors import ConfigurationError
 from blocks.specs import RolloutPolicy
 from runtime.metrics import Metrics
 from runtime.shadow import Shadow, ShadowSettings
@@ -26,7 +30,7 @@ def text(metrics: Metrics, shadow: Shadow | None = None) -> str:
     return metrics.render(0, True, shadow.render() if shadow is not None else None).decode()
 
 
-def window(ok: int, errors: int = 0, seconds: float = 0.003):  # type: ignore[no-untyped-def] - a Window
+def window(ok: int, errors: int = 0, seconds: float = 0.003) -> Window:
     return Sample.parse(text(server(ok, errors, seconds))) - Sample()
 
 
@@ -92,3 +96,40 @@ def test_bad_policies_name_the_field() -> None:
     with pytest.raises(ValidationError, match="share"):
         RolloutPolicy(strategy="shadow", share=0)
     assert RolloutPolicy(strategy="shadow", share=1).share == 1
+
+
+WORKLOAD = """\
+name: r
+train: {{command: [python, t.py]}}
+promotion: {{metric: m}}
+serve:
+  rollout: {{strategy: canary, share: 0.2}}
+{own}"""
+
+
+def test_a_rollout_the_stack_cannot_do_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    from blocks.docker.serving import DockerServing
+    from blocks.local.serving import LocalServing
+    from blocks.plan import check_rollout, plan_run
+    from blocks.specs import PromotionPolicy, ServingSpec, TrainingSpec
+    from blocks.workload.source import load_workload
+
+    (tmp_path / "gpuferry.yaml").write_text(WORKLOAD.format(own=""))
+    work = load_workload(str(tmp_path))
+    run = plan_run(work, TrainingSpec(), ServingSpec(), PromotionPolicy())
+    assert run.serving.rollout is not None and (run.serving.rollout.strategy, run.serving.rollout.share) == (
+        "canary",
+        0.2,
+    )
+    with pytest.raises(ConfigurationError, match=r"stack.serving \(LocalServing\) rolls out rolling only"):
+        check_rollout(SimpleNamespace(serving=LocalServing()), run)
+    check_rollout(SimpleNamespace(serving=DockerServing()), run)
+    rolling = plan_run(work, TrainingSpec(), ServingSpec(rollout=RolloutPolicy()), PromotionPolicy())
+    assert rolling.serving.rollout is not None and rolling.serving.rollout.strategy == "rolling"  # the run's wins
+    check_rollout(SimpleNamespace(serving=LocalServing()), rolling)
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "gpuferry.yaml").write_text(WORKLOAD.format(own="  command: [python, serve.py]\n  port: 9000\n"))
+    run = plan_run(load_workload(str(own)), TrainingSpec(), ServingSpec(), PromotionPolicy())
+    with pytest.raises(ConfigurationError, match="judges the new version by the /metrics of gpuferry's model server"):
+        check_rollout(SimpleNamespace(serving=DockerServing()), run)

@@ -133,7 +133,7 @@ def test_gpuferry_cancel_ends_a_running_and_a_suspended_retrain_and_their_jobs(w
     training = {
         "experiment": f"cancel-{w.uid}",
         "model_name": f"cancel-{w.uid}",
-        "hyperparameters": {"epochs": 100000},  # far longer than the test: only a cancel ends it
+        "hyperparameters": {"epochs": 10000},  # far longer than the test: only a cancel ends it
         "resources": {"mem_gb": 2, "gpus_per_node": 1},
     }
     with w.client() as client:
@@ -168,7 +168,7 @@ def test_gpuferry_cancel_ends_a_running_and_a_suspended_retrain_and_their_jobs(w
             state_name("suspend") == "Suspended"
             and job("suspend")[2] in ("RUNNING", "PENDING")
             and job("block")[2] == "RUNNING"
-            and "training 100000 epochs" in logged("block")  # the job's own line, forwarded into the run's log
+            and "training 10000 epochs" in logged("block")  # the job's own line, forwarded into the run's log
         )
 
     private_worker.wait_until("a running and a suspended run, with their jobs", ready, timeout=DEADLINE, interval=2)
@@ -197,4 +197,4 @@ def test_gpuferry_cancel_ends_a_running_and_a_suspended_retrain_and_their_jobs(w
         [*gpuferry, "logs", runs["block"].name], env=w.env, capture_output=True, text=True, timeout=300
     )
     assert shown.returncode == 0, shown.stderr
-    assert f"[job {jobs['block']}] training 100000 epochs" in shown.stdout, shown.stdout[-3000:]
+    assert f"[job {jobs['block']}] training 10000 epochs" in shown.stdout, shown.stdout[-3000:]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +88,10 @@ class Window(Sample):
 
     @property
     def errors(self) -> int:
-        """Answers with a 5xx code: the server's failures (a 4xx is the request's fault, whichever version)."""
-        return int(sum(n for code, n in self.requests.items() if code.startswith("5")))
+        """Answers that are not 2xx. A model that raises on an input answers 400 (as MLflow's server does), so a
+        request the serving version answers and the new one does not counts against the new one; requests bad
+        for either version count for both, and the gate compares the two rates."""
+        return int(sum(n for code, n in self.requests.items() if not code.startswith("2")))
 
     @property
     def error_rate(self) -> float:
@@ -187,3 +191,25 @@ def judge(policy: RolloutPolicy, current: Window, candidate: Window) -> Verdict:
                     f"(min_agreement={policy.min_agreement:g})"
                 )
     return Verdict(passed=not reasons, reasons=reasons, numbers=numbers)
+
+
+def observe(
+    policy: RolloutPolicy,
+    current: Callable[[], Sample],
+    candidate: Callable[[], Sample],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    tick: float = 1.0,
+) -> Verdict:
+    """Watch one window: sample both versions, wait ``window_seconds`` (or until the new version answered
+    ``window_requests``), sample them again and judge. The verdict's numbers say how long the window was."""
+    first_current, first_candidate = current(), candidate()
+    started = clock()
+    while (left := policy.window_seconds - (clock() - started)) > 0:
+        sleep(min(tick, left))
+        if policy.window_requests is not None and (candidate() - first_candidate).answered >= policy.window_requests:
+            break
+    verdict = judge(policy, current() - first_current, candidate() - first_candidate)
+    verdict.numbers["window_seconds"] = round(clock() - started, 3)
+    return verdict

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from blocks.base.images import RUNTIME_IN_IMAGE
 from blocks.checks import CheckRow, Probe
-from blocks.errors import ConfigurationError, DeployFailed, RolledBack
+from blocks.errors import CanaryFailed, ConfigurationError, DeployFailed, RolledBack
 from blocks.records import Endpoint, ImageRef, ServerSpec
 from blocks.specs import ServingSpec
 from blocks.values import check_pinned_image
@@ -63,7 +63,7 @@ class DeployOutcome(BaseModel):
     TAG_PREFIX: ClassVar[str] = "deploy."
     MAX_TEXT: ClassVar[int] = 4000  # MLflow run tags hold 8000 characters; a rollout's message stays well below
 
-    status: Literal["deployed", "rolled_back", "failed"]
+    status: Literal["deployed", "rolled_back", "canary_failed", "failed"]
     model_name: str
     version: str = Field(description="The version the deploy tried to serve.")
     endpoint: str | None = None
@@ -72,6 +72,11 @@ class DeployOutcome(BaseModel):
     rolled_back_to: str | None = Field(None, description="The version that serves again after the rollback.")
     reason: str | None = Field(None, description="Why it did not deploy: a rollout reason or the error's first line.")
     message: str | None = Field(None, description="The whole error message.")
+    rollout: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A canary or shadow rollout's strategy and what its window measured (error rates, p99 "
+        "latencies, agreement).",
+    )
 
     @classmethod
     def deployed(cls, release: Release, endpoint: Endpoint) -> DeployOutcome:
@@ -82,6 +87,7 @@ class DeployOutcome(BaseModel):
             endpoint=endpoint.url,
             backend=endpoint.backend,
             previous_version=endpoint.previous_version,
+            rollout=endpoint.detail.get("rollout") or {},
         )
 
     @classmethod
@@ -97,6 +103,16 @@ class DeployOutcome(BaseModel):
                 rolled_back_to=exc.rolled_back_to,
                 reason=exc.reason,
                 message=message,
+            )
+        if isinstance(exc, CanaryFailed):
+            return cls(
+                status="canary_failed",
+                model_name=release.model_name,
+                version=exc.version,
+                rolled_back_to=exc.serving_version,
+                reason="; ".join(exc.reasons),
+                message=message,
+                rollout=exc.numbers,
             )
         first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         return cls(
@@ -120,6 +136,7 @@ class DeployOutcome(BaseModel):
             "reason": self.reason,
             "message": self.message,
         }
+        fields.update({f"rollout.{k}": f"{v:g}" if isinstance(v, float) else str(v) for k, v in self.rollout.items()})
         return {f"{self.TAG_PREFIX}{k}": v for k, v in fields.items() if v is not None}
 
     def markdown(self) -> str:
@@ -130,6 +147,12 @@ class DeployOutcome(BaseModel):
             return f"**{head}** serves at {self.endpoint}{previous}"
         if self.status == "rolled_back":
             summary = f"**{head} rolled back** ({self.reason}): v{self.rolled_back_to} serves again"
+        elif self.status == "canary_failed":
+            measured = "\n".join(f"| {k} | {v} |" for k, v in self.rollout.items())
+            summary = (
+                f"**{head} failed its {self.rollout.get('strategy', 'canary')}** ({self.reason}): removed, "
+                f"v{self.rolled_back_to} serves every request\n\n| measured | |\n|---|---|\n{measured}"
+            )
         else:
             summary = f"**{head} not deployed**"
         return f"{summary}\n\n```\n{self.message}\n```"
@@ -235,6 +258,10 @@ class ServingBackend(Block, ABC):
     @abstractmethod
     def validate(self, spec: ServingSpec) -> None:  # type: ignore[override]  # pydantic v1's BaseModel.validate, unused
         """Raise ``ConfigurationError`` when this backend cannot serve ``spec`` (no side effect)."""
+
+    # How a new version may take over (RolloutPolicy.strategy): a backend that judges one by live traffic adds
+    # "canary" or "shadow".
+    rollout_strategies: ClassVar[tuple[str, ...]] = ("rolling",)
 
     def preflight(self, spec: ServingSpec) -> None:
         """Read-only checks against the backend itself (``validate``, then what needs a call), run before a

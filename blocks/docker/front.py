@@ -106,11 +106,18 @@ class DockerFront(_Base):
             raise
         return url
 
-    def _set_target(self, front: str, target: str) -> None:
-        code, output = self.engine().exec(front, [*FRONT_COMMAND, "set", target])
+    def _set_target(self, front: str, *targets: str) -> None:
+        """Point the front at ``targets`` (``host:port``, or ``host:port=weight`` each of several)."""
+        code, output = self.engine().exec(front, [*FRONT_COMMAND, "set", *targets])
         if code != 0:
+            hint = (
+                " (a front made by an older gpuferry splits no traffic: remove its container to have it made again)"
+                if len(targets) > 1
+                else ""
+            )
             raise DeployFailed(
-                f"the service's front refused the target {target} (exit {code}): {output.strip()[-500:]}"
+                f"the service's front refused the target {' '.join(targets)} (exit {code}): "
+                f"{output.strip()[-500:]}{hint}"
             )
 
     def _front_fits(self, info: dict[str, Any]) -> bool:

@@ -41,6 +41,7 @@ from blocks.base.backoff import wait_until
 from blocks.base.secrets import check_env_names, write_secret_env
 from blocks.base.serving import Release, ServingBackend, is_ready, release_image, require_smoke_request, smoke_test
 from blocks.checks import CheckRow, Probe
+from blocks.docker.canary import DockerCanary
 from blocks.docker.front import DockerFront
 from blocks.docker.gpu_alloc import GpuRequest, HostGpu, claim_label
 from blocks.docker.gpu_host import DockerGpuHost
@@ -62,7 +63,7 @@ from blocks.docker.spec import (
     http_probe,
     server_container,
 )
-from blocks.errors import ConfigurationError, DeployFailed
+from blocks.errors import CanaryFailed, ConfigurationError, DeployFailed
 from blocks.home import gpuferry_home
 from blocks.records import Endpoint
 from blocks.specs import ServingSpec
@@ -72,10 +73,12 @@ from runtime import contract
 RESTARTED_EXIT_WAIT_S = 10.0
 
 
-class DockerServing(DockerFront, ServingBackend, DockerGpuHost):
-    """Serves the model as a container on one Docker host; a new version takes traffic once it answers."""
+class DockerServing(DockerFront, DockerCanary, ServingBackend, DockerGpuHost):
+    """Serves the model as a container on one Docker host; a new version takes traffic once it answers (and,
+    with a canary rollout, once it passed its window)."""
 
     needs_image: ClassVar[bool] = True
+    rollout_strategies: ClassVar[tuple[str, ...]] = ("rolling", "canary")
 
     _block_type_name = "gpuferry Docker Serving"
     _description = (
@@ -241,19 +244,34 @@ class DockerServing(DockerFront, ServingBackend, DockerGpuHost):
             self._forget_secrets(candidate)
             raise
         restore = None if previous is None else (previous["Config"].get("Labels") or {}).get(LABEL_FRONT_TARGET)
+        measured: dict[str, Any] = {}
         try:
             engine.start(container)
             info = self._wait_ready(container, release, spec.ready_timeout_seconds)
             url = self._url(info)
             assert url is not None  # _wait_ready returns once the server's port is published and it answers
             smoke_test(url, release.server, smoke)
-            front = self._route(
-                service, f"{alias}:{self._port(release)}", image, release.server.readiness_path, restore=restore
-            )
+            target = f"{alias}:{self._port(release)}"
+            rollout = spec.rollout
+            if rollout is not None and rollout.strategy == "canary" and previous is not None and restore:
+                old_url = self._url(previous)
+                if old_url is None:
+                    raise DeployFailed(f"v{_version(previous)} of {service} has no published port to judge it by")
+                readiness = (previous["Config"].get("Labels") or {}).get(LABEL_READINESS, "/readyz")
+                self._route(service, restore, previous["Config"]["Image"], readiness, restore=None)  # the front fits
+                measured = self._canary(
+                    service,
+                    rollout,
+                    serving=(_version(previous) or "?", restore, old_url),
+                    candidate=(release.version, target, url, container),
+                )
+            front = self._route(service, target, image, release.server.readiness_path, restore=restore)
         except BaseException as exc:
             tail = engine.tail(container, 30) or ""
             engine.remove(container)
             self._forget_secrets(candidate)
+            if isinstance(exc, CanaryFailed):
+                raise
             if isinstance(exc, (DeployFailed, ConfigurationError)):
                 kept = f"v{_version(previous)} keeps serving" if previous else "nothing else serves"
                 raise DeployFailed(
@@ -266,9 +284,12 @@ class DockerServing(DockerFront, ServingBackend, DockerGpuHost):
             engine.remove(previous["Id"])
             self._forget_secrets(previous["Name"].lstrip("/"))
         info = engine.inspect(container) or info
-        return self._endpoint(
+        endpoint = self._endpoint(
             spec, release.version, info, front, url, previous_version=_version(previous) if previous else None
         )
+        if measured:
+            endpoint.detail["rollout"] = measured
+        return endpoint
 
     def _port(self, release: Release) -> int:
         """The port the server listens on inside its container."""

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from blocks.specs import Resources, ServingShape
+from blocks.specs import Resources, RolloutPolicy, ServingShape
 from blocks.values import check_env_names, check_name, check_pinned_image
 from blocks.workload.hparams import HyperparameterSchema
 
@@ -243,6 +243,11 @@ class ServeDefinition(ServingShape):
         description="The smoke request (a JSON body) when the model carries no serving input example.",
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables of the server (no secrets).")
+    rollout: RolloutPolicy = Field(
+        default_factory=RolloutPolicy,
+        description="How a new version takes over the service: rolling (at once, once ready), or canary or shadow "
+        "(judged by live traffic against the version serving; the alias moves only when it passes).",
+    )
 
     @field_validator("service_name")
     @classmethod

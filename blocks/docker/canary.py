@@ -1,0 +1,104 @@
+"""A canary on one Docker host: the service's front sends a share of the requests to the new version for a window,
+then the two versions' own ``/metrics`` decide (``blocks/base/analysis.py``).
+
+``DockerCanary`` is a part of ``DockerServing`` (a mixin). The new version is ready and answered the smoke request
+when it starts; the front is told both versions and their weights (``python -m runtime.front set old=0.9
+new=0.1``). A version that passes goes on as any deploy does (the front moves to it alone, the old one drains);
+one that fails is taken out of the front at once, drains its requests under way and is removed, and
+``CanaryFailed`` carries what was measured.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+
+from blocks.base.analysis import Sample, observe
+from blocks.errors import CanaryFailed, DeployFailed
+from blocks.specs import RolloutPolicy
+
+if TYPE_CHECKING:
+    from blocks.docker.engine import Engine
+
+log = logging.getLogger("gpuferry.docker.canary")
+
+
+class CanaryHost(Protocol):
+    """What the canary needs of ``DockerServing``: its engine, its drain time, the front's target setter."""
+
+    drain_seconds: int
+
+    def engine(self) -> Engine: ...
+
+    def front_name(self, service: str) -> str: ...
+
+    def _set_target(self, front: str, *targets: str) -> None: ...
+
+
+if TYPE_CHECKING:
+    _Base = CanaryHost
+else:
+    _Base = object  # the type checker's view of the block; a plain mixin here
+
+
+def metrics_of(url: str, what: str) -> Sample:
+    """The counters of the server at ``url``; ``DeployFailed`` naming ``what`` when it does not answer."""
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=10)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise DeployFailed(f"{what} did not answer {url}/metrics: {exc}") from exc
+    return Sample.parse(response.text)
+
+
+class DockerCanary(_Base):
+    def _canary(
+        self,
+        service: str,
+        policy: RolloutPolicy,
+        *,
+        serving: tuple[str, str, str],
+        candidate: tuple[str, str, str, str],
+    ) -> dict[str, Any]:
+        """Judge the candidate by a share of the live traffic. ``serving``: (version, front target, URL) of the
+        version serving now; ``candidate``: (version, front target, URL, container). What was measured when it
+        passed; ``CanaryFailed`` (the candidate stopped and the front back on the serving version) when not."""
+        old_version, old_target, old_url = serving
+        version, target, url, container = candidate
+        front = self.front_name(service)
+        self._set_target(front, f"{old_target}={1 - policy.share:g}", f"{target}={policy.share:g}")
+        log.info("v%s of %s answers %g of the requests for %g s", version, service, policy.share, policy.window_seconds)
+        reasons: list[str] = []
+        numbers: dict[str, Any] = {"strategy": policy.strategy, "share": policy.share}
+        try:
+            try:
+                verdict = observe(
+                    policy,
+                    lambda: metrics_of(old_url, f"v{old_version} (serving)"),
+                    lambda: metrics_of(url, f"v{version} (the canary)"),
+                )
+            except DeployFailed as exc:
+                if f"v{version} (the canary)" not in str(exc):
+                    raise
+                reasons = [str(exc)]  # the canary itself stopped answering: that is its verdict
+            else:
+                numbers.update(verdict.numbers)
+                reasons = verdict.reasons
+        except BaseException:
+            self._set_target(front, old_target)
+            raise
+        if not reasons:
+            log.info("v%s of %s passed its canary: %s", version, service, numbers)
+            return numbers
+        self._set_target(front, old_target)  # every request that starts from now goes to the serving version
+        self.engine().stop(container, timeout=self.drain_seconds)  # those under way on the canary finish
+        raise CanaryFailed(
+            f"v{version} of {service} failed its canary and was removed, v{old_version} serves every request: "
+            + "; ".join(reasons),
+            version=version,
+            serving_version=old_version,
+            reasons=reasons,
+            numbers=numbers,
+        )

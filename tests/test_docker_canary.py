@@ -1,0 +1,178 @@
+"""A canary on the Docker backend (the registry stack's podman): the front sends a share of live traffic to the new
+version, and its own /metrics against the serving version's decide. A version that fails a fifth of its requests
+is removed and the old one serves every request again; a healthy one takes over. Clients through the service's
+address see no failed delivery (no refused connection, no 502) in either, only the failing canary's own failures
+during its window (400: the model raised, as MLflow's server answers)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import docker
+import httpx
+import pandas as pd
+import pytest
+from prefect_docker.host import DockerHost
+
+from blocks.base.serving import DeployOutcome, Release
+from blocks.base.storage import write_manifest
+from blocks.docker.serving import DockerServing
+from blocks.errors import CanaryFailed
+from blocks.records import ImageRef, ServerSpec
+from blocks.specs import RolloutPolicy, ServingSpec
+from tests.fake_gpus import FakeGpus
+from tests.test_docker_compute import credentials, engine, stack  # noqa: F401 - fixtures
+from tests.test_docker_serving import _inventory, gpus, images, wait_for  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.integration
+
+# y = 2x; the failing version raises for every x that is a multiple of 5: a fifth of the load below.
+MODEL = """
+import mlflow
+
+
+class Model(mlflow.pyfunc.PythonModel):
+    def predict(self, context, model_input, params=None):
+        x = model_input["x"].to_numpy()
+        if {fail} and (x % 5 == 0).any():
+            raise ValueError("this version fails on multiples of 5")
+        return 2 * x
+
+
+mlflow.models.set_model(Model())
+"""
+
+SMOKE = {"dataframe_records": [{"x": 1.0}]}
+POLICY = RolloutPolicy(
+    strategy="canary", share=0.25, window_seconds=20, min_requests=20, max_p99_ratio=3, p99_slack_ms=50
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import mlflow.pyfunc
+    from mlflow.models import infer_signature
+
+    root = tmp_path_factory.mktemp("canary-models")
+    example = pd.DataFrame({"x": [1.0, 2.0]})
+    uris = {}
+    for name, fail in (("good", False), ("failing", True)):
+        code = root / f"{name}.py"
+        code.write_text(MODEL.format(fail=fail))
+        mlflow.pyfunc.save_model(
+            root / name,
+            python_model=str(code),
+            input_example=example,
+            signature=infer_signature(example, example["x"].to_numpy()),
+            pip_requirements=["mlflow"],
+        )
+        write_manifest(root / name)
+        uris[name] = (root / name).as_uri()
+    return uris
+
+
+@pytest.fixture
+def serving(stack: dict[str, str], gpus: FakeGpus) -> Iterator[DockerServing]:
+    block = DockerServing(
+        docker_host=DockerHost(base_url=stack["DOCKER_HOST"]),
+        registry_credentials=credentials(stack),
+        cdi_kind=gpus.kind,
+        health_interval_seconds=2,
+        drain_seconds=5,
+        env={"WARMUP_ITERATIONS": "1"},
+    ).with_inventory(_inventory(gpus))
+    assert isinstance(block, DockerServing)
+    yield block
+    block.undeploy(SERVICE)
+
+
+SERVICE = f"canary-{uuid.uuid4().hex[:6]}"
+
+
+def release(version: str, image: ImageRef, uri: str) -> Release:
+    return Release(model_name="canary", version=version, model_uri=uri, image=image, server=ServerSpec())
+
+
+def spec(rollout: RolloutPolicy | None = None) -> ServingSpec:
+    return ServingSpec(service_name=SERVICE, smoke_request=SMOKE, ready_timeout_seconds=240, rollout=rollout)
+
+
+class Load:
+    """Clients asking the service's address at a steady pace, x cycling 1..5: (x, status; 0: no answer)."""
+
+    def __init__(self, url: str, clients: int = 4) -> None:
+        self.url = url
+        self.answers: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._ask, args=(i,)) for i in range(clients)]
+
+    def _ask(self, index: int) -> None:
+        with httpx.Client(timeout=30) as client:
+            n = index
+            while not self._stop.is_set():
+                x = float(n % 5 + 1)
+                n += 1
+                try:
+                    status = client.post(f"{self.url}/invocations", json={"dataframe_records": [{"x": x}]}).status_code
+                except httpx.HTTPError:
+                    status = 0
+                self.answers.append((x, status))
+                self._stop.wait(0.02)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        wait_for(lambda: len(self.answers) >= 20)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def undelivered(self) -> list[tuple[float, int]]:
+        """Requests the service did not deliver to a version: no answer, or the front's 502."""
+        return [a for a in self.answers if a[1] in (0, 502)]
+
+
+def test_a_failing_canary_is_removed_and_a_healthy_one_takes_over(
+    serving: DockerServing, images: tuple[ImageRef, ImageRef], models: dict[str, str], engine: docker.DockerClient
+) -> None:
+    image = images[0]
+    first = serving.deploy(spec(), release("1", image, models["good"]))
+    with Load(first.url) as load:
+        with pytest.raises(CanaryFailed) as caught:
+            serving.deploy(spec(POLICY), release("2", image, models["failing"]))
+        served_after = len(load.answers)
+        wait_for(lambda: len(load.answers) >= served_after + 40)
+    failed = caught.value
+    assert failed.version == "2" and failed.serving_version == "1"
+    assert failed.reasons and failed.reasons[0].startswith("error rate "), failed.reasons
+    assert 0.1 <= failed.numbers["candidate_error_rate"] <= 0.3 and failed.numbers["current_error_rate"] == 0
+    assert not load.undelivered(), load.undelivered()[:5]
+    assert {status for _, status in load.answers[served_after:]} == {200}  # v1 answers everything again
+    # The canary's own failures (its model raised: 400, as MLflow answers), during its window only.
+    assert {s for x, s in load.answers if s != 200} == {400}
+    assert all(x == 5.0 for x, s in load.answers if s == 400)
+    assert serving.current(SERVICE)["version"] == "1"
+    names = [c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={SERVICE}"})]
+    assert sorted(names) == sorted([serving.active_name(SERVICE), serving.front_name(SERVICE)])
+    tags = DeployOutcome.from_error(release("2", image, models["failing"]), failed).tags()
+    assert tags["deploy.status"] == "canary_failed" and tags["deploy.failed_version"] == "2"
+    assert tags["deploy.rolled_back_to"] == "1" and tags["deploy.rollout.strategy"] == "canary"
+    assert float(tags["deploy.rollout.candidate_error_rate"]) == failed.numbers["candidate_error_rate"]
+
+    with Load(first.url) as load:
+        second = serving.deploy(spec(POLICY), release("3", image, models["good"]))
+        switched = len(load.answers)
+        wait_for(lambda: len(load.answers) >= switched + 40)
+    assert {status for _, status in load.answers} == {200}, [a for a in load.answers if a[1] != 200][:5]
+    measured = second.detail["rollout"]
+    share = measured["candidate_requests"] / (measured["candidate_requests"] + measured["current_requests"])
+    assert abs(share - POLICY.share) <= 0.03, measured
+    assert measured["candidate_error_rate"] == 0 and second.previous_version == "1"
+    assert serving.current(SERVICE)["version"] == "3"
+    tags = DeployOutcome.deployed(release("3", image, models["good"]), second).tags()
+    assert tags["deploy.status"] == "deployed" and tags["deploy.rollout.strategy"] == "canary"
