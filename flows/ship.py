@@ -111,12 +111,27 @@ def ship(
             store_env=blocks.storage.reader_env(),
         )
         spec = run.serving.model_copy(update={"smoke_request": smoke or run.workload.definition.serve.input_example})
-        endpoint = deploy_and_record(blocks, spec, release, runs)
-        if judged and version.promoted and version.champion_before != version.version:
-            set_alias(blocks.tracking, version.name, run.promotion.alias, version.version)
+        endpoint = serve_version(blocks, spec, release, version, run.promotion.alias, runs)
     else:
         get_run_logger().info("v%s was not promoted: not deployed (force_deploy=true deploys it)", version.version)
     return Shipped(checkpoint, version, endpoint)
+
+
+def serve_version(
+    blocks: Stack,
+    serving: ServingSpec,
+    release: Release,
+    version: ModelVersionRef,
+    alias: str,
+    runs: Sequence[str] = (),
+) -> Endpoint:
+    """Deploy the registered ``version`` and record the outcome; with a canary or shadow rollout, a version that
+    beat the champion (registered without moving ``alias``) gets the alias once it passed."""
+    endpoint = deploy_and_record(blocks, serving, release, runs)
+    judged = serving.rollout is not None and serving.rollout.strategy != "rolling"
+    if judged and version.promoted and version.champion_before != version.version:
+        set_alias(blocks.tracking, version.name, alias, version.version)
+    return endpoint
 
 
 def deploy_and_record(blocks: Stack, serving: ServingSpec, release: Release, runs: Sequence[str] = ()) -> Endpoint:

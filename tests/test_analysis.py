@@ -133,3 +133,22 @@ def test_a_rollout_the_stack_cannot_do_is_refused_before_anything_runs(tmp_path:
     run = plan_run(load_workload(str(own)), TrainingSpec(), ServingSpec(), PromotionPolicy())
     with pytest.raises(ConfigurationError, match="judges the new version by the /metrics of gpuferry's model server"):
         check_rollout(SimpleNamespace(serving=DockerServing()), run)
+
+
+def test_a_failed_canary_is_recorded_with_its_numbers() -> None:
+    from blocks.base.serving import DeployOutcome, Release
+    from blocks.errors import CanaryFailed
+    from blocks.records import ServerSpec
+
+    release = Release(model_name="m", version="7", model_uri="s3://b/m/7", server=ServerSpec())
+    numbers = {"strategy": "canary", "candidate_error_rate": 0.2, "current_error_rate": 0.0, "decision_s": 1.25}
+    failed = CanaryFailed("v7 failed", version="7", serving_version="6", reasons=["error rate 20%"], numbers=numbers)
+    outcome = DeployOutcome.from_error(release, failed)
+    tags = outcome.tags()
+    assert (tags["deploy.status"], tags["deploy.failed_version"], tags["deploy.rolled_back_to"]) == (
+        "canary_failed",
+        "7",
+        "6",
+    )
+    assert tags["deploy.reason"] == "error rate 20%" and tags["deploy.rollout.candidate_error_rate"] == "0.2"
+    assert "| candidate_error_rate | 0.2 |" in outcome.markdown() and "v6 serves every request" in outcome.markdown()

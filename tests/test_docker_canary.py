@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import docker
 import httpx
@@ -176,3 +178,52 @@ def test_a_failing_canary_is_removed_and_a_healthy_one_takes_over(
     assert serving.current(SERVICE)["version"] == "3"
     tags = DeployOutcome.deployed(release("3", image, models["good"]), second).tags()
     assert tags["deploy.status"] == "deployed" and tags["deploy.rollout.strategy"] == "canary"
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_the_alias_moves_only_to_a_version_that_passed_its_canary(
+    serving: DockerServing, images: tuple[ImageRef, ImageRef], models: dict[str, str], tmp_path: Path
+) -> None:
+    """As a retrain ships a version that beat the champion (flows/ship.py): registered without the alias, deployed
+    as a canary, the alias moved only when it passed; a failed one carries the verdict and the champion stays."""
+    from prefect import flow
+
+    from blocks.records import CheckpointRef
+    from blocks.specs import PromotionPolicy
+    from blocks.tracking.mlflow import MlflowTracking
+    from flows.ship import serve_version
+    from tasks.track import register_model
+
+    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    stack = SimpleNamespace(serving=serving, tracking=tracking)
+    policy = PromotionPolicy(metric="m", direction="maximize")
+
+    @flow(name="canary-ship-probe")
+    def ship_one(model: str, value: float, rollout: RolloutPolicy | None) -> str:
+        run_id = tracking.start_run("canary-ship", f"m={value}", {})
+        judged = rollout is not None and rollout.strategy != "rolling"
+        uri = models[model]
+        checkpoint = CheckpointRef(uri=uri, sha256="0" * 64, size_bytes=1, files=1)
+        version = register_model(tracking, run_id, "canary-model", checkpoint, policy, value, {}, move_alias=not judged)
+        release = Release(
+            model_name="canary-model", version=version.version, model_uri=uri, image=images[0], server=ServerSpec()
+        )
+        serve_version(stack, spec(rollout), release, version, policy.alias)  # a Stack's serving and tracking
+        return version.version
+
+    first = ship_one("good", 0.5, None)
+    assert tracking.version_by_alias("canary-model", "champion") == first
+    url = serving.current(SERVICE)["url"]
+    with Load(url), pytest.raises(CanaryFailed):
+        ship_one("failing", 0.9, POLICY)
+    failed = str(int(first) + 1)
+    assert tracking.version_by_alias("canary-model", "champion") == first  # the champion stays
+    tags = tracking.version_tags("canary-model", failed)
+    assert tags["promotion"] == "candidate" and tags["deploy.status"] == "canary_failed"
+    assert float(tags["deploy.rollout.candidate_error_rate"]) > 0.1 and tags["deploy.rolled_back_to"] == first
+    with Load(url):
+        passed = ship_one("good", 0.9, POLICY)
+    assert tracking.version_by_alias("canary-model", "champion") == passed != failed
+    tags = tracking.version_tags("canary-model", passed)
+    assert tags["promotion"] == "promoted" and tags["deploy.status"] == "deployed"
+    assert tags["deploy.rollout.strategy"] == "canary" and serving.current(SERVICE)["version"] == passed

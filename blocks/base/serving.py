@@ -142,16 +142,18 @@ class DeployOutcome(BaseModel):
     def markdown(self) -> str:
         """The outcome for the deploy step's Prefect artifact."""
         head = f"{self.model_name} v{self.version}"
+        measured = "".join(f"\n| {k} | {v} |" for k, v in self.rollout.items())
+        table = f"\n\n| measured | |\n|---|---|{measured}" if measured else ""
         if self.status == "deployed":
             previous = f" (replaced v{self.previous_version})" if self.previous_version else ""
-            return f"**{head}** serves at {self.endpoint}{previous}"
+            passed = f", after its {self.rollout.get('strategy')} passed" if self.rollout else ""
+            return f"**{head}** serves at {self.endpoint}{previous}{passed}{table}"
         if self.status == "rolled_back":
             summary = f"**{head} rolled back** ({self.reason}): v{self.rolled_back_to} serves again"
         elif self.status == "canary_failed":
-            measured = "\n".join(f"| {k} | {v} |" for k, v in self.rollout.items())
             summary = (
                 f"**{head} failed its {self.rollout.get('strategy', 'canary')}** ({self.reason}): removed, "
-                f"v{self.rolled_back_to} serves every request\n\n| measured | |\n|---|---|\n{measured}"
+                f"v{self.rolled_back_to} serves every request{table}"
             )
         else:
             summary = f"**{head} not deployed**"

@@ -11,6 +11,7 @@ one that fails is taken out of the front at once, drains its requests under way 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
@@ -53,6 +54,11 @@ def metrics_of(url: str, what: str) -> Sample:
     return Sample.parse(response.text)
 
 
+def decided(numbers: dict[str, Any]) -> None:
+    """Replace the window's end (a monotonic time) by the seconds from it until now: the verdict applied."""
+    numbers["decision_s"] = round(time.monotonic() - numbers.pop("window_ended"), 3)
+
+
 class DockerCanary(_Base):
     def _canary(
         self,
@@ -64,7 +70,8 @@ class DockerCanary(_Base):
     ) -> dict[str, Any]:
         """Judge the candidate by a share of the live traffic. ``serving``: (version, front target, URL) of the
         version serving now; ``candidate``: (version, front target, URL, container). What was measured when it
-        passed; ``CanaryFailed`` (the candidate stopped and the front back on the serving version) when not."""
+        passed (with ``window_ended``: give it to ``decided`` once the front moved); ``CanaryFailed`` (the
+        candidate stopped and the front back on the serving version, ``decision_s`` measured) when not."""
         old_version, old_target, old_url = serving
         version, target, url, container = candidate
         front = self.front_name(service)
@@ -89,10 +96,12 @@ class DockerCanary(_Base):
         except BaseException:
             self._set_target(front, old_target)
             raise
+        numbers["window_ended"] = time.monotonic()  # the deploy reports how long applying the verdict took
         if not reasons:
             log.info("v%s of %s passed its canary: %s", version, service, numbers)
             return numbers
         self._set_target(front, old_target)  # every request that starts from now goes to the serving version
+        decided(numbers)
         self.engine().stop(container, timeout=self.drain_seconds)  # those under way on the canary finish
         raise CanaryFailed(
             f"v{version} of {service} failed its canary and was removed, v{old_version} serves every request: "

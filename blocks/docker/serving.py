@@ -41,7 +41,7 @@ from blocks.base.backoff import wait_until
 from blocks.base.secrets import check_env_names, write_secret_env
 from blocks.base.serving import Release, ServingBackend, is_ready, release_image, require_smoke_request, smoke_test
 from blocks.checks import CheckRow, Probe
-from blocks.docker.canary import DockerCanary
+from blocks.docker.canary import DockerCanary, decided
 from blocks.docker.front import DockerFront
 from blocks.docker.gpu_alloc import GpuRequest, HostGpu, claim_label
 from blocks.docker.gpu_host import DockerGpuHost
@@ -266,6 +266,8 @@ class DockerServing(DockerFront, DockerCanary, ServingBackend, DockerGpuHost):
                     candidate=(release.version, target, url, container),
                 )
             front = self._route(service, target, image, release.server.readiness_path, restore=restore)
+            if measured:
+                decided(measured)  # the front answers through the new version alone: the verdict is applied
         except BaseException as exc:
             tail = engine.tail(container, 30) or ""
             engine.remove(container)
