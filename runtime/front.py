@@ -10,6 +10,13 @@ the file at once (a rename); the front reads it again whenever it changed, so ev
 and their weights (``set v1:8080=9 v2:8080=1``, a canary) each request goes to one of them, spread by weight
 and evenly spaced: with 9 and 1, every tenth request goes to the second.
 
+Shadow traffic: ``python -m runtime.front shadow URL SHARE [RTOL [ATOL]]`` (``shadow off`` to stop) makes the
+front copy a share of the ``POST /invocations`` requests to another version once their answer has been sent
+(``runtime/shadow.py``, with its settings; the file ``FRONT_SHADOW_FILE``, /tmp/gpuferry-front/shadow); the
+answers are compared and the counts written next to it every 0.5 s, which ``python -m runtime.front stats``
+prints (Prometheus text). Clients only ever get the target's answers. Only bodies of up to 64 KiB, answered
+with a Content-Length of up to 64 KiB, are copied.
+
 Each request picks its upstream connection when it starts: an idle one to the current target (kept for at
 most 1 s idle, and only for the target of the moment: a switch closes the others), else a new one. Nothing
 pins a client to a version, and a client's keep-alive connection to the front outlives any number of
@@ -25,19 +32,26 @@ upgrade to WebSocket or HTTP/2. SIGTERM stops accepting, lets requests under way
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import signal
 import sys
 import time
+from typing import Any
 
 PORT_ENV = "FRONT_PORT"
 TARGET_ENV = "FRONT_TARGET"
 TARGET_FILE_ENV = "FRONT_TARGET_FILE"
 CONNECT_TIMEOUT_ENV = "FRONT_CONNECT_TIMEOUT"
 DRAIN_ENV = "FRONT_DRAIN_SECONDS"
+SHADOW_FILE_ENV = "FRONT_SHADOW_FILE"
 DEFAULT_PORT = 8000
 DEFAULT_TARGET_FILE = "/tmp/gpuferry-front/target"
+DEFAULT_SHADOW_FILE = "/tmp/gpuferry-front/shadow"
+STATS_SUFFIX = ".prom"  # the shadow's counts, next to its settings file: FRONT_SHADOW_FILE + .prom
+SHADOW_PATH = b"/invocations"
 
 MAX_HEAD = 64 * 1024  # request line and headers
 CHUNK = 64 * 1024
@@ -160,6 +174,79 @@ def write_target(path: str, *targets: str) -> None:
     os.replace(temporary, path)
 
 
+class ShadowTarget:
+    """Where the front copies requests to, if anywhere: the shadow file (JSON: ``url``, ``share``, ``rtol``,
+    ``atol``; ``runtime/shadow.py``'s settings), read again when it changed; no file, no copies. The counts are
+    written next to it (``STATS_SUFFIX``) for ``python -m runtime.front stats``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self.shadow: Any = None  # runtime.shadow.Shadow while a shadow is set
+        self._written = b""
+
+    def get(self) -> Any:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            if self.shadow is not None:
+                log.info("no more copies to the shadow")
+                self._retire()
+            self._seen = None
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            self._seen = key
+            from runtime.shadow import Shadow, ShadowSettings  # only a front with a shadow needs them
+
+            try:
+                with open(self.path) as handle:
+                    wanted = json.load(handle)
+                settings = ShadowSettings.from_env(
+                    {f"SHADOW_{k.upper()}": str(v) for k, v in wanted.items() if k in ("url", "share", "rtol", "atol")}
+                )
+            except (OSError, ValueError) as exc:  # keep the last good one
+                log.error("shadow file %s: %s", self.path, exc)
+            else:
+                self._retire()
+                if settings is not None:
+                    log.info("copying %g of the requests to the shadow %s", settings.share, settings.url)
+                    self.shadow = Shadow(settings)
+        return self.shadow
+
+    def _retire(self) -> None:
+        if self.shadow is not None:
+            asyncio.ensure_future(self.shadow.close())
+            self.shadow = None
+
+    def write_stats(self) -> None:
+        """The shadow's counts into the stats file, when they changed (a rename: a reader never sees half)."""
+        if self.shadow is None:
+            return
+        text = ("\n".join(self.shadow.render()) + "\n").encode()
+        if text == self._written:
+            return
+        temporary = f"{self.path}{STATS_SUFFIX}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as handle:
+            handle.write(text)
+        os.replace(temporary, f"{self.path}{STATS_SUFFIX}")
+        self._written = text
+
+
+def write_shadow(path: str, url: str, share: str, rtol: str = "1e-6", atol: str = "0") -> None:
+    """Set the shadow (a rename), after checking the settings as the front will."""
+    from runtime.shadow import ShadowSettings
+
+    wanted = {"url": url, "share": share, "rtol": rtol, "atol": atol}
+    ShadowSettings.from_env({f"SHADOW_{k.upper()}": v for k, v in wanted.items()})
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as handle:
+        json.dump(wanted, handle)
+    os.replace(temporary, path)
+
+
 # ---------------------------------------------------------------------------------------------------- HTTP
 
 
@@ -263,8 +350,9 @@ Connection = tuple[tuple[str, int], asyncio.StreamReader, asyncio.StreamWriter]
 class Front:
     """The proxy: one task per client connection; upstream connections kept for the current target only."""
 
-    def __init__(self, target: Target, connect_timeout: float) -> None:
+    def __init__(self, target: Target, connect_timeout: float, shadow: ShadowTarget | None = None) -> None:
         self.target = target
+        self.shadow = shadow
         self.connect_timeout = connect_timeout
         self.active = 0
         self._idle: list[tuple[Connection, float]] = []
@@ -355,6 +443,7 @@ class Front:
         assert upstream is not None
         target, up_reader, up_writer = upstream
         reusable = b"close" not in _tokens(response_headers, b"connection") and response_first.startswith(b"HTTP/1.1")
+        answer: bytes | None = None
         try:
             if method == b"HEAD" or status in NO_BODY_STATUS:
                 response_body: tuple[str, int] | None = ("none", 0)
@@ -373,7 +462,8 @@ class Front:
                     writer.write(data)
                     await writer.drain()
             elif response_body[0] != "chunked" and response_body[1] <= BUFFERED:
-                writer.write(response + await up_reader.readexactly(response_body[1]))
+                answer = await up_reader.readexactly(response_body[1])
+                writer.write(response + answer)
             else:
                 writer.write(response)
                 await _copy_body(up_reader, writer, response_body)
@@ -385,6 +475,11 @@ class Front:
         else:
             up_writer.close()
         await writer.drain()
+        shadow = self.shadow.get() if self.shadow is not None else None
+        scoring = method == b"POST" and parts[1].split(b"?", 1)[0] == SHADOW_PATH
+        if shadow is not None and scoring and answer is not None and body is not None:  # answered: the copy goes out
+            media = _values(headers, b"content-type")
+            shadow.offer(body, media[0].decode("latin-1") if media else None, status, answer)
         return keep_alive
 
     def _kept(self, target: Address | None) -> Connection | None:
@@ -473,7 +568,12 @@ async def serve(port: int, front: Front, drain_seconds: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("front listening on :%d, targets %s", port, front.target.get())
-    await stop.wait()
+    while not stop.is_set():
+        if front.shadow is not None:
+            front.shadow.get()  # a shadow set or removed shows in the stats without a request
+            front.shadow.write_stats()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
     server.close()
     deadline = time.monotonic() + drain_seconds
     while front.active and time.monotonic() < deadline:
@@ -484,6 +584,22 @@ async def serve(port: int, front: Front, drain_seconds: float) -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = os.environ.get(TARGET_FILE_ENV, DEFAULT_TARGET_FILE)
+    shadow_path = os.environ.get(SHADOW_FILE_ENV, DEFAULT_SHADOW_FILE)
+    if argv[:1] == ["shadow"] and len(argv) == 2 and argv[1] == "off":
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(shadow_path)
+        return 0
+    if argv[:1] == ["shadow"] and 3 <= len(argv) <= 5:
+        try:
+            write_shadow(shadow_path, *argv[1:])
+        except ValueError as exc:
+            print(f"front: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if argv == ["stats"]:
+        with contextlib.suppress(FileNotFoundError), open(f"{shadow_path}{STATS_SUFFIX}") as handle:
+            sys.stdout.write(handle.read())
+        return 0
     if argv[:1] == ["set"] and len(argv) >= 2:
         try:
             write_target(path, *argv[1:])
@@ -492,10 +608,18 @@ def main(argv: list[str]) -> int:
             return 2
         return 0
     if argv:
-        print("usage: python -m runtime.front [set HOST:PORT[=WEIGHT] ...]", file=sys.stderr)
+        print(
+            "usage: python -m runtime.front [set HOST:PORT[=WEIGHT] ... | shadow URL SHARE [RTOL [ATOL]] | shadow off"
+            " | stats]",
+            file=sys.stderr,
+        )
         return 2
     try:
-        front = Front(Target(path, os.environ.get(TARGET_ENV)), float(os.environ.get(CONNECT_TIMEOUT_ENV, "10")))
+        front = Front(
+            Target(path, os.environ.get(TARGET_ENV)),
+            float(os.environ.get(CONNECT_TIMEOUT_ENV, "10")),
+            ShadowTarget(shadow_path),
+        )
         port = int(os.environ.get(PORT_ENV, DEFAULT_PORT))
         drain = float(os.environ.get(DRAIN_ENV, "5"))
     except ValueError as exc:

@@ -655,6 +655,7 @@ ENVIRONMENT: list[tuple[str, str, str]] = [
         "Seconds the front retries a version that refuses connections (10).",
     ),
     ("FRONT_DRAIN_SECONDS", "`runtime/front.py`", "Seconds requests under way may finish after SIGTERM (5)."),
+    ("FRONT_SHADOW_FILE", "`runtime/front.py`", "The file that names the shadow the front copies requests to."),
 ]
 
 # Reads whose variable's name is a value at run time, not in the code: where they are and what names them.

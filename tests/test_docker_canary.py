@@ -30,9 +30,11 @@ from tests.test_docker_serving import _inventory, gpus, images, wait_for  # noqa
 
 pytestmark = pytest.mark.integration
 
-# y = 2x; the failing version raises for every x that is a multiple of 5: a fifth of the load below.
+# y = 2x; the failing version raises for every x that is a multiple of 5 (a fifth of the load below), the
+# differing one answers 3x for every x that is a multiple of 3 (a third of the load of x cycling 1..6).
 MODEL = """
 import mlflow
+import numpy as np
 
 
 class Model(mlflow.pyfunc.PythonModel):
@@ -40,7 +42,7 @@ class Model(mlflow.pyfunc.PythonModel):
         x = model_input["x"].to_numpy()
         if {fail} and (x % 5 == 0).any():
             raise ValueError("this version fails on multiples of 5")
-        return 2 * x
+        return np.where((x % 3 == 0) & {differ}, 3 * x, 2 * x)
 
 
 mlflow.models.set_model(Model())
@@ -60,9 +62,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("canary-models")
     example = pd.DataFrame({"x": [1.0, 2.0]})
     uris = {}
-    for name, fail in (("good", False), ("failing", True)):
+    for name, fail, differ in (("good", False, False), ("failing", True, False), ("differing", False, True)):
         code = root / f"{name}.py"
-        code.write_text(MODEL.format(fail=fail))
+        code.write_text(MODEL.format(fail=fail, differ=differ))
         mlflow.pyfunc.save_model(
             root / name,
             python_model=str(code),
@@ -102,11 +104,13 @@ def spec(rollout: RolloutPolicy | None = None) -> ServingSpec:
 
 
 class Load:
-    """Clients asking the service's address at a steady pace, x cycling 1..5: (x, status; 0: no answer)."""
+    """Clients asking the service's address at a steady pace, x cycling 1..``cycle``: (x, status; 0: no answer);
+    ``predictions``: (x, what a 200 answered)."""
 
-    def __init__(self, url: str, clients: int = 4) -> None:
-        self.url = url
+    def __init__(self, url: str, clients: int = 4, cycle: int = 5) -> None:
+        self.url, self.cycle = url, cycle
         self.answers: list[tuple[float, int]] = []
+        self.predictions: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._ask, args=(i,)) for i in range(clients)]
 
@@ -114,10 +118,13 @@ class Load:
         with httpx.Client(timeout=30) as client:
             n = index
             while not self._stop.is_set():
-                x = float(n % 5 + 1)
+                x = float(n % self.cycle + 1)
                 n += 1
                 try:
-                    status = client.post(f"{self.url}/invocations", json={"dataframe_records": [{"x": x}]}).status_code
+                    answer = client.post(f"{self.url}/invocations", json={"dataframe_records": [{"x": x}]})
+                    status = answer.status_code
+                    if status == 200:
+                        self.predictions.append((x, answer.json()["predictions"][0]))
                 except httpx.HTTPError:
                     status = 0
                 self.answers.append((x, status))
@@ -178,6 +185,36 @@ def test_a_failing_canary_is_removed_and_a_healthy_one_takes_over(
     assert serving.current(SERVICE)["version"] == "3"
     tags = DeployOutcome.deployed(release("3", image, models["good"]), second).tags()
     assert tags["deploy.status"] == "deployed" and tags["deploy.rollout.strategy"] == "canary"
+
+
+SHADOW = RolloutPolicy(
+    strategy="shadow", share=1, window_seconds=20, min_requests=20, max_p99_ratio=3, p99_slack_ms=50, min_agreement=0.95
+)
+
+
+def test_a_shadow_that_disagrees_is_removed_and_no_client_ever_gets_a_shadows_answer(
+    serving: DockerServing, images: tuple[ImageRef, ImageRef], models: dict[str, str], engine: docker.DockerClient
+) -> None:
+    image = images[0]
+    first = serving.deploy(spec(), release("1", image, models["good"]))
+    with Load(first.url, cycle=6) as load:
+        with pytest.raises(CanaryFailed) as caught:
+            serving.deploy(spec(SHADOW), release("2", image, models["differing"]))
+        passed = serving.deploy(spec(SHADOW), release("3", image, models["good"]))
+        switched = len(load.answers)
+        wait_for(lambda: len(load.answers) >= switched + 40)
+    failed = caught.value
+    assert failed.numbers["strategy"] == "shadow" and failed.serving_version == "1"
+    assert failed.numbers["agreement"] == pytest.approx(2 / 3, abs=0.05), failed.numbers
+    assert any("rows agree with the version serving (min_agreement=0.95)" in r for r in failed.reasons)
+    assert failed.numbers["compared_rows"] >= 20 and failed.numbers["candidate_error_rate"] == 0
+    assert not load.undelivered() and {s for _, s in load.answers} == {200}
+    assert all(y == 2 * x for x, y in load.predictions), [p for p in load.predictions if p[1] != 2 * p[0]][:5]
+    measured = passed.detail["rollout"]
+    assert measured["strategy"] == "shadow" and measured["agreement"] == 1.0 and passed.previous_version == "1"
+    assert serving.current(SERVICE)["version"] == "3"
+    names = [c.name for c in engine.containers.list(all=True, filters={"label": f"io.gpuferry.service={SERVICE}"})]
+    assert sorted(names) == sorted([serving.active_name(SERVICE), serving.front_name(SERVICE)])
 
 
 @pytest.mark.usefixtures("prefect_server")

@@ -129,6 +129,7 @@ def run_front(tmp_path: Path) -> Iterator:
             front.PORT_ENV: str(port),
             front.TARGET_ENV: target,
             front.TARGET_FILE_ENV: str(target_file),
+            front.SHADOW_FILE_ENV: str(target_file.parent / "shadow"),
             front.CONNECT_TIMEOUT_ENV: str(connect_timeout),
         }
         process = subprocess.Popen([sys.executable, "-m", "runtime.front"], env=env, stderr=subprocess.PIPE)
@@ -330,6 +331,52 @@ def test_weighted_targets_split_the_requests_by_weight_evenly_spaced(run_front, 
             [sys.executable, "-m", "runtime.front", "set", *bad], env=env, capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 2 and why in done.stderr, done.stderr
+
+
+def test_a_shadow_gets_a_copy_of_a_share_of_the_scoring_requests_and_clients_only_the_versions_answers(
+    run_front,
+) -> None:
+    with Version("v1") as v1, Version("v2") as v2:
+        url, target_file = run_front(v1.target)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            front.SHADOW_FILE_ENV: str(target_file.parent / "shadow"),
+        }
+
+        def front_cli(*args: str) -> str:
+            done = subprocess.run(
+                [sys.executable, "-m", "runtime.front", *args], env=env, capture_output=True, text=True, timeout=60
+            )
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        front_cli("shadow", f"http://{v2.target}/invocations", "0.5")
+        with httpx.Client(timeout=60) as client:
+            answers = [client.post(f"{url}/invocations", json={"x": i}).json() for i in range(20)]
+            assert {a["version"] for a in answers} == {"v1"}  # never the shadow's
+            assert {client.get(f"{url}/x").text for _ in range(5)} == {"v1"}  # not a scoring request: no copy
+
+            def counts() -> dict[str, float]:
+                return {
+                    k: float(v)
+                    for k, v in (line.rsplit(" ", 1) for line in front_cli("stats").splitlines() if line[:1] != "#")
+                }
+
+            wait_for(lambda: counts().get('inference_shadow_requests_total{code="200"}') == 10)
+            assert counts()['inference_shadow_rows_total{result="disagree"}'] == 10  # v2 answers with its own name
+            front_cli("shadow", "off")
+            client.post(f"{url}/invocations", json={"x": 0})
+            time.sleep(1.5)  # the front writes its counts every 0.5 s: none any more
+            assert counts()['inference_shadow_requests_total{code="200"}'] == 10
+        bad = subprocess.run(
+            [sys.executable, "-m", "runtime.front", "shadow", f"http://{v2.target}/invocations", "2"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert bad.returncode == 2 and "SHADOW_SHARE='2' must be above 0 and at most 1" in bad.stderr
 
 
 def wait_for(condition, timeout: float = 120) -> None:

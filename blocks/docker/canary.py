@@ -1,11 +1,13 @@
-"""A canary on one Docker host: the service's front sends a share of the requests to the new version for a window,
-then the two versions' own ``/metrics`` decide (``blocks/base/analysis.py``).
+"""A canary or a shadow on one Docker host: the service's front sends a share of the requests to the new version
+(canary), or a copy of a share of them while clients get the serving version's answers (shadow), for a window;
+then the two versions' own ``/metrics`` (and, for a shadow, the front's comparison of their answers) decide
+(``blocks/base/analysis.py``).
 
 ``DockerCanary`` is a part of ``DockerServing`` (a mixin). The new version is ready and answered the smoke request
 when it starts; the front is told both versions and their weights (``python -m runtime.front set old=0.9
 new=0.1``). A version that passes goes on as any deploy does (the front moves to it alone, the old one drains);
 one that fails is taken out of the front at once, drains its requests under way and is removed, and
-``CanaryFailed`` carries what was measured.
+``CanaryFailed`` carries what was measured. A shadow's copies stop at the window's end either way.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class CanaryHost(Protocol):
     def front_name(self, service: str) -> str: ...
 
     def _set_target(self, front: str, *targets: str) -> None: ...
+
+    def _front_command(self, front: str, *args: str) -> str: ...
 
 
 if TYPE_CHECKING:
@@ -75,36 +79,70 @@ class DockerCanary(_Base):
         old_version, old_target, old_url = serving
         version, target, url, container = candidate
         front = self.front_name(service)
-        self._set_target(front, f"{old_target}={1 - policy.share:g}", f"{target}={policy.share:g}")
-        log.info("v%s of %s answers %g of the requests for %g s", version, service, policy.share, policy.window_seconds)
+        kind = policy.strategy
+        if kind == "canary":
+            self._set_target(front, f"{old_target}={1 - policy.share:g}", f"{target}={policy.share:g}")
+            log.info(
+                "v%s of %s answers %g of the requests for %g s", version, service, policy.share, policy.window_seconds
+            )
+
+            def current() -> Sample:
+                return metrics_of(old_url, f"v{old_version} (serving)")
+
+            def back() -> None:
+                self._set_target(front, old_target)
+
+        else:  # shadow: the front copies requests to it and compares the answers; clients get the serving one's
+            self._front_command(
+                front,
+                "shadow",
+                f"http://{target}/invocations",
+                f"{policy.share:g}",
+                f"{policy.rtol:g}",
+                f"{policy.atol:g}",
+            )
+            log.info(
+                "v%s of %s gets a copy of %g of the requests for %g s",
+                version,
+                service,
+                policy.share,
+                policy.window_seconds,
+            )
+
+            def current() -> Sample:
+                return metrics_of(old_url, f"v{old_version} (serving)") + Sample.parse(
+                    self._front_command(front, "stats")
+                )
+
+            def back() -> None:
+                self._front_command(front, "shadow", "off")
+
         reasons: list[str] = []
-        numbers: dict[str, Any] = {"strategy": policy.strategy, "share": policy.share}
+        numbers: dict[str, Any] = {"strategy": kind, "share": policy.share}
         try:
             try:
-                verdict = observe(
-                    policy,
-                    lambda: metrics_of(old_url, f"v{old_version} (serving)"),
-                    lambda: metrics_of(url, f"v{version} (the canary)"),
-                )
+                verdict = observe(policy, current, lambda: metrics_of(url, f"v{version} (the {kind})"))
             except DeployFailed as exc:
-                if f"v{version} (the canary)" not in str(exc):
+                if f"v{version} (the {kind})" not in str(exc):
                     raise
-                reasons = [str(exc)]  # the canary itself stopped answering: that is its verdict
+                reasons = [str(exc)]  # the new version itself stopped answering: that is its verdict
             else:
                 numbers.update(verdict.numbers)
                 reasons = verdict.reasons
         except BaseException:
-            self._set_target(front, old_target)
+            back()
             raise
         numbers["window_ended"] = time.monotonic()  # the deploy reports how long applying the verdict took
+        if kind == "shadow":
+            back()  # no more copies: passed, it takes over as in a rolling deploy; failed, it is removed
         if not reasons:
-            log.info("v%s of %s passed its canary: %s", version, service, numbers)
+            log.info("v%s of %s passed its %s: %s", version, service, kind, numbers)
             return numbers
-        self._set_target(front, old_target)  # every request that starts from now goes to the serving version
+        back()  # every request that starts from now goes to the serving version alone
         decided(numbers)
         self.engine().stop(container, timeout=self.drain_seconds)  # those under way on the canary finish
         raise CanaryFailed(
-            f"v{version} of {service} failed its canary and was removed, v{old_version} serves every request: "
+            f"v{version} of {service} failed its {kind} and was removed, v{old_version} serves every request: "
             + "; ".join(reasons),
             version=version,
             serving_version=old_version,

@@ -120,6 +120,16 @@ class DockerFront(_Base):
                 f"{output.strip()[-500:]}{hint}"
             )
 
+    def _front_command(self, front: str, *args: str) -> str:
+        """``python -m runtime.front ARGS`` in the front's container (its shadow, its counts): the output."""
+        code, output = self.engine().exec(front, [*FRONT_COMMAND, *args])
+        if code != 0:
+            raise DeployFailed(
+                f"the service's front refused `{' '.join(args[:1])}` (exit {code}): {output.strip()[-500:]} (a front "
+                "made by an older gpuferry copies no requests: remove its container to have it made again)"
+            )
+        return output
+
     def _front_fits(self, info: dict[str, Any]) -> bool:
         """The front is running, on this block's network, published where this block says."""
         networks = (info.get("NetworkSettings") or {}).get("Networks") or {}

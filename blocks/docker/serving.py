@@ -78,7 +78,7 @@ class DockerServing(DockerFront, DockerCanary, ServingBackend, DockerGpuHost):
     with a canary rollout, once it passed its window)."""
 
     needs_image: ClassVar[bool] = True
-    rollout_strategies: ClassVar[tuple[str, ...]] = ("rolling", "canary")
+    rollout_strategies: ClassVar[tuple[str, ...]] = ("rolling", "canary", "shadow")
 
     _block_type_name = "gpuferry Docker Serving"
     _description = (
@@ -253,7 +253,7 @@ class DockerServing(DockerFront, DockerCanary, ServingBackend, DockerGpuHost):
             smoke_test(url, release.server, smoke)
             target = f"{alias}:{self._port(release)}"
             rollout = spec.rollout
-            if rollout is not None and rollout.strategy == "canary" and previous is not None and restore:
+            if rollout is not None and rollout.strategy != "rolling" and previous is not None and restore:
                 old_url = self._url(previous)
                 if old_url is None:
                     raise DeployFailed(f"v{_version(previous)} of {service} has no published port to judge it by")
