@@ -152,3 +152,41 @@ def test_a_failed_canary_is_recorded_with_its_numbers() -> None:
     )
     assert tags["deploy.reason"] == "error rate 20%" and tags["deploy.rollout.candidate_error_rate"] == "0.2"
     assert "| candidate_error_rate | 0.2 |" in outcome.markdown() and "v6 serves every request" in outcome.markdown()
+
+
+def test_a_window_ends_at_its_time_or_once_the_new_version_answered_enough() -> None:
+    from blocks.base.analysis import observe
+
+    now = [0.0]
+    served = {"current": server(0), "candidate": server(0)}
+
+    def sleep(seconds: float) -> None:  # a second passes; each version answers its share of it
+        now[0] += seconds
+        for _ in range(9):
+            served["current"].observe_request(200, 0.003)
+        served["candidate"].observe_request(200, 0.003)
+
+    seen: list[tuple[float, int]] = []
+    policy = RolloutPolicy(strategy="canary", share=0.1, window_seconds=60, min_requests=10)
+    verdict = observe(
+        policy,
+        lambda: Sample.parse(text(served["current"])),
+        lambda: Sample.parse(text(served["candidate"])),
+        clock=lambda: now[0],
+        sleep=sleep,
+        progress=lambda seconds, so_far: seen.append((seconds, so_far.answered)),
+    )
+    assert verdict.passed and verdict.numbers["window_seconds"] == 60
+    assert (verdict.numbers["current_requests"], verdict.numbers["candidate_requests"]) == (540, 60)
+    assert seen == [(10.0, 10), (20.0, 20), (30.0, 30), (40.0, 40), (50.0, 50), (60.0, 60)]
+    early = RolloutPolicy(strategy="canary", share=0.1, window_seconds=60, window_requests=25, min_requests=10)
+    assert (
+        observe(
+            early,
+            lambda: Sample.parse(text(served["current"])),
+            lambda: Sample.parse(text(served["candidate"])),
+            clock=lambda: now[0],
+            sleep=sleep,
+        ).numbers["window_seconds"]
+        == 25
+    )

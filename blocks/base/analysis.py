@@ -201,15 +201,25 @@ def observe(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     tick: float = 1.0,
+    progress: Callable[[float, Window], None] | None = None,
+    every: float = 10.0,
 ) -> Verdict:
     """Watch one window: sample both versions, wait ``window_seconds`` (or until the new version answered
-    ``window_requests``), sample them again and judge. The verdict's numbers say how long the window was."""
+    ``window_requests``), sample them again and judge. ``progress`` gets the seconds gone and the new version's
+    counts so far every ``every`` seconds. The verdict's numbers say how long the window was."""
     first_current, first_candidate = current(), candidate()
-    started = clock()
+    started = reported = clock()
     while (left := policy.window_seconds - (clock() - started)) > 0:
         sleep(min(tick, left))
-        if policy.window_requests is not None and (candidate() - first_candidate).answered >= policy.window_requests:
-            break
+        wanted = policy.window_requests is not None
+        due = progress is not None and clock() - reported >= every
+        if wanted or due:
+            so_far = candidate() - first_candidate
+            if due and progress is not None:
+                reported = clock()
+                progress(reported - started, so_far)
+            if policy.window_requests is not None and so_far.answered >= policy.window_requests:
+                break
     verdict = judge(policy, current() - first_current, candidate() - first_candidate)
     verdict.numbers["window_seconds"] = round(clock() - started, 3)
     return verdict

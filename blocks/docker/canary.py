@@ -12,20 +12,18 @@ one that fails is taken out of the front at once, drains its requests under way 
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from blocks.base.analysis import Sample, observe
+from blocks.base.analysis import Sample, Window, observe
+from blocks.base.log import run_logger
 from blocks.errors import CanaryFailed, DeployFailed
 from blocks.specs import RolloutPolicy
 
 if TYPE_CHECKING:
     from blocks.docker.engine import Engine
-
-log = logging.getLogger("gpuferry.docker.canary")
 
 
 class CanaryHost(Protocol):
@@ -76,6 +74,7 @@ class DockerCanary(_Base):
         version serving now; ``candidate``: (version, front target, URL, container). What was measured when it
         passed (with ``window_ended``: give it to ``decided`` once the front moved); ``CanaryFailed`` (the
         candidate stopped and the front back on the serving version, ``decision_s`` measured) when not."""
+        log = run_logger("gpuferry.docker.canary")  # the Prefect run's log inside one
         old_version, old_target, old_url = serving
         version, target, url, container = candidate
         front = self.front_name(service)
@@ -121,7 +120,21 @@ class DockerCanary(_Base):
         numbers: dict[str, Any] = {"strategy": kind, "share": policy.share}
         try:
             try:
-                verdict = observe(policy, current, lambda: metrics_of(url, f"v{version} (the {kind})"))
+
+                def progress(seconds: float, so_far: Window) -> None:
+                    log.info(
+                        "%s v%s: %.0f of %.0f s, %d requests answered, %.1f %% failed",
+                        kind,
+                        version,
+                        seconds,
+                        policy.window_seconds,
+                        so_far.answered,
+                        100 * so_far.error_rate,
+                    )
+
+                verdict = observe(
+                    policy, current, lambda: metrics_of(url, f"v{version} (the {kind})"), progress=progress
+                )
             except DeployFailed as exc:
                 if f"v{version} (the {kind})" not in str(exc):
                     raise
