@@ -258,7 +258,7 @@ def check(
 
 
 def _register() -> None:
-    from deployments import cli_deploy, cli_operate, cli_run, cli_serve, cli_services, skeleton
+    from deployments import cli_deploy, cli_operate, cli_rollout, cli_run, cli_serve, cli_services, skeleton
 
     app.command("init")(explained(skeleton.init))
     app.command("deploy")(explained(cli_deploy.deploy))
@@ -266,6 +266,7 @@ def _register() -> None:
     app.add_typer(cli_run.run_app, name="run")
     cli_services.register(app)
     cli_operate.register(app)
+    app.add_typer(cli_rollout.rollout_app, name="rollout")
 
 
 _register()

@@ -581,6 +581,52 @@ async def serve(port: int, front: Front, drain_seconds: float) -> None:
     log.info("front stopped (%d connection(s) still open)", front.active)
 
 
+ROLLOUT_FILE = "rollout.json"  # a canary's or shadow's window under way: what the deploy last wrote of it
+DECISION_FILE = "decision"  # promote or abort, written by hand (`gpuferry rollout`), read by the deploy
+DECISIONS = ("promote", "abort")
+
+
+def rollout_command(directory: str, args: list[str]) -> int:
+    """The rollout's state beside the target file, for the deploy and for `gpuferry rollout`: ``set JSON``,
+    ``show``, ``decide promote|abort``, ``decision``, ``clear``. Files only: the proxy never reads them."""
+    state, decision = os.path.join(directory, ROLLOUT_FILE), os.path.join(directory, DECISION_FILE)
+    verb, value = args[0], args[1] if len(args) > 1 else None
+    if verb == "set" and value is not None:
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            print(f"front: the rollout's state is not JSON: {exc}", file=sys.stderr)
+            return 2
+        _replace(state, value)
+    elif verb == "decide" and value in DECISIONS:
+        if not os.path.exists(state):
+            print("front: no canary or shadow window is under way", file=sys.stderr)
+            return 3
+        _replace(decision, value)
+    elif verb in ("show", "decision") and value is None:
+        with contextlib.suppress(FileNotFoundError), open(state if verb == "show" else decision) as handle:
+            sys.stdout.write(handle.read())
+    elif verb == "clear" and value is None:
+        for name in (state, decision):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(name)
+    else:
+        print(
+            "usage: python -m runtime.front rollout set JSON | show | decide promote|abort | decision | clear",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+def _replace(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as handle:
+        handle.write(text)
+    os.replace(temporary, path)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = os.environ.get(TARGET_FILE_ENV, DEFAULT_TARGET_FILE)
@@ -596,6 +642,8 @@ def main(argv: list[str]) -> int:
             print(f"front: {exc}", file=sys.stderr)
             return 2
         return 0
+    if argv[:1] == ["rollout"] and len(argv) in (2, 3):
+        return rollout_command(os.path.dirname(path) or ".", argv[1:])
     if argv == ["stats"]:
         with contextlib.suppress(FileNotFoundError), open(f"{shadow_path}{STATS_SUFFIX}") as handle:
             sys.stdout.write(handle.read())
@@ -610,7 +658,7 @@ def main(argv: list[str]) -> int:
     if argv:
         print(
             "usage: python -m runtime.front [set HOST:PORT[=WEIGHT] ... | shadow URL SHARE [RTOL [ATOL]] | shadow off"
-            " | stats]",
+            " | stats | rollout ...]",
             file=sys.stderr,
         )
         return 2

@@ -190,3 +190,41 @@ def test_a_window_ends_at_its_time_or_once_the_new_version_answered_enough() -> 
         ).numbers["window_seconds"]
         == 25
     )
+    asked = iter([None, None, "abort"])  # decided by hand in the third second
+    aborted = observe(
+        policy,
+        lambda: Sample.parse(text(served["current"])),
+        lambda: Sample.parse(text(served["candidate"])),
+        clock=lambda: now[0],
+        sleep=sleep,
+        control=lambda: next(asked),
+    )
+    assert not aborted.passed and aborted.decision == "abort" and aborted.numbers["window_seconds"] == 3
+    assert aborted.reasons == ["aborted by hand (gpuferry rollout abort)"]
+    promoted = observe(
+        policy,
+        lambda: Sample.parse(text(served["current"])),
+        lambda: Sample.parse(text(served["candidate"])),
+        clock=lambda: now[0],
+        sleep=sleep,
+        control=lambda: "promote",
+    )
+    assert promoted.passed and promoted.decision == "promote" and promoted.numbers["candidate_requests"] == 1
+
+
+def test_a_backend_that_judges_no_rollout_has_nothing_to_decide(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from blocks.local.serving import LocalServing
+
+    local = LocalServing(state_dir=str(tmp_path))
+    assert local.rollout_status("svc") is None
+    with pytest.raises(ConfigurationError, match="LocalServing judges no rollout by live traffic: nothing to abort"):
+        local.decide_rollout("svc", "abort")
+    gpuferry = Path(__file__).resolve().parent.parent / ".venv/bin/gpuferry"
+    env = {**os.environ, "GPUFERRY_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [str(gpuferry), "rollout", "promote", "no-such-service"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2 and "no version of 'no-such-service' serves" in done.stderr, done.stderr

@@ -21,7 +21,7 @@ from prefect_docker.host import DockerHost
 from blocks.base.serving import DeployOutcome, Release
 from blocks.base.storage import write_manifest
 from blocks.docker.serving import DockerServing
-from blocks.errors import CanaryFailed
+from blocks.errors import CanaryFailed, ConfigurationError
 from blocks.records import ImageRef, ServerSpec
 from blocks.specs import RolloutPolicy, ServingSpec
 from tests.fake_gpus import FakeGpus
@@ -264,3 +264,40 @@ def test_the_alias_moves_only_to_a_version_that_passed_its_canary(
     tags = tracking.version_tags("canary-model", passed)
     assert tags["promotion"] == "promoted" and tags["deploy.status"] == "deployed"
     assert tags["deploy.rollout.strategy"] == "canary" and serving.current(SERVICE)["version"] == passed
+
+
+def test_a_window_shows_its_state_and_ends_when_promoted_or_aborted_by_hand(
+    serving: DockerServing, images: tuple[ImageRef, ImageRef], models: dict[str, str]
+) -> None:
+    """What `gpuferry rollout status|promote|abort` call: the window's state as its deploy last wrote it, and a
+    decision the deploy reads back within a tick."""
+    image = images[0]
+    first = serving.deploy(spec(), release("1", image, models["good"]))
+    with pytest.raises(ConfigurationError, match="no canary or shadow window is under way"):
+        serving.decide_rollout(SERVICE, "promote")
+    long = POLICY.model_copy(update={"window_seconds": 600})
+    outcome: dict[str, object] = {}
+
+    def deploy(version: str) -> None:
+        try:
+            outcome[version] = serving.deploy(spec(long), release(version, image, models["good"]))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcome[version] = exc
+
+    with Load(first.url):
+        for version, decision in (("2", "promote"), ("3", "abort")):
+            worker = threading.Thread(target=deploy, args=(version,))
+            worker.start()
+            wait_for(lambda: (serving.rollout_status(SERVICE) or {}).get("answered", 0) > 0, 300)
+            state = serving.rollout_status(SERVICE)
+            assert state is not None and state["version"] == version and state["strategy"] == "canary"
+            assert state["share"] == 0.25 and state["seconds"] >= 10 and state["error_rate"] == 0
+            serving.decide_rollout(SERVICE, decision)
+            worker.join(300)
+            assert not worker.is_alive() and serving.rollout_status(SERVICE) is None
+    promoted, aborted = outcome["2"], outcome["3"]
+    assert not isinstance(promoted, Exception), promoted
+    assert promoted.detail["rollout"]["decided_by_hand"] == "promote"
+    assert promoted.detail["rollout"]["window_seconds"] < 600
+    assert isinstance(aborted, CanaryFailed) and aborted.reasons == ["aborted by hand (gpuferry rollout abort)"]
+    assert serving.current(SERVICE)["version"] == "2"

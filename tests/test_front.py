@@ -379,6 +379,24 @@ def test_a_shadow_gets_a_copy_of_a_share_of_the_scoring_requests_and_clients_onl
         assert bad.returncode == 2 and "SHADOW_SHARE='2' must be above 0 and at most 1" in bad.stderr
 
 
+def test_the_rollout_state_and_a_decision_by_hand_live_beside_the_target(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), front.TARGET_FILE_ENV: str(tmp_path / "front" / "target")}
+
+    def front_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "runtime.front", "rollout", *args]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    refused = front_cli("decide", "promote")
+    assert refused.returncode == 3 and "no canary or shadow window is under way" in refused.stderr
+    assert front_cli("set", '{"version": "2", "share": 0.1}').returncode == 0
+    assert json.loads(front_cli("show").stdout) == {"version": "2", "share": 0.1}
+    assert front_cli("decision").stdout == ""
+    assert front_cli("decide", "abort").returncode == 0 and front_cli("decision").stdout == "abort"
+    assert front_cli("decide", "later").returncode == 2 and front_cli("set", "{not json").returncode == 2
+    assert front_cli("clear").returncode == 0
+    assert front_cli("show").stdout == "" and front_cli("decision").stdout == ""
+
+
 def wait_for(condition, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -130,6 +130,7 @@ class Verdict:
     passed: bool
     reasons: list[str]
     numbers: dict[str, float]
+    decision: str | None = None  # promote or abort: decided by hand before the window's end
 
     def summary(self) -> str:
         return "passed" if self.passed else "failed: " + "; ".join(self.reasons)
@@ -203,14 +204,21 @@ def observe(
     tick: float = 1.0,
     progress: Callable[[float, Window], None] | None = None,
     every: float = 10.0,
+    control: Callable[[], str | None] | None = None,
 ) -> Verdict:
     """Watch one window: sample both versions, wait ``window_seconds`` (or until the new version answered
     ``window_requests``), sample them again and judge. ``progress`` gets the seconds gone and the new version's
-    counts so far every ``every`` seconds. The verdict's numbers say how long the window was."""
+    counts so far every ``every`` seconds; ``control``, asked every tick, may end the window with a decision
+    taken by hand (``promote``: it passes, ``abort``: it fails). The verdict's numbers say how long it was."""
     first_current, first_candidate = current(), candidate()
     started = reported = clock()
+    decision = None
     while (left := policy.window_seconds - (clock() - started)) > 0:
         sleep(min(tick, left))
+        decision = control() if control is not None else None
+        if decision in ("promote", "abort"):
+            break
+        decision = None
         wanted = policy.window_requests is not None
         due = progress is not None and clock() - reported >= every
         if wanted or due:
@@ -222,4 +230,9 @@ def observe(
                 break
     verdict = judge(policy, current() - first_current, candidate() - first_candidate)
     verdict.numbers["window_seconds"] = round(clock() - started, 3)
+    if decision == "promote":
+        return Verdict(passed=True, reasons=[], numbers=verdict.numbers, decision=decision)
+    if decision == "abort":
+        reasons = ["aborted by hand (gpuferry rollout abort)"]
+        return Verdict(passed=False, reasons=reasons, numbers=verdict.numbers, decision=decision)
     return verdict

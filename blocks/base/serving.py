@@ -265,6 +265,15 @@ class ServingBackend(Block, ABC):
     # "canary" or "shadow".
     rollout_strategies: ClassVar[tuple[str, ...]] = ("rolling",)
 
+    def rollout_status(self, service: str) -> dict[str, Any] | None:
+        """The canary or shadow window under way for ``service`` (None: none); a backend that judges no rollout
+        has none."""
+        return None
+
+    def decide_rollout(self, service: str, decision: str) -> None:
+        """End the window under way for ``service`` by hand: ``promote`` or ``abort``."""
+        raise ConfigurationError(f"{type(self).__name__} judges no rollout by live traffic: nothing to {decision}")
+
     def preflight(self, spec: ServingSpec) -> None:
         """Read-only checks against the backend itself (``validate``, then what needs a call), run before a
         pipeline acquires nodes or trains. Raise ``ConfigurationError`` when ``spec`` cannot be served there."""

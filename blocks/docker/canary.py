@@ -12,14 +12,16 @@ one that fails is taken out of the front at once, drains its requests under way 
 
 from __future__ import annotations
 
+import json
 import time
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from blocks.base.analysis import Sample, Window, observe
 from blocks.base.log import run_logger
-from blocks.errors import CanaryFailed, DeployFailed
+from blocks.errors import CanaryFailed, ConfigurationError, DeployFailed
 from blocks.specs import RolloutPolicy
 
 if TYPE_CHECKING:
@@ -118,6 +120,18 @@ class DockerCanary(_Base):
 
         reasons: list[str] = []
         numbers: dict[str, Any] = {"strategy": kind, "share": policy.share}
+        # What `gpuferry rollout status` shows, kept beside the front's target; `promote`/`abort` are read back.
+        state = {
+            "service": service,
+            "strategy": kind,
+            "share": policy.share,
+            "version": version,
+            "serving_version": old_version,
+            "window_seconds": policy.window_seconds,
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        self._front_command(front, "rollout", "clear")
+        self._front_command(front, "rollout", "set", json.dumps(state))
         try:
             try:
 
@@ -131,9 +145,15 @@ class DockerCanary(_Base):
                         so_far.answered,
                         100 * so_far.error_rate,
                     )
+                    state.update(seconds=round(seconds), answered=so_far.answered, error_rate=so_far.error_rate)
+                    self._front_command(front, "rollout", "set", json.dumps(state))
 
                 verdict = observe(
-                    policy, current, lambda: metrics_of(url, f"v{version} (the {kind})"), progress=progress
+                    policy,
+                    current,
+                    lambda: metrics_of(url, f"v{version} (the {kind})"),
+                    progress=progress,
+                    control=lambda: self._front_command(front, "rollout", "decision").strip() or None,
                 )
             except DeployFailed as exc:
                 if f"v{version} (the {kind})" not in str(exc):
@@ -142,9 +162,13 @@ class DockerCanary(_Base):
             else:
                 numbers.update(verdict.numbers)
                 reasons = verdict.reasons
+                if verdict.decision:
+                    numbers["decided_by_hand"] = verdict.decision
         except BaseException:
             back()
             raise
+        finally:
+            self._front_command(front, "rollout", "clear")
         numbers["window_ended"] = time.monotonic()  # the deploy reports how long applying the verdict took
         if kind == "shadow":
             back()  # no more copies: passed, it takes over as in a rolling deploy; failed, it is removed
@@ -162,3 +186,14 @@ class DockerCanary(_Base):
             reasons=reasons,
             numbers=numbers,
         )
+
+    def rollout_status(self, service: str) -> dict[str, Any] | None:
+        """The canary or shadow window under way for ``service`` (what its deploy last wrote), or None."""
+        text = self._front_command(self.front_name(service), "rollout", "show").strip()
+        return json.loads(text) if text else None
+
+    def decide_rollout(self, service: str, decision: str) -> None:
+        """End the window under way now: ``promote`` (it passes) or ``abort`` (it fails and is removed)."""
+        if self.rollout_status(service) is None:
+            raise ConfigurationError(f"no canary or shadow window is under way for {service!r}")
+        self._front_command(self.front_name(service), "rollout", "decide", decision)
