@@ -6,6 +6,7 @@ during its window (400: the model raised, as MLflow's server answers)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -101,6 +102,13 @@ def release(version: str, image: ImageRef, uri: str) -> Release:
 
 def spec(rollout: RolloutPolicy | None = None) -> ServingSpec:
     return ServingSpec(service_name=SERVICE, smoke_request=SMOKE, ready_timeout_seconds=240, rollout=rollout)
+
+
+def predict_status(url: str) -> int:
+    try:
+        return httpx.post(f"{url}/invocations", json=SMOKE, timeout=30).status_code
+    except httpx.HTTPError:
+        return 0
 
 
 class Load:
@@ -301,3 +309,14 @@ def test_a_window_shows_its_state_and_ends_when_promoted_or_aborted_by_hand(
     assert promoted.detail["rollout"]["window_seconds"] < 600
     assert isinstance(aborted, CanaryFailed) and aborted.reasons == ["aborted by hand (gpuferry rollout abort)"]
     assert serving.current(SERVICE)["version"] == "2"
+
+    # A window its deploy left under way (the process killed): the next deploy ends it before anything else.
+    from blocks.docker.spec import LABEL_FRONT_TARGET
+
+    front = serving.front_name(SERVICE)
+    labels = serving.engine().inspect(serving.active_name(SERVICE))["Config"]["Labels"]
+    serving._front_command(front, "rollout", "set", json.dumps({"version": "9", "strategy": "canary"}))
+    serving._set_target(front, f"{labels[LABEL_FRONT_TARGET]}=0.5", "gone-away:8080=0.5")
+    fourth = serving.deploy(spec(), release("4", image, models["good"]))
+    assert serving.rollout_status(SERVICE) is None and fourth.previous_version == "2"
+    assert {predict_status(fourth.url) for _ in range(20)} == {200}

@@ -187,6 +187,27 @@ class DockerCanary(_Base):
             numbers=numbers,
         )
 
+    def _end_stale_window(self, service: str, serving_target: str) -> None:
+        """A window a deploy left under way (its process killed): the front back on the serving version alone, no
+        copies, no state. A front without windows (made by an older gpuferry) has none to end."""
+        front = self.front_name(service)
+        if self.engine().inspect(front) is None:
+            return
+        try:
+            stale = self.rollout_status(service)
+        except DeployFailed:
+            return
+        if stale is not None:
+            run_logger("gpuferry.docker.canary").warning(
+                "%s: ending the %s of v%s that a deploy left under way",
+                service,
+                stale.get("strategy"),
+                stale.get("version"),
+            )
+            self._set_target(front, serving_target)
+            self._front_command(front, "shadow", "off")
+            self._front_command(front, "rollout", "clear")
+
     def rollout_status(self, service: str) -> dict[str, Any] | None:
         """The canary or shadow window under way for ``service`` (what its deploy last wrote), or None."""
         text = self._front_command(self.front_name(service), "rollout", "show").strip()

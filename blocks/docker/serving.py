@@ -223,6 +223,10 @@ class DockerServing(DockerFront, DockerCanary, ServingBackend, DockerGpuHost):
         smoke = require_smoke_request(spec)
         request = self.gpu_request(spec)
         inventory = self.check_gpu_request(request, required=True)
+        if previous is not None:
+            restore_to = (previous["Config"].get("Labels") or {}).get(LABEL_FRONT_TARGET)
+            if restore_to:
+                self._end_stale_window(service, restore_to)  # before the leftovers it may still send requests to go
         self._remove_leftovers(service, keep={active})
         engine.ensure_image(image, self.registry_credentials)
         gpu_mode = self.resolved_gpu_mode() if request.wanted else "cdi"
