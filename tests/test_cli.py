@@ -249,7 +249,7 @@ def test_version_and_short_help() -> None:
     assert version.returncode == 0 and version.stdout.startswith("gpuferry "), version
     short = gpuferry("-h")
     assert short.returncode == 0 and "stack" in short.stdout and "check" in short.stdout, short
-    for command in (("check", "-h"), ("run", "retrain", "-h"), ("stack", "apply", "-h")):
+    for command in (("check", "-h"), ("run", "retrain", "-h"), ("stack", "apply", "-h"), ("rollout", "promote", "-h")):
         out = gpuferry(*command)
         assert out.returncode == 0 and "Example" in out.stdout, (command, out.stdout)
 
@@ -270,6 +270,8 @@ def test_version_and_short_help() -> None:
         ("rollback", "house-prices", "--stack", "hpc"),
         ("serve", "house-prices", "--stack", "hpc"),
         ("gc", "--stack", "hpc"),
+        ("rollout", "status", "house-prices", "--stack", "hpc"),
+        ("rollout", "abort", "house-prices", "--stack", "hpc"),
     ],
 )
 def test_an_unreachable_prefect_server_is_two_lines_naming_the_setting(command: tuple[str, ...]) -> None:
