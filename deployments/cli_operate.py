@@ -193,18 +193,29 @@ def add_job_states(rows: list[dict[str, Any]]) -> None:
 def runs(
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many runs, newest first.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print the runs as JSON.")] = False,
+    scheduled: Annotated[
+        bool, typer.Option("--scheduled", help="Also the runs a schedule has planned for later.")
+    ] = False,
 ) -> None:
     """The recent flow runs: flow, state, start, stack, training job (its queue state while the run lives: PENDING
-    and the scheduler's reason, RUNNING and its nodes) and the model version each registered.
+    and the scheduler's reason, RUNNING and its nodes) and the model version each registered. Runs a schedule
+    planned for later are left out unless `--scheduled`.
 
     Example: `gpuferry runs -n 5`.
     """
+    from datetime import UTC, datetime
+
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterId
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterId, FlowRunFilter, FlowRunFilterExpectedStartTime
     from prefect.client.schemas.sorting import FlowRunSort
 
+    due = (
+        None
+        if scheduled
+        else FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.now(UTC)))
+    )
     with get_client(sync_client=True) as client:
-        found = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=limit)
+        found = client.read_flow_runs(flow_run_filter=due, sort=FlowRunSort.START_TIME_DESC, limit=limit)
         ids = list({r.flow_id for r in found})
         flows = client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=ids))) if ids else []
     names = {f.id: f.name for f in flows}
