@@ -34,54 +34,17 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
-from bench.image_build import stack_env  # `make registry-up`, then the stack's settings
+from bench.image_build import registry_credentials, stack_env  # `make registry-up`, then its settings
 from blocks.base.serving import Release
-from blocks.base.storage import write_manifest
 from blocks.docker.image import DockerImageBuilder
 from blocks.docker.serving import DockerServing
 from blocks.errors import CanaryFailed
 from blocks.records import ServerSpec
 from blocks.specs import RolloutPolicy, ServingSpec
 from blocks.workload.source import load_workload
-
-MODEL = """
-import mlflow
-
-
-class Model(mlflow.pyfunc.PythonModel):
-    def predict(self, context, model_input, params=None):
-        x = model_input["x"].to_numpy()
-        if {fail} and (x % 5 == 0).any():
-            raise ValueError("this version fails on multiples of 5")
-        return 2 * x
-
-
-mlflow.models.set_model(Model())
-"""
-
-
-def save_models(root: Path) -> dict[str, str]:
-    import mlflow.pyfunc
-    import pandas as pd
-    from mlflow.models import infer_signature
-
-    example = pd.DataFrame({"x": [1.0, 2.0]})
-    uris = {}
-    for name, fail in (("good", False), ("failing", True)):
-        (root / f"{name}.py").write_text(MODEL.format(fail=fail))
-        mlflow.pyfunc.save_model(
-            root / name,
-            python_model=str(root / f"{name}.py"),
-            input_example=example,
-            signature=infer_signature(example, example["x"].to_numpy()),
-            pip_requirements=["mlflow"],
-        )
-        write_manifest(root / name)
-        uris[name] = (root / name).as_uri()
-    return uris
+from tests.pyfunc_models import canary_models
 
 
 class SteadyLoad:
@@ -131,9 +94,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40, help="client requests a second")
     args = parser.parse_args()
     env = stack_env()
-    creds = DockerRegistryCredentials(
-        username=env["REGISTRY_USER"], password=env["REGISTRY_PASSWORD"], registry_url=f"http://{env['REGISTRY_URL']}"
-    )
+    creds = registry_credentials(env)
     host = DockerHost(base_url=env["DOCKER_HOST"])
     image = DockerImageBuilder(
         docker_host=host,
@@ -141,7 +102,7 @@ def main() -> None:
         repository="gpuferry/bench-canary",
         build_args={"BASE_IMAGE": env["BASE_IMAGE"]},
     ).build(load_workload(str(ROOT / "examples/diabetes")))
-    models = save_models(Path(tempfile.mkdtemp(prefix="gpuferry-bench-canary-")))
+    models = canary_models(Path(tempfile.mkdtemp(prefix="gpuferry-bench-canary-")))
     serving = DockerServing(
         docker_host=host, registry_credentials=creds, drain_seconds=5, env={"WARMUP_ITERATIONS": "1"}
     )

@@ -37,10 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prefect_docker.credentials import DockerRegistryCredentials
 from prefect_docker.host import DockerHost
 
-from bench.image_build import stack_env  # `make registry-up`, then the stack's settings
+from bench.image_build import registry_credentials, stack_env  # `make registry-up`, then its settings
 from blocks.docker.compute import DockerCompute
 from blocks.docker.image import DockerImageBuilder
 from blocks.local.provider import LocalMachine
@@ -57,9 +56,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="rounds of each side (medians are reported)")
     args = parser.parse_args()
     env = stack_env()
-    creds = DockerRegistryCredentials(
-        username=env["REGISTRY_USER"], password=env["REGISTRY_PASSWORD"], registry_url=f"http://{env['REGISTRY_URL']}"
-    )
+    creds = registry_credentials(env)
     host = DockerHost(base_url=env["DOCKER_HOST"])
     image = DockerImageBuilder(
         docker_host=host,

@@ -49,15 +49,20 @@ def stack_env() -> dict[str, str]:
     return env
 
 
+def registry_credentials(env: dict[str, str]) -> DockerRegistryCredentials:
+    """The login to the registry stack (``stack_env``'s settings)."""
+    return DockerRegistryCredentials(
+        username=env["REGISTRY_USER"], password=env["REGISTRY_PASSWORD"], registry_url=f"http://{env['REGISTRY_URL']}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="tag-hit runs (the median is reported)")
     args = parser.parse_args()
 
     env = stack_env()
-    creds = DockerRegistryCredentials(
-        username=env["REGISTRY_USER"], password=env["REGISTRY_PASSWORD"], registry_url=f"http://{env['REGISTRY_URL']}"
-    )
+    creds = registry_credentials(env)
 
     def builder(repository: str, **kwargs: object) -> DockerImageBuilder:
         return DockerImageBuilder(

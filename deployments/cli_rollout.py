@@ -69,7 +69,7 @@ def status(
 
 def _decide(service: str, stack: str | None, decision: str) -> None:
     _serving(stack, service).decide_rollout(service, decision)
-    typer.echo(f"{service}: {decision} asked; the deploy ends the window within a few seconds")
+    typer.echo(f"{service}: {decision} asked; the deploy reads it at its next check (every second)")
 
 
 @rollout_app.command("promote")

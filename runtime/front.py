@@ -39,6 +39,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 PORT_ENV = "FRONT_PORT"
@@ -159,19 +160,24 @@ class Target:
         return any(target == t for t, _ in self.get() or [])
 
 
+def replace_file(path: str, data: bytes, *, sync: bool = False) -> None:
+    """Replace ``path`` at once (write a sibling, then rename it over: a reader never sees half of it); ``sync``:
+    on disk before the rename."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        if sync:
+            handle.flush()
+            os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
 def write_target(path: str, *targets: str) -> None:
-    """Replace the target file at once (write a sibling, then rename it over); each of ``targets`` is
-    ``host:port`` or ``host:port=weight``."""
+    """Replace the target file at once; each of ``targets`` is ``host:port`` or ``host:port=weight``."""
     lines = [t.strip().replace("=", " ", 1) for t in targets]
     parse_targets("\n".join(lines))
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as handle:
-        handle.write("".join(line + "\n" for line in lines))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    replace_file(path, "".join(line + "\n" for line in lines).encode(), sync=True)
 
 
 class ShadowTarget:
@@ -226,10 +232,7 @@ class ShadowTarget:
         text = ("\n".join(self.shadow.render()) + "\n").encode()
         if text == self._written:
             return
-        temporary = f"{self.path}{STATS_SUFFIX}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as handle:
-            handle.write(text)
-        os.replace(temporary, f"{self.path}{STATS_SUFFIX}")
+        replace_file(f"{self.path}{STATS_SUFFIX}", text)
         self._written = text
 
 
@@ -239,12 +242,7 @@ def write_shadow(path: str, url: str, share: str, rtol: str = "1e-6", atol: str 
 
     wanted = {"url": url, "share": share, "rtol": rtol, "atol": atol}
     ShadowSettings.from_env({f"SHADOW_{k.upper()}": v for k, v in wanted.items()})
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as handle:
-        json.dump(wanted, handle)
-    os.replace(temporary, path)
+    replace_file(path, json.dumps(wanted).encode())
 
 
 # ---------------------------------------------------------------------------------------------------- HTTP
@@ -597,12 +595,12 @@ def rollout_command(directory: str, args: list[str]) -> int:
         except ValueError as exc:
             print(f"front: the rollout's state is not JSON: {exc}", file=sys.stderr)
             return 2
-        _replace(state, value)
+        replace_file(state, value.encode())
     elif verb == "decide" and value in DECISIONS:
         if not os.path.exists(state):
             print("front: no canary or shadow window is under way", file=sys.stderr)
             return 3
-        _replace(decision, value)
+        replace_file(decision, value.encode())
     elif verb in ("show", "decision") and value is None:
         with contextlib.suppress(FileNotFoundError), open(state if verb == "show" else decision) as handle:
             sys.stdout.write(handle.read())
@@ -619,12 +617,14 @@ def rollout_command(directory: str, args: list[str]) -> int:
     return 0
 
 
-def _replace(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as handle:
-        handle.write(text)
-    os.replace(temporary, path)
+def _written(write: Callable[..., None], *args: str) -> int:
+    """A command that writes one of the front's files: 0, or 2 with what was wrong with its arguments."""
+    try:
+        write(*args)
+    except ValueError as exc:
+        print(f"front: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -636,12 +636,7 @@ def main(argv: list[str]) -> int:
             os.remove(shadow_path)
         return 0
     if argv[:1] == ["shadow"] and 3 <= len(argv) <= 5:
-        try:
-            write_shadow(shadow_path, *argv[1:])
-        except ValueError as exc:
-            print(f"front: {exc}", file=sys.stderr)
-            return 2
-        return 0
+        return _written(write_shadow, shadow_path, *argv[1:])
     if argv[:1] == ["rollout"] and len(argv) in (2, 3):
         return rollout_command(os.path.dirname(path) or ".", argv[1:])
     if argv == ["stats"]:
@@ -649,12 +644,7 @@ def main(argv: list[str]) -> int:
             sys.stdout.write(handle.read())
         return 0
     if argv[:1] == ["set"] and len(argv) >= 2:
-        try:
-            write_target(path, *argv[1:])
-        except ValueError as exc:
-            print(f"front: {exc}", file=sys.stderr)
-            return 2
-        return 0
+        return _written(write_target, path, *argv[1:])
     if argv:
         print(
             "usage: python -m runtime.front [set HOST:PORT[=WEIGHT] ... | shadow URL SHARE [RTOL [ATOL]] | shadow off"

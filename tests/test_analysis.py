@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from blocks.base.analysis import Sample, Window, judge
+from blocks.base.analysis import Sample, Verdict, Window, judge
 from blocks.errors import ConfigurationError
 from blocks.specs import RolloutPolicy
 from runtime.metrics import Metrics
@@ -166,49 +167,30 @@ def test_a_window_ends_at_its_time_or_once_the_new_version_answered_enough() -> 
             served["current"].observe_request(200, 0.003)
         served["candidate"].observe_request(200, 0.003)
 
+    def watch(policy: RolloutPolicy, **options: Any) -> Verdict:
+        current, candidate = served["current"], served["candidate"]
+        return observe(
+            policy,
+            lambda: Sample.parse(text(current)),
+            lambda: Sample.parse(text(candidate)),
+            clock=lambda: now[0],
+            sleep=sleep,
+            **options,
+        )
+
     seen: list[tuple[float, int]] = []
     policy = RolloutPolicy(strategy="canary", share=0.1, window_seconds=60, min_requests=10)
-    verdict = observe(
-        policy,
-        lambda: Sample.parse(text(served["current"])),
-        lambda: Sample.parse(text(served["candidate"])),
-        clock=lambda: now[0],
-        sleep=sleep,
-        progress=lambda seconds, so_far: seen.append((seconds, so_far.answered)),
-    )
+    verdict = watch(policy, progress=lambda seconds, so_far: seen.append((seconds, so_far.answered)))
     assert verdict.passed and verdict.numbers["window_seconds"] == 60
     assert (verdict.numbers["current_requests"], verdict.numbers["candidate_requests"]) == (540, 60)
     assert seen == [(10.0, 10), (20.0, 20), (30.0, 30), (40.0, 40), (50.0, 50), (60.0, 60)]
     early = RolloutPolicy(strategy="canary", share=0.1, window_seconds=60, window_requests=25, min_requests=10)
-    assert (
-        observe(
-            early,
-            lambda: Sample.parse(text(served["current"])),
-            lambda: Sample.parse(text(served["candidate"])),
-            clock=lambda: now[0],
-            sleep=sleep,
-        ).numbers["window_seconds"]
-        == 25
-    )
+    assert watch(early).numbers["window_seconds"] == 25
     asked = iter([None, None, "abort"])  # decided by hand in the third second
-    aborted = observe(
-        policy,
-        lambda: Sample.parse(text(served["current"])),
-        lambda: Sample.parse(text(served["candidate"])),
-        clock=lambda: now[0],
-        sleep=sleep,
-        control=lambda: next(asked),
-    )
+    aborted = watch(policy, control=lambda: next(asked))
     assert not aborted.passed and aborted.decision == "abort" and aborted.numbers["window_seconds"] == 3
     assert aborted.reasons == ["aborted by hand (gpuferry rollout abort)"]
-    promoted = observe(
-        policy,
-        lambda: Sample.parse(text(served["current"])),
-        lambda: Sample.parse(text(served["candidate"])),
-        clock=lambda: now[0],
-        sleep=sleep,
-        control=lambda: "promote",
-    )
+    promoted = watch(policy, control=lambda: "promote")
     assert promoted.passed and promoted.decision == "promote" and promoted.numbers["candidate_requests"] == 1
 
 

@@ -15,39 +15,20 @@ from types import SimpleNamespace
 
 import docker
 import httpx
-import pandas as pd
 import pytest
 from prefect_docker.host import DockerHost
 
 from blocks.base.serving import DeployOutcome, Release
-from blocks.base.storage import write_manifest
 from blocks.docker.serving import DockerServing
 from blocks.errors import CanaryFailed, ConfigurationError
 from blocks.records import ImageRef, ServerSpec
 from blocks.specs import RolloutPolicy, ServingSpec
 from tests.fake_gpus import FakeGpus
+from tests.pyfunc_models import canary_models
 from tests.test_docker_compute import credentials, engine, stack  # noqa: F401 - fixtures
 from tests.test_docker_serving import _inventory, gpus, images, wait_for  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
-
-# y = 2x; the failing version raises for every x that is a multiple of 5 (a fifth of the load below), the
-# differing one answers 3x for every x that is a multiple of 3 (a third of the load of x cycling 1..6).
-MODEL = """
-import mlflow
-import numpy as np
-
-
-class Model(mlflow.pyfunc.PythonModel):
-    def predict(self, context, model_input, params=None):
-        x = model_input["x"].to_numpy()
-        if {fail} and (x % 5 == 0).any():
-            raise ValueError("this version fails on multiples of 5")
-        return np.where((x % 3 == 0) & {differ}, 3 * x, 2 * x)
-
-
-mlflow.models.set_model(Model())
-"""
 
 SMOKE = {"dataframe_records": [{"x": 1.0}]}
 POLICY = RolloutPolicy(
@@ -57,25 +38,9 @@ POLICY = RolloutPolicy(
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    import mlflow.pyfunc
-    from mlflow.models import infer_signature
-
-    root = tmp_path_factory.mktemp("canary-models")
-    example = pd.DataFrame({"x": [1.0, 2.0]})
-    uris = {}
-    for name, fail, differ in (("good", False, False), ("failing", True, False), ("differing", False, True)):
-        code = root / f"{name}.py"
-        code.write_text(MODEL.format(fail=fail, differ=differ))
-        mlflow.pyfunc.save_model(
-            root / name,
-            python_model=str(code),
-            input_example=example,
-            signature=infer_signature(example, example["x"].to_numpy()),
-            pip_requirements=["mlflow"],
-        )
-        write_manifest(root / name)
-        uris[name] = (root / name).as_uri()
-    return uris
+    """y = 2x; ``failing`` raises on every multiple of 5 (a fifth of the load below), ``differing`` answers 3x for
+    every multiple of 3 (a third of the load of x cycling 1..6)."""
+    return canary_models(tmp_path_factory.mktemp("canary-models"))
 
 
 @pytest.fixture

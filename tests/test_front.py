@@ -365,6 +365,9 @@ def test_a_shadow_gets_a_copy_of_a_share_of_the_scoring_requests_and_clients_onl
 
             wait_for(lambda: counts().get('inference_shadow_requests_total{code="200"}') == 10)
             assert counts()['inference_shadow_rows_total{result="disagree"}'] == 10  # v2 answers with its own name
+            for _ in range(2):  # bodies past 64 KiB are streamed through, not held: not copied
+                big = client.post(f"{url}/invocations", json={"x": "a" * 70_000})
+                assert big.json()["version"] == "v1" and big.json()["bytes"] > 70_000
             front_cli("shadow", "off")
             client.post(f"{url}/invocations", json={"x": 0})
             time.sleep(1.5)  # the front writes its counts every 0.5 s: none any more

@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
-from blocks.base.storage import write_manifest
 from runtime.shadow import ShadowSettings, agree, compare
+from tests.pyfunc_models import save_pyfunc
 from tests.test_serve import Server, _free_port, start, wait_for
 
 # y = x, except that the candidate doubles every row whose x is a multiple of 3.
@@ -31,24 +30,6 @@ mlflow.models.set_model(Model())
 """
 
 
-def save(root: Path, name: str, candidate: bool) -> Path:
-    import mlflow.pyfunc
-    from mlflow.models import infer_signature
-
-    code = root / f"{name}.py"
-    code.write_text(MODEL.format(candidate=candidate))
-    example = pd.DataFrame({"x": [1.0, 2.0]})
-    mlflow.pyfunc.save_model(
-        root / name,
-        python_model=str(code),
-        input_example=example,
-        signature=infer_signature(example, example["x"].to_numpy()),
-        pip_requirements=["mlflow"],
-    )
-    write_manifest(root / name)
-    return root / name
-
-
 @dataclass
 class Pair:
     serving: Server  # copies to the candidate
@@ -61,7 +42,10 @@ PROBE = {"dataframe_records": [{"x": 1.0}]}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("shadow-models")
-    return save(root, "serving", candidate=False), save(root, "candidate", candidate=True)
+    return (
+        save_pyfunc(root, "serving", MODEL.format(candidate=False)),
+        save_pyfunc(root, "candidate", MODEL.format(candidate=True)),
+    )
 
 
 def pair(models: tuple[Path, Path], logs: Path, share: float) -> Pair:

@@ -223,10 +223,9 @@ class DockerServing(DockerFront, DockerCanary, ServingBackend, DockerGpuHost):
         smoke = require_smoke_request(spec)
         request = self.gpu_request(spec)
         inventory = self.check_gpu_request(request, required=True)
-        if previous is not None:
-            restore_to = (previous["Config"].get("Labels") or {}).get(LABEL_FRONT_TARGET)
-            if restore_to:
-                self._end_stale_window(service, restore_to)  # before the leftovers it may still send requests to go
+        restore = None if previous is None else (previous["Config"].get("Labels") or {}).get(LABEL_FRONT_TARGET)
+        if restore:
+            self._end_stale_window(service, restore)  # before the leftovers it may still send requests to go
         self._remove_leftovers(service, keep={active})
         engine.ensure_image(image, self.registry_credentials)
         gpu_mode = self.resolved_gpu_mode() if request.wanted else "cdi"
@@ -247,7 +246,6 @@ class DockerServing(DockerFront, DockerCanary, ServingBackend, DockerGpuHost):
         except BaseException:
             self._forget_secrets(candidate)
             raise
-        restore = None if previous is None else (previous["Config"].get("Labels") or {}).get(LABEL_FRONT_TARGET)
         measured: dict[str, Any] = {}
         try:
             engine.start(container)
