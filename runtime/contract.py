@@ -113,6 +113,8 @@ MAX_QUEUE = "MAX_QUEUE"
 MODEL_SHA256 = "MODEL_SHA256"
 # Where the model runs: auto (default), cpu, cuda or cuda:N (runtime/device.py).
 MODEL_DEVICE = "MODEL_DEVICE"
+# A JSON file the server reads again when it changes: a canary or a shadow set while it runs (runtime/route.py).
+ROUTE_FILE = "ROUTE_FILE"
 
 
 # Checkpoint manifest (the format above; gpuferry's stores write it, the inference server checks it)

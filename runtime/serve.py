@@ -61,6 +61,8 @@ Endpoints:
 
 Shadow traffic: with ``SHADOW_URL`` set (and the other ``SHADOW_*`` settings of ``runtime/shadow.py``), a copy of a
 share of the requests goes to another version once this server has answered; clients get this server's answers only.
+``ROUTE_FILE`` (``runtime/route.py``) sets a canary (another version answers a share of the requests) or a shadow
+while the server runs: the file is read again when it changes.
 
 Concurrent requests are queued and predicted together on one dedicated thread, never on the event loop, so the
 probes answer while the model works. On SIGTERM (or Ctrl+C) readiness turns false at once, requests keep being
@@ -102,8 +104,8 @@ from runtime.device import DeviceError, moved_fix
 from runtime.jsonio import dumps, error_body
 from runtime.loading import LoadedModel, load
 from runtime.metrics import Metrics
+from runtime.route import Route
 from runtime.settings import Settings
-from runtime.shadow import Shadow
 
 log = logging.getLogger("runtime.serve")
 
@@ -153,7 +155,7 @@ class InferenceApp:
         # runtime.scoring imports MLflow, which load() imports on the predict thread (two threads importing it
         # at once fail on its circular imports): the event loop reaches it only once the model is loaded.
         self._request_error: type[Exception] = _NotLoaded
-        self.shadow = Shadow(settings.shadow) if settings.shadow is not None else None
+        self.route = Route(settings.route_file, settings.shadow)  # a canary's or shadow's share of the requests
 
     @property
     def ready(self) -> bool:
@@ -238,8 +240,7 @@ class InferenceApp:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.batcher.close()
-        if self.shadow is not None:
-            await self.shadow.close()
+        await self.route.close()
         self._parse_pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._scratch, ignore_errors=True)
 
@@ -271,12 +272,23 @@ class InferenceApp:
                 return
             started = time.perf_counter()
             request = _Request(scope)
+            self.route.refresh()
+            canary = self.route.canary
+            if canary is not None and self.scorer is not None and canary.take():
+                request.read = True
+                request.body = await _read_body(receive, self.settings.max_request_bytes)
+                answered = await canary.send(request.body, request.content_type) if request.body else None
+                if answered is not None:  # the canary's answer (its own metrics count it); else answered here
+                    status, body, kind = answered
+                    await _respond(send, status, body, content_type=kind.encode() if kind else _JSON)
+                    return
             status, body, headers = await self._invocations(request, receive)
             # Counted before the response goes out, so a client never sees a response the metrics miss.
             self.metrics.observe_request(status, time.perf_counter() - started)
             await _respond(send, status, body, headers)
-            if self.shadow is not None and request.body is not None:  # after the answer: a copy never delays it
-                self.shadow.offer(request.body, request.content_type, status, body)
+            shadow = self.route.shadow
+            if shadow is not None and request.body is not None:  # after the answer: a copy never delays it
+                shadow.offer(request.body, request.content_type, status, body)
             return
         if method != "GET":
             await _respond(send, *_error(405, "use GET", "BAD_REQUEST"), allow=b"GET")
@@ -292,8 +304,9 @@ class InferenceApp:
         elif path == "/metrics":
             fallbacks = self.scorer.fallbacks if self.scorer is not None else 0
             self.metrics.fallbacks = fallbacks
-            shadow = self.shadow.render() if self.shadow is not None else None
-            await _respond(send, 200, self.metrics.render(self.batcher.depth, self.ready, shadow), content_type=_TEXT)
+            self.route.refresh(force=True)
+            extra = self.route.render() + (self.route.shadow.render() if self.route.shadow is not None else [])
+            await _respond(send, 200, self.metrics.render(self.batcher.depth, self.ready, extra), content_type=_TEXT)
         else:
             await _respond(send, *_error(404, f"no route {path}", "ENDPOINT_NOT_FOUND"))
 
@@ -332,7 +345,8 @@ class InferenceApp:
         limit = self.settings.max_request_bytes
         if request.length is not None and request.length > limit:
             return _error(413, f"the body exceeds {limit} bytes (MAX_REQUEST_BYTES)", "BAD_REQUEST")
-        body = request.body = await _read_body(receive, limit)
+        body = request.body if request.read else await _read_body(receive, limit)
+        request.body = body
         if body is None:
             return _error(413, f"the body exceeds {limit} bytes (MAX_REQUEST_BYTES)", "BAD_REQUEST")
         if self.batcher.full:  # refuse before spending time on parsing
@@ -361,6 +375,7 @@ class _Request:
         self.content_type: str | None = None
         self.length: int | None = None
         self.body: bytes | None = None
+        self.read = False  # the body was read already (a canary's request answered here after all)
         for name, value in scope["headers"]:
             if name == b"content-type":
                 self.content_type = value.decode("latin-1")
@@ -493,6 +508,8 @@ def main() -> None:
     )
     if settings.shadow is not None:
         log.info("copying %g of the requests to the shadow %s", settings.shadow.share, settings.shadow.url)
+    if settings.route_file is not None:
+        log.info("a canary or shadow is read from %s (ROUTE_FILE) when it changes", settings.route_file)
     config = uvicorn.Config(
         app,
         host=settings.host,

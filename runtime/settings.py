@@ -34,6 +34,7 @@ class Settings:
     torch_threads: int | None = None
     model_device: str = AUTO  # auto, cpu, cuda or cuda:N (runtime.device)
     shadow: ShadowSettings | None = None  # where copies of requests go (runtime.shadow; SHADOW_URL unset: None)
+    route_file: str | None = None  # a canary or shadow set while the server runs (runtime.route; ROUTE_FILE)
 
     @classmethod
     def from_env(cls, env: MutableMapping[str, str] | None = None) -> Settings:
@@ -73,6 +74,7 @@ class Settings:
             torch_threads=number("TORCH_NUM_THREADS", None, int, 1),
             model_device=parse_device(env.get(contract.MODEL_DEVICE, "")),
             shadow=ShadowSettings.from_env(env),
+            route_file=env.get(contract.ROUTE_FILE, "").strip() or None,
         )
 
 

@@ -121,17 +121,61 @@ def compare(mine: bytes, theirs: bytes, rtol: float, atol: float) -> tuple[int, 
     return (1, 0) if agree(a, b, rtol, atol) else (0, 1)
 
 
+Posted = tuple[str, bytes, float, str | None]  # status code or "none", body, seconds, content type
+
+
+class Poster:
+    """POSTs bodies to one URL from a small thread pool, one kept-alive connection per thread; what the shadow's
+    copies and a canary's requests (``runtime/route.py``) are sent with."""
+
+    def __init__(self, url: str, timeout_s: float, threads: int, name: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self._host, self._port = parts.hostname or "", parts.port or 80
+        self._path = parts.path or "/"
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self._local = threading.local()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
+            self._local.connection = connection
+        return connection
+
+    def post(self, body: bytes, content_type: str | None) -> Posted:
+        """POST one body (on a pool thread): (status code or ``none``: no answer, body, seconds, content type)."""
+        headers = {"Content-Type": content_type or "application/json", "Content-Length": str(len(body))}
+        started = time.perf_counter()
+        for attempt in range(2):  # a kept connection the other side closed while idle is opened again once
+            connection = self._connection()
+            try:
+                connection.request("POST", self._path, body=body, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+                if response.will_close:
+                    connection.close()
+                kind = response.getheader("Content-Type")
+                return str(response.status), data, time.perf_counter() - started, kind
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as exc:
+                connection.close()
+                if attempt or time.perf_counter() - started > self.timeout_s:
+                    log.debug("POST to %s:%s failed: %s", self._host, self._port, exc)
+                    break
+            except (OSError, http.client.HTTPException) as exc:  # refused, timed out, unreadable
+                connection.close()
+                log.debug("POST to %s:%s failed: %s", self._host, self._port, exc)
+                break
+        return "none", b"", time.perf_counter() - started, None
+
+
 class Shadow:
     """Copies requests to the shadow and keeps the counts. ``offer`` is called on the event loop; the copies are
     sent from a small thread pool (one kept-alive connection per thread)."""
 
     def __init__(self, settings: ShadowSettings) -> None:
         self.settings = settings
-        parts = urllib.parse.urlsplit(settings.url)
-        self._host, self._port = parts.hostname or "", parts.port or 80
-        self._path = parts.path or "/"
-        self._pool = ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="shadow")
-        self._local = threading.local()
+        self._poster = Poster(settings.url, settings.timeout_s, settings.max_inflight, "shadow")
         self._credit = 0.0
         self._inflight = 0
         self._pending: set[asyncio.Future[None]] = set()
@@ -153,14 +197,14 @@ class Shadow:
             return
         self._inflight += 1
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, self._send, body, content_type)
+        future = loop.run_in_executor(self._poster.pool, self._poster.post, body, content_type)
         task = asyncio.ensure_future(self._settle(future, status, answer))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _settle(self, future: asyncio.Future[tuple[str, bytes, float]], status: int, answer: bytes) -> None:
+    async def _settle(self, future: asyncio.Future[Posted], status: int, answer: bytes) -> None:
         try:
-            code, theirs, seconds = await future
+            code, theirs, seconds, _ = await future
         finally:
             self._inflight -= 1
         self.codes[code] = self.codes.get(code, 0) + 1
@@ -171,42 +215,11 @@ class Shadow:
             self.rows["agree"] += agreeing
             self.rows["disagree"] += not_agreeing
 
-    def _connection(self) -> http.client.HTTPConnection:
-        connection = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.settings.timeout_s)
-            self._local.connection = connection
-        return connection
-
-    def _send(self, body: bytes, content_type: str | None) -> tuple[str, bytes, float]:
-        """POST one copy (on a pool thread): (status code or ``none``, body, seconds)."""
-        headers = {"Content-Type": content_type or "application/json", "Content-Length": str(len(body))}
-        started = time.perf_counter()
-        for attempt in range(2):  # a kept connection the shadow closed while idle is opened again once
-            connection = self._connection()
-            try:
-                connection.request("POST", self._path, body=body, headers=headers)
-                response = connection.getresponse()
-                data = response.read()
-                if response.will_close:
-                    connection.close()
-                return str(response.status), data, time.perf_counter() - started
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as exc:
-                connection.close()
-                if attempt or time.perf_counter() - started > self.settings.timeout_s:
-                    log.debug("shadow copy failed: %s", exc)
-                    break
-            except (OSError, http.client.HTTPException) as exc:  # refused, timed out, unreadable
-                connection.close()
-                log.debug("shadow copy failed: %s", exc)
-                break
-        return "none", b"", time.perf_counter() - started
-
     async def close(self) -> None:
         """Wait for the copies under way (each bounded by its timeout), then stop the threads."""
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._poster.pool.shutdown(wait=False, cancel_futures=True)
 
     def render(self) -> list[str]:
         """Its Prometheus lines."""
