@@ -319,7 +319,8 @@ class RolloutPolicy(_Spec):
     At the window's end the gates compare the two versions over the same window, from their servers' own
     ``/metrics``: the new version passes when every gate holds, and only then takes all the traffic.
 
-    Where: ``DockerServing`` rolls out ``rolling``, ``canary`` and ``shadow``; the other serving backends
+    Where: ``DockerServing`` (through its front) and ``KubernetesCluster`` (the serving pods route the share to
+    the new version's own Deployment) roll out ``rolling``, ``canary`` and ``shadow``; the other serving backends
     ``rolling`` only (a strategy the stack's backend does not do is refused before the run starts).
     """
 

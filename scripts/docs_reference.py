@@ -512,6 +512,7 @@ def server_page() -> str:
         raise SystemExit(f"runtime/serve.py's docstring does not describe {', '.join(missing)}: add them there")
     front_doc = inspect.getdoc(importlib.import_module("runtime.front")) or ""
     shadow_doc = inspect.getdoc(importlib.import_module("runtime.shadow")) or ""
+    route_doc = inspect.getdoc(importlib.import_module("runtime.route")) or ""
     lines = [
         "# The model server",
         "",
@@ -539,6 +540,12 @@ def server_page() -> str:
         "Its docstring:",
         "",
         docstring_md(shadow_doc),
+        "## A canary or shadow set while it runs",
+        "",
+        "With `ROUTE_FILE` set, the server reads a canary or a shadow from that file whenever it changes "
+        "(`runtime/route.py`; on Kubernetes, a ConfigMap key mounted into the pods). Its docstring:",
+        "",
+        docstring_md(route_doc),
         "## The front of a Docker service",
         "",
         "`DockerServing` puts a front (`runtime/front.py`) before the versions of a service. Its docstring:",
@@ -804,6 +811,9 @@ ADVICE = {
     "RolledBack": "The rollout failed (ImagePullBackOff, CrashLoopBackOff, OOMKilled, no progress, a failed "
     "smoke request) and was rolled back: fix what `reason` names (the image, memory limits, the model's input "
     "example) and deploy again (`gpuferry run deploy`).",
+    "CandidateGone": "Not shown on its own: the new version stopped answering `/metrics` during its canary or "
+    "shadow window, which fails it (`CanaryFailed`, the reason naming the version). See its log (the container's, "
+    "or `kubectl logs` of the `<service>-canary` pods).",
     "CanaryFailed": "The new version failed its canary window (its rate of failed answers or its p99 latency "
     "against the serving version's, or too few requests to judge): it was removed and the serving version "
     "answers every request; the alias did not move. The model version's `deploy.rollout.*` tags hold what was "

@@ -262,7 +262,7 @@ class ServiceLoad:
                     at = time.monotonic() - started
                     try:
                         r = client.post(path, json=self.body) if path == "/invocations" else client.get(path)
-                        self.answers.append(Answer(at, path, r.status_code, body=r.json() if path == "/" else None))
+                        self.answers.append(Answer(at, path, r.status_code, body=r.json()))
                     except (httpx.HTTPError, ValueError) as exc:
                         self.answers.append(Answer(at, path, None, error=f"{type(exc).__name__}: {exc}"))
         except BaseException as exc:  # noqa: BLE001 - kept and raised by the thread that joins this one

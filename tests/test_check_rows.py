@@ -195,7 +195,7 @@ def test_a_user_without_associations_an_interpreter_and_a_writable_directory(mon
 def test_the_permissions_a_deploy_needs_follow_the_blocks_settings() -> None:
     plain = deploy_permissions(KubernetesCluster(env_from_secret="model-store"))
     assert ("patch", "apps", "deployments", True) in plain and ("list", "", "nodes", False) in plain
-    assert len(plain) == len(set(plain)) == 10
+    assert len(plain) == len(set(plain)) == 14  # with the route ConfigMap and the pods of a canary or shadow
     own_secret = deploy_permissions(KubernetesCluster())  # the store's Secret is gpuferry's to make
     assert set(own_secret) - set(plain) == {(v, "", "secrets", True) for v in ("get", "create", "update", "delete")}
     assert not any(group in ("autoscaling", "policy") for _, group, _, _ in plain)

@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from blocks.specs import RolloutPolicy
@@ -30,6 +31,7 @@ class Sample:
     latency: dict[float, float] = field(default_factory=dict)  # cumulative buckets: upper bound → count
     shadow_rows: dict[str, float] = field(default_factory=dict)  # agree / disagree
     shadow_requests: dict[str, float] = field(default_factory=dict)  # copies by the shadow's status code
+    routed: dict[str, float] = field(default_factory=dict)  # requests a server sent to a canary, by its answer
 
     @classmethod
     def parse(cls, text: str) -> Sample:
@@ -50,6 +52,8 @@ class Sample:
                 sample.shadow_rows[label["result"]] = value
             elif name == "inference_shadow_requests_total" and "code" in label:
                 sample.shadow_requests[label["code"]] = value
+            elif name == "inference_route_requests_total" and "code" in label:
+                sample.routed[label["code"]] = value
         return sample
 
     def __add__(self, other: Sample) -> Sample:
@@ -61,6 +65,7 @@ class Sample:
             added(self.latency, other.latency),
             added(self.shadow_rows, other.shadow_rows),
             added(self.shadow_requests, other.shadow_requests),
+            added(self.routed, other.routed),
         )
 
     def __sub__(self, earlier: Sample) -> Window:
@@ -75,6 +80,7 @@ class Sample:
             delta(self.latency, earlier.latency),
             delta(self.shadow_rows, earlier.shadow_rows),
             delta(self.shadow_requests, earlier.shadow_requests),
+            delta(self.routed, earlier.routed),
         )
 
 
@@ -236,3 +242,73 @@ def observe(
         reasons = ["aborted by hand (gpuferry rollout abort)"]
         return Verdict(passed=False, reasons=reasons, numbers=verdict.numbers, decision=decision)
     return verdict
+
+
+class CandidateGone(Exception):
+    """The new version stopped answering during its window: that is its verdict."""
+
+
+def run_window(
+    policy: RolloutPolicy,
+    *,
+    service: str,
+    version: str,
+    serving_version: str,
+    current: Callable[[], Sample],
+    candidate: Callable[[], Sample],
+    publish: Callable[[dict[str, Any] | None], None],
+    decision: Callable[[], str | None],
+    log: Any,
+) -> tuple[dict[str, Any], list[str]]:
+    """One canary or shadow window as a deploy runs it, whatever routes the traffic: its state published for
+    ``gpuferry rollout status`` (``publish``; None at the end), a decision by hand read every second
+    (``decision``), the progress logged every 10 s. Returns what was measured (with ``window_ended``, a monotonic
+    time: ``decided`` turns it into how long applying the verdict took) and the gates failed (none: it passed).
+    ``candidate`` raising ``CandidateGone``: the new version stopped answering, which fails it."""
+    kind = policy.strategy
+    numbers: dict[str, Any] = {"strategy": kind, "share": policy.share}
+    state: dict[str, Any] = {
+        "service": service,
+        "strategy": kind,
+        "share": policy.share,
+        "version": version,
+        "serving_version": serving_version,
+        "window_seconds": policy.window_seconds,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+    def progress(seconds: float, so_far: Window) -> None:
+        log.info(
+            "%s v%s: %.0f of %.0f s, %d requests answered, %.1f %% failed",
+            kind,
+            version,
+            seconds,
+            policy.window_seconds,
+            so_far.answered,
+            100 * so_far.error_rate,
+        )
+        state.update(seconds=round(seconds), answered=so_far.answered, error_rate=so_far.error_rate)
+        publish(state)
+
+    publish(None)
+    publish(state)
+    try:
+        verdict = observe(policy, current, candidate, progress=progress, control=decision)
+    except CandidateGone as exc:
+        reasons = [str(exc)]
+    else:
+        numbers.update(verdict.numbers)
+        reasons = verdict.reasons
+        if verdict.decision:
+            numbers["decided_by_hand"] = verdict.decision
+    finally:
+        publish(None)
+    numbers["window_ended"] = time.monotonic()
+    if not reasons:
+        log.info("v%s of %s passed its %s: %s", version, service, kind, numbers)
+    return numbers, reasons
+
+
+def decided(numbers: dict[str, Any]) -> None:
+    """Replace the window's end (a monotonic time) by the seconds from it until now: the verdict applied."""
+    numbers["decision_s"] = round(time.monotonic() - numbers.pop("window_ended"), 3)

@@ -13,13 +13,11 @@ one that fails is taken out of the front at once, drains its requests under way 
 from __future__ import annotations
 
 import json
-import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from blocks.base.analysis import Sample, Window, observe
+from blocks.base.analysis import CandidateGone, Sample, decided, run_window
 from blocks.base.log import run_logger
 from blocks.errors import CanaryFailed, ConfigurationError, DeployFailed
 from blocks.specs import RolloutPolicy
@@ -56,11 +54,6 @@ def metrics_of(url: str, what: str) -> Sample:
     except httpx.HTTPError as exc:
         raise DeployFailed(f"{what} did not answer {url}/metrics: {exc}") from exc
     return Sample.parse(response.text)
-
-
-def decided(numbers: dict[str, Any]) -> None:
-    """Replace the window's end (a monotonic time) by the seconds from it until now: the verdict applied."""
-    numbers["decision_s"] = round(time.monotonic() - numbers.pop("window_ended"), 3)
 
 
 class DockerCanary(_Base):
@@ -118,62 +111,34 @@ class DockerCanary(_Base):
             def back() -> None:
                 self._front_command(front, "shadow", "off")
 
-        reasons: list[str] = []
-        numbers: dict[str, Any] = {"strategy": kind, "share": policy.share}
-        # What `gpuferry rollout status` shows, kept beside the front's target; `promote`/`abort` are read back.
-        state = {
-            "service": service,
-            "strategy": kind,
-            "share": policy.share,
-            "version": version,
-            "serving_version": old_version,
-            "window_seconds": policy.window_seconds,
-            "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-        self._front_command(front, "rollout", "clear")
-        self._front_command(front, "rollout", "set", json.dumps(state))
-        try:
+        def candidate_sample() -> Sample:
             try:
-
-                def progress(seconds: float, so_far: Window) -> None:
-                    log.info(
-                        "%s v%s: %.0f of %.0f s, %d requests answered, %.1f %% failed",
-                        kind,
-                        version,
-                        seconds,
-                        policy.window_seconds,
-                        so_far.answered,
-                        100 * so_far.error_rate,
-                    )
-                    state.update(seconds=round(seconds), answered=so_far.answered, error_rate=so_far.error_rate)
-                    self._front_command(front, "rollout", "set", json.dumps(state))
-
-                verdict = observe(
-                    policy,
-                    current,
-                    lambda: metrics_of(url, f"v{version} (the {kind})"),
-                    progress=progress,
-                    control=lambda: self._front_command(front, "rollout", "decision").strip() or None,
-                )
+                return metrics_of(url, f"v{version} (the {kind})")
             except DeployFailed as exc:
-                if f"v{version} (the {kind})" not in str(exc):
-                    raise
-                reasons = [str(exc)]  # the new version itself stopped answering: that is its verdict
-            else:
-                numbers.update(verdict.numbers)
-                reasons = verdict.reasons
-                if verdict.decision:
-                    numbers["decided_by_hand"] = verdict.decision
+                raise CandidateGone(str(exc)) from None
+
+        def publish(state: dict[str, Any] | None) -> None:
+            # What `gpuferry rollout status` shows, kept beside the front's target; `promote`/`abort` are read back.
+            self._front_command(front, "rollout", *(("set", json.dumps(state)) if state else ("clear",)))
+
+        try:
+            numbers, reasons = run_window(
+                policy,
+                service=service,
+                version=version,
+                serving_version=old_version,
+                current=current,
+                candidate=candidate_sample,
+                publish=publish,
+                decision=lambda: self._front_command(front, "rollout", "decision").strip() or None,
+                log=log,
+            )
         except BaseException:
             back()
             raise
-        finally:
-            self._front_command(front, "rollout", "clear")
-        numbers["window_ended"] = time.monotonic()  # the deploy reports how long applying the verdict took
         if kind == "shadow":
             back()  # no more copies: passed, it takes over as in a rolling deploy; failed, it is removed
         if not reasons:
-            log.info("v%s of %s passed its %s: %s", version, service, kind, numbers)
             return numbers
         back()  # every request that starts from now goes to the serving version alone
         decided(numbers)

@@ -37,11 +37,12 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import Field
 
+from blocks.base.analysis import decided
 from blocks.base.backoff import wait_until
 from blocks.base.secrets import check_env_names, write_secret_env
 from blocks.base.serving import Release, ServingBackend, is_ready, release_image, require_smoke_request, smoke_test
 from blocks.checks import CheckRow, Probe
-from blocks.docker.canary import DockerCanary, decided
+from blocks.docker.canary import DockerCanary
 from blocks.docker.front import DockerFront
 from blocks.docker.gpu_alloc import GpuRequest, HostGpu, claim_label
 from blocks.docker.gpu_host import DockerGpuHost

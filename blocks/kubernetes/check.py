@@ -22,6 +22,8 @@ def deploy_permissions(cluster: KubernetesCluster) -> list[tuple[str, str, str, 
     for verb in ("get", "patch", "delete"):
         needed += [(verb, "apps", "deployments", True), (verb, "", "services", True)]
     needed += [("list", "apps", "replicasets", True), ("list", "", "pods", True)]
+    # canary and shadow rollouts: the route's ConfigMap, the serving pods told to read it again
+    needed += [(verb, "", "configmaps", True) for verb in ("get", "patch", "delete")] + [("patch", "", "pods", True)]
     if cluster.autoscale_max_replicas is not None:
         needed += [
             ("patch", "autoscaling", "horizontalpodautoscalers", True),

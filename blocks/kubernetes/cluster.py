@@ -44,6 +44,7 @@ from blocks.errors import ConfigurationError, DeployFailed, RolledBack
 from blocks.kubernetes import manifests, rollout
 from blocks.kubernetes import secrets as k8s_secrets
 from blocks.kubernetes.api import Connection, KubeApi, NoAnswer, connection_from_kubeconfig, connection_in_cluster
+from blocks.kubernetes.canary import KubernetesCanary
 from blocks.records import Endpoint
 from blocks.specs import MIG_PROFILES, ServingSpec
 
@@ -53,10 +54,11 @@ _API_VERSION_PREFERENCE = {
 }
 
 
-class KubernetesCluster(ServingBackend):
+class KubernetesCluster(KubernetesCanary, ServingBackend):
     """Serves the model as a Deployment + Service on a Kubernetes cluster."""
 
     needs_image: ClassVar[bool] = True
+    rollout_strategies: ClassVar[tuple[str, ...]] = ("rolling", "canary", "shadow")
 
     _block_type_name = "gpuferry Kubernetes Cluster"
     _description = (
@@ -266,11 +268,36 @@ class KubernetesCluster(ServingBackend):
             store_secret=k8s_secrets.put_store_secret(api, wanted),
             store_keys=sorted(wanted["data"]) if wanted else (),
         )
-        log = run_logger("gpuferry.kubernetes")
         name = manifests.service_object_name(spec)
+        self._end_stale_window(name)
         before = self._deployment(name)
         previous_version = _annotation(before, manifests.MODEL_VERSION_ANNOTATION) if before else None
+        timeout = self.rollout_timeout_seconds or spec.ready_timeout_seconds + 60
+        policy, judged = spec.rollout, {}
+        if policy and policy.strategy != "rolling" and before is not None and previous_version != release.version:
+            judged = self._judge(spec, release, objects, before, timeout)  # CanaryFailed: it did not pass
+        try:
+            endpoint = self._roll_out(spec, release, objects, before, previous_version, timeout)
+        finally:
+            if judged:
+                self._remove_candidates(name)  # the new version serves, or the old one again: the candidate goes
+        if judged:
+            endpoint.detail["rollout"] = judged
+        return endpoint
 
+    def _roll_out(
+        self,
+        spec: ServingSpec,
+        release: Release,
+        objects: dict[str, dict[str, Any]],
+        before: dict[str, Any] | None,
+        previous_version: str | None,
+        timeout: float,
+    ) -> Endpoint:
+        """Apply the objects, watch the rollout, smoke-test a new pod; back to the previous revision when it
+        fails (``RolledBack``)."""
+        api, log = self._api(), run_logger("gpuferry.kubernetes")
+        name = manifests.service_object_name(spec)
         after = api.server_side_apply(
             objects["deployment"], field_manager=self.field_manager, force=self.force_conflicts
         )
@@ -286,7 +313,6 @@ class KubernetesCluster(ServingBackend):
             f"generation {after['metadata']['generation']}" if changed else "no change",
         )
 
-        timeout = self.rollout_timeout_seconds or spec.ready_timeout_seconds + 60
         state = self._watch(name, timeout)
         if state.phase == "done":
             endpoint = self._endpoint(spec, release.version, previous_version, changed=changed, state=state)
@@ -364,7 +390,7 @@ class KubernetesCluster(ServingBackend):
 
     def services(self) -> list[str]:
         """The Deployments gpuferry made in the namespace (its managed-by label), by name."""
-        selector = "app.kubernetes.io/managed-by=" + manifests.MANAGED_BY
+        selector = f"app.kubernetes.io/managed-by={manifests.MANAGED_BY},!{manifests.TRACK_LABEL}"  # no candidates
         found = self._api().items("apps/v1", "Deployment", namespace=self.namespace, label_selector=selector)
         return sorted(d["metadata"]["name"] for d in found)
 
@@ -395,6 +421,8 @@ class KubernetesCluster(ServingBackend):
         for key, kind in (("hpa_api_version", "HorizontalPodAutoscaler"), ("pdb_api_version", "PodDisruptionBudget")):
             if served[f"_{key}_served"]:  # an API the server does not serve holds nothing of ours
                 api.remove(versions[key], kind, name, namespace=self.namespace)
+        self._remove_candidates(name)
+        api.remove("v1", "ConfigMap", manifests.route_config_name(name), namespace=self.namespace)
         api.remove("v1", "Service", name, namespace=self.namespace)
         if self.env_from_secret is None:
             k8s_secrets.delete_store_secret(api, self.namespace, name + manifests.STORE_SECRET_SUFFIX)

@@ -12,6 +12,7 @@ it also carries the store's CA certificate, which the pods get as a read-only fi
 from __future__ import annotations
 
 import base64
+import copy
 import math
 import re
 from collections.abc import Collection, Mapping
@@ -41,6 +42,13 @@ _ORCHESTRATOR_PATHS = ("AWS_CA_BUNDLE",)
 STORE_CA_KEY = "store-ca.pem"
 STORE_CA_DIR = "/etc/gpuferry/store-ca"
 STORE_CA_PATH = f"{STORE_CA_DIR}/{STORE_CA_KEY}"
+# The route file (runtime/route.py) of gpuferry's server: a key of the service's ConfigMap <name>-route, mounted
+# (optional: absent, no route) so that a canary or shadow is set while the pods run (blocks/kubernetes/canary.py).
+ROUTE_SUFFIX = "-route"
+ROUTE_KEY = "route.json"
+ROUTE_DIR = "/etc/gpuferry/route"
+# The candidate of a canary or shadow rollout: a Deployment and Service <name>-canary or <name>-shadow, labelled.
+TRACK_LABEL = ANNOTATION_PREFIX + "track"
 CONTAINER_NAME = "server"
 PORT_NAME = "http"
 
@@ -191,6 +199,11 @@ def labels(spec: ServingSpec, version: str) -> dict[str, str]:
     if _LABEL_VALUE.match(version) and len(version) <= 63:
         out["app.kubernetes.io/version"] = version
     return out
+
+
+def route_config_name(name: str) -> str:
+    """The ConfigMap whose ``ROUTE_KEY`` the pods of the service object ``name`` read as their route file."""
+    return name + ROUTE_SUFFIX
 
 
 def store_secret_name(spec: ServingSpec) -> str:
@@ -376,6 +389,11 @@ def build_manifests(
         "containers": [container],
         "terminationGracePeriodSeconds": opts.termination_grace_seconds,
     }
+    if server.mlflow_server:
+        container["env"].append({"name": contract.ROUTE_FILE, "value": f"{ROUTE_DIR}/{ROUTE_KEY}"})
+        route = {"name": route_config_name(name), "optional": True}
+        volumes.append({"name": "route", "configMap": route})
+        mounts.append({"name": "route", "mountPath": ROUTE_DIR, "readOnly": True})
     for i, (host, target) in enumerate(sorted(opts.host_path_mounts.items())):
         volumes.append({"name": f"host-{i}", "hostPath": {"path": host, "type": "Directory"}})
         mounts.append({"name": f"host-{i}", "mountPath": target, "readOnly": True})
@@ -463,3 +481,48 @@ def build_manifests(
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def candidate_object_name(name: str, kind: str) -> str:
+    """The Deployment and Service name of the new version judged as ``kind`` (canary or shadow) of ``name``."""
+    candidate = f"{name}-{kind}"
+    if len(candidate) > 63:
+        raise ConfigurationError(
+            f"service name {name!r} leaves no room for its {kind}'s objects ({candidate!r} is longer than 63 "
+            f"characters): use a service_name of at most {62 - len(kind)} characters"
+        )
+    return candidate
+
+
+def candidate_manifests(objects: Mapping[str, dict[str, Any]], kind: str, replicas: int) -> dict[str, dict[str, Any]]:
+    """The Deployment and Service of a new version judged as a ``kind`` (canary or shadow): the service's own
+    (``objects``, as ``build_manifests`` made them for the new version) named ``<name>-<kind>``, selecting pods by
+    their own labels plus ``TRACK_LABEL`` (never the service's: its Service does not send them requests, its
+    pods do), ``replicas`` of them, no autoscaling, and no route file (a candidate sends nothing on)."""
+    deployment, service = copy.deepcopy(objects["deployment"]), copy.deepcopy(objects["service"])
+    name = deployment["metadata"]["name"]
+    candidate = candidate_object_name(name, kind)
+    own = selector_labels(candidate)
+
+    def relabelled(labels: dict[str, str]) -> dict[str, str]:
+        return {**labels, **own, TRACK_LABEL: kind}
+
+    for obj in (deployment, service):
+        obj["metadata"]["name"] = candidate
+        obj["metadata"]["labels"] = relabelled(obj["metadata"]["labels"])
+    spec = deployment["spec"]
+    spec["selector"] = {"matchLabels": own}
+    spec["replicas"] = replicas
+    spec["template"]["metadata"]["labels"] = relabelled(spec["template"]["metadata"]["labels"])
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    container["env"] = [e for e in container.get("env", []) if e["name"] != contract.ROUTE_FILE]
+    for holder, key in ((pod, "volumes"), (container, "volumeMounts")):
+        kept = [v for v in holder.get(key, []) if v["name"] != "route"]
+        if kept:
+            holder[key] = kept
+        else:
+            holder.pop(key, None)
+    service["spec"]["selector"] = dict(own)
+    service["spec"]["type"] = "ClusterIP"  # reached by the service's pods only
+    return {"deployment": deployment, "service": service}

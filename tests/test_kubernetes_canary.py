@@ -1,0 +1,139 @@
+"""Canary and shadow rollouts on the local Kubernetes node (`make k8s-up`): the new version runs as its own
+Deployment, the serving pods send it a share of their requests (or a copy) as their route file says, and both
+versions' /metrics, read through the API server's pod proxy, decide. A steady load through the Service's
+ClusterIP, from inside the node, runs during each window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blocks.base.serving import Release
+from blocks.errors import CanaryFailed
+from blocks.kubernetes.cluster import KubernetesCluster
+from blocks.records import ImageRef
+from blocks.specs import RolloutPolicy, ServingSpec
+from tests.k8s_node import PULL_SECRET, ServiceLoad
+from tests.private_worker import wait_until
+from tests.pyfunc_models import canary_models
+from tests.test_kubernetes import admin
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+SMOKE = {"dataframe_records": [{"x": 1.0}]}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("canary-models")
+    uris = canary_models(root)
+    for p in (root, *root.rglob("*")):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return root, {name: f"file:///models/{Path(uri).name}" for name, uri in uris.items()}
+
+
+@pytest.fixture
+def block(k8s: dict[str, str], k8s_namespace: str, models: tuple[Path, dict[str, str]]) -> KubernetesCluster:
+    return admin(
+        k8s,
+        namespace=k8s_namespace,
+        rollout_timeout_seconds=240,
+        cpu_request="10m",
+        memory_request="64Mi",
+        image_pull_secret=PULL_SECRET,
+        host_path_mounts={str(models[0]): "/models"},
+        env={"WARMUP_ITERATIONS": "1", "MODEL_DEVICE": "cpu"},
+    )
+
+
+def spec(rollout: RolloutPolicy | None) -> ServingSpec:
+    return ServingSpec(
+        service_name="canary", smoke_request=SMOKE, replicas=2, ready_timeout_seconds=240, rollout=rollout
+    )
+
+
+def release(image: str, version: str, uri: str) -> Release:
+    ref = ImageRef(builder="docker", content_tag=version, reference=image, built=True)
+    return Release(model_name="canary", version=version, model_uri=uri, image=ref)
+
+
+def load_on(block: KubernetesCluster, k8s: dict[str, str], x: float) -> ServiceLoad:
+    svc = block._api().get(f"/api/v1/namespaces/{block.namespace}/services/canary")
+    url = f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
+    return ServiceLoad(k8s["K8S_NODE_NETNS"], url, {"dataframe_records": [{"x": x}]}, rate=20, max_seconds=600)
+
+
+def predictions(load: ServiceLoad) -> list[Any]:
+    return [a for a in load.answers if a.path == "/invocations"]
+
+
+def policy(strategy: str, share: float) -> RolloutPolicy:
+    return RolloutPolicy.model_validate(
+        {
+            "strategy": strategy,
+            "share": share,
+            "window_seconds": 40,
+            "min_requests": 20,
+            "max_p99_ratio": 5,
+            "p99_slack_ms": 200,
+        }
+    )
+
+
+def test_a_failing_canary_is_removed_and_a_healthy_one_takes_over_with_no_undelivered_request(
+    k8s: dict[str, str], block: KubernetesCluster, models: tuple[Path, dict[str, str]], workload_image: str
+) -> None:
+    uris = models[1]
+    block.deploy(spec(None), release(workload_image, "1", uris["good"]))
+    canary = policy("canary", 0.25)
+    load = load_on(block, k8s, 5.0).start()  # x = 5: the failing version fails every request it gets
+    try:
+        wait_until("answers", lambda: len(load.answers) >= 20, timeout=120, interval=0.2)
+        with pytest.raises(CanaryFailed) as failed:
+            block.deploy(spec(canary), release(workload_image, "2", uris["failing"]))
+        during = len(load.answers)
+        assert block._candidate("canary-canary") is None  # removed
+        assert block.current("canary")["version"] == "1"
+        wait_until("answers after", lambda: len(load.answers) >= during + 40, timeout=120, interval=0.2)
+        after = [a.status for a in predictions(load)[during // 2 :]]
+        assert set(after) == {200}, after  # v1 answers everything once the canary is gone
+
+        passed = block.deploy(spec(canary), release(workload_image, "3", uris["good"]))
+        mark = len(load.answers)
+        wait_until("answers after", lambda: len(load.answers) >= mark + 20, timeout=120, interval=0.2)
+    finally:
+        answers = load.stop()
+    numbers = failed.value.numbers
+    assert numbers["candidate_error_rate"] == 1.0 and numbers["current_error_rate"] == 0.0
+    assert failed.value.serving_version == "1" and failed.value.version == "2"
+    # Every request was delivered: the failing canary's own answers (400: the model raised) and v1's 200s only.
+    assert {a.status for a in answers} <= {200, 400}, [a for a in answers if a.status not in (200, 400)][:5]
+    # The share asked for, per request (a keep-alive client on one connection): within 3 points of 25 %.
+    share = numbers["candidate_requests"] / (numbers["candidate_requests"] + numbers["current_requests"])
+    assert abs(share - 0.25) <= 0.03, numbers
+    assert passed.model_version == "3" and block.current("canary")["version"] == "3"
+    assert passed.detail["rollout"]["candidate_error_rate"] == 0.0
+    assert passed.detail["rollout"]["decision_s"] <= 10
+    assert block._candidate("canary-canary") is None and block.services() == ["canary"]
+
+
+def test_a_shadow_that_disagrees_is_not_promoted_and_no_client_gets_its_answers(
+    k8s: dict[str, str], block: KubernetesCluster, models: tuple[Path, dict[str, str]], workload_image: str
+) -> None:
+    uris = models[1]
+    block.deploy(spec(None), release(workload_image, "1", uris["good"]))
+    shadow = policy("shadow", 0.5)
+    load = load_on(block, k8s, 3.0).start()  # x = 3: v1 answers 6, the differing version 9
+    try:
+        wait_until("answers", lambda: len(load.answers) >= 20, timeout=120, interval=0.2)
+        with pytest.raises(CanaryFailed) as failed:
+            block.deploy(spec(shadow), release(workload_image, "2", uris["differing"]))
+    finally:
+        answers = load.stop()
+    assert failed.value.numbers["agreement"] == 0.0 and "rows agree" in str(failed.value)
+    assert block._candidate("canary-shadow") is None and block.current("canary")["version"] == "1"
+    assert {a.status for a in answers} == {200}
+    got = {tuple(a.body["predictions"]) for a in predictions(load)}
+    assert got == {(6.0,)}, got  # v1's answer to x = 3, never the shadow's 9
