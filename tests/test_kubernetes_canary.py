@@ -5,13 +5,14 @@ ClusterIP, from inside the node, runs during each window."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from blocks.base.serving import Release
-from blocks.errors import CanaryFailed
+from blocks.errors import CanaryFailed, ConfigurationError
 from blocks.kubernetes.cluster import KubernetesCluster
 from blocks.records import ImageRef
 from blocks.specs import RolloutPolicy, ServingSpec
@@ -137,3 +138,38 @@ def test_a_shadow_that_disagrees_is_not_promoted_and_no_client_gets_its_answers(
     assert {a.status for a in answers} == {200}
     got = {tuple(a.body["predictions"]) for a in predictions(load)}
     assert got == {(6.0,)}, got  # v1's answer to x = 3, never the shadow's 9
+
+
+def test_a_window_is_seen_and_promoted_by_hand(
+    block: KubernetesCluster, models: tuple[Path, dict[str, str]], workload_image: str
+) -> None:
+    """What `gpuferry rollout status` and `promote` call: the state on the canary's Deployment, the decision read
+    back within the window's next second."""
+    uris = models[1]
+    block.deploy(spec(None), release(workload_image, "1", uris["good"]))
+    long = policy("canary", 0.5).model_copy(update={"window_seconds": 600})
+    outcome: dict[str, Any] = {}
+
+    def deploy() -> None:
+        try:
+            outcome["endpoint"] = block.deploy(spec(long), release(workload_image, "2", uris["good"]))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=deploy)
+    worker.start()
+    try:
+        wait_until("the window to start", lambda: block.rollout_status("canary") is not None, timeout=300)
+        state = block.rollout_status("canary")
+        assert state is not None and state["version"] == "2" and state["serving_version"] == "1"
+        assert state["strategy"] == "canary" and state["share"] == 0.5
+        block.decide_rollout("canary", "promote")
+    finally:
+        worker.join(600)
+    assert "error" not in outcome, outcome
+    endpoint = outcome["endpoint"]
+    assert endpoint.model_version == "2" and endpoint.detail["rollout"]["decided_by_hand"] == "promote"
+    assert endpoint.detail["rollout"]["window_seconds"] < 300
+    assert block.rollout_status("canary") is None and block._candidate("canary-canary") is None
+    with pytest.raises(ConfigurationError, match="no canary or shadow window is under way"):
+        block.decide_rollout("canary", "abort")
