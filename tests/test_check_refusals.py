@@ -138,12 +138,14 @@ def test_missing_deploy_permissions_are_named_with_the_role_that_grants_them(
     assert [(r.step, r.check) for r in rows if r.failed] == [("serving", "RBAC")], table(rows)
     serving = {r.check: r for r in rows if r.step == "serving"}
     assert serving["RBAC"].detail == (
-        f"9 of 14 permissions missing in {k8s_namespace}: get namespaces, list nodes, delete deployments.apps, "
-        "delete services, list replicasets.apps, get secrets, create secrets, update secrets, delete secrets"
+        f"13 of 18 permissions missing in {k8s_namespace}: get namespaces, list nodes, delete deployments.apps, "
+        "delete services, list replicasets.apps, get configmaps, patch configmaps, delete configmaps, patch pods, "
+        "get secrets, create secrets, update secrets, delete secrets"
     )
     assert serving["RBAC"].fix.startswith(
-        f"grant them, e.g. kubectl -n {k8s_namespace} create role gpuferry-deploy --verb=create,delete,get,list,update "
-        "--resource=deployments.apps,namespaces,nodes,replicasets.apps,secrets,services and a rolebinding"
+        f"grant them, e.g. kubectl -n {k8s_namespace} create role gpuferry-deploy "
+        "--verb=create,delete,get,list,patch,update --resource=configmaps,deployments.apps,namespaces,nodes,pods,"
+        "replicasets.apps,secrets,services and a rolebinding"
     )
     # What the account may not read is a warning pointing at the RBAC row, not a second failure.
     assert serving["namespace"].status == "warn" and serving["GPU nodes"].status == "warn", table(rows)
