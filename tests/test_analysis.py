@@ -52,6 +52,15 @@ def test_a_canary_failing_a_fifth_of_its_requests_fails_naming_the_rates() -> No
     assert verdict.reasons == ["error rate 20.00% against 0.00% for the version serving (max_error_rate_increase=0.01)"]
 
 
+def test_requests_routed_to_a_canary_that_got_no_answer_count_as_its_failures() -> None:
+    serving = Sample.parse(text(server(900)) + 'inference_route_requests_total{code="none"} 20\n') - Sample()
+    verdict = judge(CANARY, serving, window(80))
+    assert not verdict.passed and verdict.numbers["candidate_requests"] == 100
+    assert verdict.numbers["candidate_error_rate"] == 0.2
+    shadow = RolloutPolicy(strategy="shadow", share=0.1, min_requests=50)  # a shadow is routed nothing
+    assert judge(shadow, serving, window(80)).numbers["candidate_requests"] == 80
+
+
 def test_a_slower_canary_fails_on_p99_and_one_within_the_slack_passes() -> None:
     slow = judge(CANARY, window(900, seconds=0.02), window(100, seconds=0.2))
     assert not slow.passed and "p99 latency" in slow.reasons[0] and slow.numbers["candidate_p99_ms"] > 100

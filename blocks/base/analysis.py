@@ -13,7 +13,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -145,7 +145,13 @@ class Verdict:
 def judge(policy: RolloutPolicy, current: Window, candidate: Window) -> Verdict:
     """The policy's gates over one window. ``current``: the version serving now (for a shadow rollout, with its
     copies' comparisons); ``candidate``: the new version's own counts (a canary's share of the traffic, or the
-    copies a shadow received)."""
+    copies a shadow received). A canary's requests that the serving servers routed to it and got no answer for
+    (``routed``: they answered them themselves, so the canary's own counters miss them) count as its failures."""
+    unanswered = current.routed.get("none", 0.0) if policy.strategy == "canary" else 0.0
+    if unanswered:
+        candidate = replace(
+            candidate, requests={**candidate.requests, "none": candidate.requests.get("none", 0.0) + unanswered}
+        )
     numbers: dict[str, float] = {
         "current_requests": current.answered,
         "candidate_requests": candidate.answered,

@@ -98,7 +98,7 @@ class KubernetesCanary(_Base):
         removed and the serving version answering every request."""
         policy = spec.rollout
         assert policy is not None and policy.strategy in KINDS
-        kind, api = policy.strategy, self._api()
+        kind = policy.strategy
         log = run_logger("gpuferry.kubernetes.canary")
         name = serving["metadata"]["name"]
         old_version = serving["metadata"].get("annotations", {}).get(manifests.MODEL_VERSION_ANNOTATION, "?")
@@ -109,6 +109,7 @@ class KubernetesCanary(_Base):
                 f"gpuferry, or by another server), so no {kind} can be given a share of its requests: deploy once "
                 f"with serve.rollout.strategy 'rolling', then roll out by {kind}"
             )
+        api = self._api()
         replicas = max(1, math.ceil(policy.share * (serving["spec"].get("replicas") or 1)))
         candidate = manifests.candidate_manifests(objects, kind, replicas)
         cname = candidate["deployment"]["metadata"]["name"]
@@ -145,7 +146,7 @@ class KubernetesCanary(_Base):
                 version=version,
                 serving_version=old_version,
                 current=lambda: self._sample(name, f"v{old_version} (serving)"),
-                candidate=lambda: self._candidate_sample(name, cname, kind, f"v{version} (the {kind})"),
+                candidate=lambda: self._candidate_sample(cname, f"v{version} (the {kind})"),
                 publish=lambda s: self._annotate("apps/v1", "Deployment", cname, {STATE_ANNOTATION: _dumps(s)}),
                 decision=lambda: _annotations(self._candidate(cname)).get(DECISION_ANNOTATION),
                 log=log,
@@ -230,17 +231,12 @@ class KubernetesCanary(_Base):
             total = total + Sample.parse(self._metrics(pod, what))
         return total
 
-    def _candidate_sample(self, name: str, candidate: str, kind: str, what: str) -> Sample:
-        """The candidate's counters; for a canary, the requests the serving pods sent it that got no answer count
-        as its failures (they were answered by the serving pods, so its own counters miss them)."""
+    def _candidate_sample(self, candidate: str, what: str) -> Sample:
+        """The candidate's counters; ``CandidateGone`` when its pods do not answer."""
         try:
-            sample = self._sample(candidate, what)
+            return self._sample(candidate, what)
         except DeployFailed as exc:
             raise CandidateGone(str(exc)) from None
-        if kind == "canary":
-            unanswered = self._sample(name, "serving").routed.get("none", 0.0)
-            sample.requests["none"] = sample.requests.get("none", 0.0) + unanswered
-        return sample
 
     # ---- the candidate's objects ---------------------------------------------------------------
 
