@@ -208,8 +208,8 @@ class ShadowTarget:
             try:
                 with open(self.path) as handle:
                     wanted = json.load(handle)
-                settings = ShadowSettings.from_env(
-                    {f"SHADOW_{k.upper()}": str(v) for k, v in wanted.items() if k in ("url", "share", "rtol", "atol")}
+                settings = ShadowSettings.from_fields(
+                    {k: v for k, v in wanted.items() if k in ("url", "share", "rtol", "atol")}
                 )
             except (OSError, ValueError) as exc:  # keep the last good one
                 log.error("shadow file %s: %s", self.path, exc)
@@ -241,7 +241,7 @@ def write_shadow(path: str, url: str, share: str, rtol: str = "1e-6", atol: str 
     from runtime.shadow import ShadowSettings
 
     wanted = {"url": url, "share": share, "rtol": rtol, "atol": atol}
-    ShadowSettings.from_env({f"SHADOW_{k.upper()}": v for k, v in wanted.items()})
+    ShadowSettings.from_fields(wanted)
     replace_file(path, json.dumps(wanted).encode())
 
 

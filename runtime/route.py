@@ -33,7 +33,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.shadow import SHARE_ENV, URL_ENV, Poster, Shadow, ShadowSettings
+from runtime.shadow import Poster, Shadow, ShadowSettings
 
 log = logging.getLogger("runtime.route")
 
@@ -210,11 +210,9 @@ def parse(wanted: Any) -> tuple[int, CanarySettings | None, ShadowSettings | Non
         unknown = sorted(set(fields) - {"url", "share", "rtol", "atol", "timeout_s", "max_inflight"})
         if unknown:
             raise ValueError(f"shadow: unknown field(s) {', '.join(unknown)}")
-        env = {f"SHADOW_{k.upper()}": str(v) for k, v in fields.items()}
-        if not env.get(URL_ENV):
+        shadow = ShadowSettings.from_fields(fields)
+        if shadow is None:
             raise ValueError("shadow.url is missing")
-        env.setdefault(SHARE_ENV, "1")
-        shadow = ShadowSettings.from_env(env)
     for key in ("canary", "shadow"):
         if key in wanted and not isinstance(wanted[key], dict):
             raise ValueError(f"{key} must be a JSON object")

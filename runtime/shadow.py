@@ -89,6 +89,12 @@ class ShadowSettings:
             max_inflight=number(MAX_INFLIGHT_ENV, cls.max_inflight, 1, 1024, int),
         )
 
+    @classmethod
+    def from_fields(cls, fields: MutableMapping[str, Any]) -> ShadowSettings | None:
+        """The same from a JSON object's fields (``url``, ``share``, ...: the variables' names without
+        ``SHADOW_``), as the front's shadow file and the route file hold them."""
+        return cls.from_env({f"SHADOW_{k.upper()}": str(v) for k, v in fields.items()})
+
 
 def agree(a: Any, b: Any, rtol: float, atol: float) -> bool:
     """Whether two decoded answers (or parts of them) agree: numbers within the tolerances (NaN agrees with

@@ -7,6 +7,7 @@ Regenerate the golden files after an intended change with GPUFERRY_UPDATE_GOLDEN
 
 from __future__ import annotations
 
+import copy
 import http.server
 import json
 import threading
@@ -824,3 +825,24 @@ def test_the_services_shape_sets_its_resources_autoscaling_gpus_and_device() -> 
     env = {e["name"]: e.get("value") for e in cpu["env"]}
     assert (env["MODEL_DEVICE"], env["CUDA_VISIBLE_DEVICES"], env["NVIDIA_VISIBLE_DEVICES"]) == ("cpu", "", "void")
     assert "hpa" not in build(ServingSpec(service_name="digits"))
+
+
+def test_a_service_whose_pods_read_no_route_file_is_refused_a_canary_before_any_call() -> None:
+    """Pods deployed by an older gpuferry (or running another server) cannot be given a share: the fix is named,
+    and nothing is asked of the cluster (the block here has no cluster to reach)."""
+    from blocks.base.serving import Release
+    from blocks.errors import DeployFailed
+    from blocks.kubernetes.cluster import KubernetesCluster
+    from blocks.specs import RolloutPolicy
+
+    spec = ServingSpec(
+        service_name="digits", smoke_request={"inputs": [[0.0]]}, rollout=RolloutPolicy(strategy="canary", share=0.1)
+    )
+    objects = build(spec)
+    serving = copy.deepcopy(objects["deployment"])
+    container = serving["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [e for e in container["env"] if e["name"] != "ROUTE_FILE"]
+    with pytest.raises(DeployFailed, match="runs pods without a route file .* deploy once with serve.rollout"):
+        KubernetesCluster()._judge(
+            spec, Release(model_name="m", version="2", model_uri="s3://b/m"), objects, serving, 1
+        )

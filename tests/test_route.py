@@ -3,25 +3,17 @@ route file; the candidate answers differently on every multiple of 3, so each an
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runtime.route import parse
-from tests.pyfunc_models import save_pyfunc
 from tests.test_serve import Server, _free_port, start, wait_for
-from tests.test_shadow import MODEL, PROBE, Pair
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("route-models")
-    return (
-        save_pyfunc(root, "serving", MODEL.format(candidate=False)),
-        save_pyfunc(root, "candidate", MODEL.format(candidate=True)),
-    )
+from tests.test_shadow import PROBE, Pair, models  # noqa: F401 - a fixture: the serving and the candidate model
 
 
 @pytest.fixture
@@ -38,10 +30,46 @@ def routed(models: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[Pair, Pa
         assert codes == {"serving": 0, "candidate": 0}, serving.log()[-3000:] + candidate.log()[-3000:]
 
 
+class Busy:
+    """A stand-in version that answers every POST with 503 and Retry-After, as an overloaded server does."""
+
+    def __init__(self) -> None:
+        outer = self
+        self.asked = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - the http.server name
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.asked += 1
+                body = b'{"error_code": "TEMPORARILY_UNAVAILABLE", "message": "overloaded"}'
+                self.send_response(503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Retry-After", "1")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 def write(route: Path, content: dict[str, object]) -> None:
     """As the kubelet updates a ConfigMap key: the new file appears whole (a rename)."""
     route.with_suffix(".tmp").write_text(json.dumps(content))
     route.with_suffix(".tmp").rename(route)
+
+
+def ok(server: Server) -> float:
+    """The requests the server answered 200 so far (its readiness probe may be one of them, if it came late)."""
+    return server.metrics().get('inference_requests_total{code="200"}', 0.0)
 
 
 def generation(server: Server) -> float:
@@ -57,38 +85,48 @@ def answers(server: Server, n: int) -> list[float]:
 
 def test_a_canary_answers_its_share_set_while_the_server_runs_then_none(routed: tuple[Pair, Path]) -> None:
     pair, route = routed
+    serving_before, candidate_before = ok(pair.serving), ok(pair.candidate)
     assert generation(pair.serving) == 0 and answers(pair.serving, 4) == [3.0] * 4
     write(route, {"generation": 5, "canary": {"url": f"{pair.candidate.url}/invocations", "share": 0.25}})
     wait_for(lambda: generation(pair.serving) == 5, "the route file to be read")
     got = answers(pair.serving, 40)
     assert got.count(6.0) == 10 and got[3::4] == [6.0] * 10, got  # every fourth: evenly spaced
-    serving, candidate = pair.serving.metrics(), pair.candidate.metrics()
-    # Each server counts what it answered: the serving one 4 + 30, the canary 10 (and its warm-up probe none).
-    assert serving['inference_requests_total{code="200"}'] == 34
-    assert candidate['inference_requests_total{code="200"}'] == 10
-    assert serving['inference_route_requests_total{code="200"}'] == 10
+    # Each server counts what it answered: the serving one 4 + 30, the canary 10.
+    assert ok(pair.serving) - serving_before == 34 and ok(pair.candidate) - candidate_before == 10
+    assert pair.serving.metrics()['inference_route_requests_total{code="200"}'] == 10
 
     write(route, {"generation": 6})
     wait_for(lambda: generation(pair.serving) == 6, "the route file to be read again")
     assert answers(pair.serving, 12) == [3.0] * 12
-    assert pair.candidate.metrics()['inference_requests_total{code="200"}'] == 10
+    assert ok(pair.candidate) - candidate_before == 10
 
 
 def test_a_canary_that_is_gone_or_not_ready_costs_no_client_a_failed_request(
     routed: tuple[Pair, Path],
 ) -> None:
     pair, route = routed
+    before = ok(pair.serving)
     dead = f"http://127.0.0.1:{_free_port()}/invocations"  # nothing listens there
     write(route, {"generation": 1, "canary": {"url": dead, "share": 0.5, "timeout_s": 2}})
     wait_for(lambda: generation(pair.serving) == 1, "the route file to be read")
     assert answers(pair.serving, 10) == [3.0] * 10
     metrics = pair.serving.metrics()
     assert metrics['inference_route_requests_total{code="none"}'] == 5
-    assert metrics['inference_requests_total{code="200"}'] == 10  # all of them answered here
+    assert metrics['inference_requests_total{code="200"}'] - before == 10  # all of them answered here
+
+    # A canary that answers 503 (not ready, overloaded, draining): answered here too.
+    busy = Busy()
+    try:
+        write(route, {"generation": 3, "canary": {"url": f"{busy.url}/invocations", "share": 1}})
+        wait_for(lambda: generation(pair.serving) == 3, "the route file to be read")
+        assert answers(pair.serving, 4) == [3.0] * 4 and busy.asked == 4
+        assert pair.serving.metrics()['inference_route_requests_total{code="503"}'] == 4
+    finally:
+        busy.close()
 
     # Any other answer of the canary is the client's, as it gave it (a URL it serves no POST on: 405).
-    write(route, {"generation": 2, "canary": {"url": f"{pair.candidate.url}/missing", "share": 1}})
-    wait_for(lambda: generation(pair.serving) == 2, "the route file to be read")
+    write(route, {"generation": 4, "canary": {"url": f"{pair.candidate.url}/missing", "share": 1}})
+    wait_for(lambda: generation(pair.serving) == 4, "the route file to be read")
     assert pair.serving.post({"dataframe_records": [{"x": 3.0}]}).status_code == 405
 
 
