@@ -219,3 +219,53 @@ def test_a_backend_that_judges_no_rollout_has_nothing_to_decide(tmp_path: Path) 
         [str(gpuferry), "rollout", "promote", "no-such-service"], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2 and "no version of 'no-such-service' serves" in done.stderr, done.stderr
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_window_shows_its_progress_and_verdict_on_the_prefect_run() -> None:
+    from prefect import flow, get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from blocks.base.analysis import run_window
+
+    now = [0.0]
+    served = {"current": server(0), "candidate": server(0)}
+    seen: list[float] = []
+
+    def sleep(seconds: float) -> None:  # a second passes; the canary fails one request in five
+        if now[0] in (10.0, 20.0):  # the window reported its progress a moment ago
+            seen.append(float(shown()[0].data))
+        now[0] += seconds
+        for _ in range(9):
+            served["current"].observe_request(200, 0.003)
+        failing = int(now[0]) % 5 == 0
+        served["candidate"].observe_request(500 if failing else 200, 0.003)
+
+    def shown() -> list[Any]:
+        with get_client(sync_client=True) as client:
+            wanted = ArtifactFilter(key=ArtifactFilterKey(any_=["rollout-svc-a"]))
+            return client.read_latest_artifacts(artifact_filter=wanted)
+
+    @flow
+    def deploying() -> tuple[dict[str, Any], list[str]]:
+        policy = RolloutPolicy(strategy="canary", share=0.1, window_seconds=30, min_requests=10)
+        return run_window(
+            policy,
+            service="svc_A",  # not an artifact key as it is: the key is made one
+            version="7",
+            serving_version="6",
+            current=lambda: Sample.parse(text(served["current"])),
+            candidate=lambda: Sample.parse(text(served["candidate"])),
+            publish=lambda state: None,
+            decision=lambda: None,
+            log=SimpleNamespace(info=lambda *args: None),
+            clock=lambda: now[0],
+            sleep=sleep,
+        )
+
+    numbers, reasons = deploying()
+    assert reasons and "error rate 20.00%" in reasons[0] and numbers["candidate_requests"] == 30
+    assert seen == [pytest.approx(100 / 3), pytest.approx(200 / 3)]  # the share of the window gone, every 10 s
+    (artifact,) = shown()
+    assert artifact.type == "progress" and float(artifact.data) == 100.0
+    assert artifact.description.startswith("v7 failed its canary: error rate 20.00%"), artifact.description

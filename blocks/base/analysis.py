@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from blocks.base.log import RunProgress
 from blocks.specs import RolloutPolicy
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)$")
@@ -265,12 +266,15 @@ def run_window(
     publish: Callable[[dict[str, Any] | None], None],
     decision: Callable[[], str | None],
     log: Any,
+    **observing: Any,
 ) -> tuple[dict[str, Any], list[str]]:
     """One canary or shadow window as a deploy runs it, whatever routes the traffic: its state published for
-    ``gpuferry rollout status`` (``publish``; None at the end), a decision by hand read every second
-    (``decision``), the progress logged every 10 s. Returns what was measured (with ``window_ended``, a monotonic
-    time: ``decided`` turns it into how long applying the verdict took) and the gates failed (none: it passed).
-    ``candidate`` raising ``CandidateGone``: the new version stopped answering, which fails it."""
+        ``gpuferry rollout status`` (``publish``; None at the end), a decision by hand read every second
+        (``decision``), the progress logged every 10 s and shown on the Prefect run as the progress artifact
+    ``rollout-<service>`` (the share of the window gone, the new version's answers and failures). ``observing`` goes
+    to ``observe`` (a clock, a sleep). Returns what was measured (with ``window_ended``, a monotonic
+        time: ``decided`` turns it into how long applying the verdict took) and the gates failed (none: it passed).
+        ``candidate`` raising ``CandidateGone``: the new version stopped answering, which fails it."""
     kind = policy.strategy
     numbers: dict[str, Any] = {"strategy": kind, "share": policy.share}
     state: dict[str, Any] = {
@@ -283,7 +287,17 @@ def run_window(
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
+    shown = RunProgress(f"rollout-{service}", f"{kind} of v{version} beside v{serving_version}: starting")
+
     def progress(seconds: float, so_far: Window) -> None:
+        gone = seconds / policy.window_seconds
+        if policy.window_requests:
+            gone = max(gone, so_far.answered / policy.window_requests)
+        shown.update(
+            100 * gone,
+            f"{kind} of v{version}: {seconds:.0f} of {policy.window_seconds:.0f} s, {so_far.answered} requests "
+            f"answered, {100 * so_far.error_rate:.1f} % failed",
+        )
         log.info(
             "%s v%s: %.0f of %.0f s, %d requests answered, %.1f %% failed",
             kind,
@@ -299,7 +313,7 @@ def run_window(
     publish(None)
     publish(state)
     try:
-        verdict = observe(policy, current, candidate, progress=progress, control=decision)
+        verdict = observe(policy, current, candidate, progress=progress, control=decision, **observing)
     except CandidateGone as exc:
         reasons = [str(exc)]
     else:
@@ -310,9 +324,17 @@ def run_window(
     finally:
         publish(None)
     numbers["window_ended"] = time.monotonic()
+    shown.update(
+        100, f"v{version} {'failed' if reasons else 'passed'} its {kind}: " + ("; ".join(reasons) or _shown(numbers))
+    )
     if not reasons:
         log.info("v%s of %s passed its %s: %s", version, service, kind, numbers)
     return numbers, reasons
+
+
+def _shown(numbers: dict[str, Any]) -> str:
+    keys = ("candidate_requests", "candidate_error_rate", "current_error_rate", "candidate_p99_ms", "current_p99_ms")
+    return ", ".join(f"{k}={numbers[k]}" for k in (*keys, "agreement") if numbers.get(k) is not None)
 
 
 def decided(numbers: dict[str, Any]) -> None:
