@@ -8,9 +8,12 @@
   directory that holds a registered version's source is kept.
 * **Code archives** in ``$GPUFERRY_CACHE/code`` unused for longer than the limit (each run's archive is made
   again from the workload when it is needed).
+* On a Slurm cluster (``blocks/slurm/housekeeping.py``), over the block's connection: the job directories no
+  queued job carries and the code directories no queued job runs in, last written (or used) longer ago than
+  the limit.
 
-``garbage`` lists them (a dry run: nothing is touched), ``collect`` frees what it is given. The job directories
-and shipped code of a Slurm cluster and the images of a registry are not collected here.
+``garbage`` lists them (a dry run: nothing is touched), ``collect`` frees what it is given. The images of a
+registry are not collected here.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def collect(blocks: Stack, items: list[Garbage]) -> int:
     for item in items:
         if item.kind == "checkpoint":
             blocks.storage.remove(item.where)
-        elif item.kind == "job directory":
+        elif item.kind in ("job directory", "code directory"):
             blocks.compute.remove_job(item.where)
         else:
             Path(item.where).unlink(missing_ok=True)

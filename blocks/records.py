@@ -157,7 +157,7 @@ class SweepJobResult(_Record):
 class Garbage(_Record):
     """Something ``gpuferry gc`` may free: what it is, where, how big, when it was last written."""
 
-    kind: Literal["checkpoint", "job directory", "code archive"]
+    kind: Literal["checkpoint", "job directory", "code archive", "code directory", "image"]
     where: str = Field(description="Its URI or path.")
     size_bytes: int = 0
     modified: float = Field(description="When it was last written (epoch seconds).")

@@ -296,7 +296,8 @@ class ComputeBackend(Block, ABC):
 
     def ended_jobs(self) -> list[Garbage]:
         """The directories of this backend's jobs that ended, with their size and last write: what ``gpuferry gc``
-        may free. None listed here: a backend that can tell says (``blocks/base/arrays.py``)."""
+        may free (a backend that ships code may list its code directories too). None listed here: a backend that can
+        tell says (``blocks/base/arrays.py``, ``blocks/slurm/housekeeping.py``)."""
         return []
 
     def remove_job(self, where: str) -> None:

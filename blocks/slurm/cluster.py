@@ -21,7 +21,8 @@ read and stored. Its parts live beside it in ``blocks/slurm/``, each a mixin of 
 ``jobs.py`` (log, poll, cancel, accounting), ``state.py`` (what squeue, sacct, sinfo, sbatch and scontrol
 answer, read: pure), ``script.py`` (the batch script, pure; its container part in ``script_image.py``),
 ``containers.py`` (jobs in the image), ``arrays.py`` (sweeps as job arrays), ``store.py`` (the trained model
-stored from the cluster) and ``check.py`` (what ``gpuferry check`` asks).
+stored from the cluster), ``housekeeping.py`` (what ``gpuferry gc`` frees there) and ``check.py`` (what
+``gpuferry check`` asks).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from blocks.records import CheckpointRef, TrainingJob
 from blocks.slurm import store as remote_store
 from blocks.slurm.arrays import TASKS_DIR, SlurmArrays
 from blocks.slurm.containers import SlurmContainers
+from blocks.slurm.housekeeping import SlurmHousekeeping
 from blocks.slurm.jobs import SlurmJobs
 from blocks.slurm.script import ADDITIONAL_DIRECTIVES, check_name, sbatch_script
 from blocks.slurm.script_image import PODMAN_OPTIONS
@@ -56,7 +58,9 @@ from blocks.values import check_pinned_image
 from runtime import contract
 
 
-class SlurmCluster(SlurmTransport, SlurmSubmit, SlurmJobs, SlurmContainers, SlurmArrays, ComputeBackend):
+class SlurmCluster(
+    SlurmTransport, SlurmSubmit, SlurmJobs, SlurmContainers, SlurmArrays, SlurmHousekeeping, ComputeBackend
+):
     """Training jobs as Slurm batch jobs, submitted over SSH (or on the login node itself)."""
 
     _block_type_name = "gpuferry Slurm Cluster"
@@ -163,7 +167,7 @@ class SlurmCluster(SlurmTransport, SlurmSubmit, SlurmJobs, SlurmContainers, Slur
     _last_jobs: tuple[float, list[dict[str, Any]]] = PrivateAttr((0.0, []))
     _detected_runtime: tuple[tuple[Any, ...], str] | None = PrivateAttr(None)
     _known_partitions: tuple[tuple[Any, ...], float, list[str]] | None = PrivateAttr(None)
-    _shipped_code: dict[tuple[Any, ...], set[str]] = PrivateAttr(default_factory=dict)
+    _shipped_code: dict[tuple[Any, ...], dict[str, float]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,9 +1,10 @@
 """What the parts of ``SlurmCluster`` use of one another and of the block's fields, for the type checker.
 
 ``SlurmCluster`` is one block made of parts, each a mixin in a file of its own (``transport``, ``submit``, ``jobs``,
-``containers``, ``arrays``). A part calls methods another part defines and reads the block's fields; the type
-checker reads each part as a ``SlurmHost`` (``class SlurmJobs(SlurmHost)`` under ``TYPE_CHECKING``; a plain
-class at run time), so a call to a method no part has, or with the wrong arguments, is an error there.
+``containers``, ``arrays``, ``housekeeping``). A part calls methods another part defines and reads the block's
+fields; the type checker reads each part as a ``SlurmHost`` (``class SlurmJobs(SlurmHost)`` under
+``TYPE_CHECKING``; a plain class at run time), so a call to a method no part has, or with the wrong arguments,
+is an error there.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class SlurmHost(Protocol):
     registry_credentials: DockerRegistryCredentials | None
     # Its private state.
     _lock: Any
-    _shipped_code: dict[tuple[Any, ...], set[str]]
+    _shipped_code: dict[tuple[Any, ...], dict[str, float]]
     _last_jobs: tuple[float, list[dict[str, Any]]]
     _detected_runtime: tuple[tuple[Any, ...], str] | None
 
@@ -91,6 +92,8 @@ class SlurmHost(Protocol):
     ) -> str: ...
 
     # submit.py
+    def code_dir(self, sha256: str) -> str: ...
+
     def ship_code(self, job: TrainingJob) -> str | None: ...
 
     def _secret_env(self, job: TrainingJob) -> dict[str, SecretStr]: ...

@@ -18,8 +18,10 @@ container login files (``_container_files``) and its fields ``code_root``, ``wor
 
 from __future__ import annotations
 
+import math
 import posixpath
 import shlex
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,9 @@ from blocks.slurm.script import check_name, sbatch_script
 from blocks.slurm.state import JOBS_NAMED_SH, KEY_COMMENT_PREFIX, job_for_key, sbatch_job_id, split_jobs_named
 
 SCRIPT_NAME = "job.sbatch"
+# How long a process trusts that code it shipped is still there before it looks (and marks it used) again: far
+# below the ages `gpuferry gc` frees code at, so a long-running worker never submits into a directory gc freed.
+CODE_RECHECK_S = 600.0
 SECRETS_NAME = ".secret.env"
 
 # Unpack the archive on stdin into "$1" unless it is there: checked against its sha256 ("$2") first, unpacked
@@ -76,10 +81,13 @@ class SlurmSubmit(SlurmHost):
         """Unpack the archive ``code`` at ``target`` on the cluster unless it is there already (checked against
         its sha256 on arrival); returns ``target``."""
         with self._lock:
-            shipped = self._shipped_code.get(self._cluster_key, set())
-            if target in shipped:
+            shipped = self._shipped_code.get(self._cluster_key, {})
+            if time.monotonic() - shipped.get(target, -math.inf) < CODE_RECHECK_S:
                 return target
-        rc, _, _ = self.run(["test", "-f", posixpath.join(target, ".complete")], check=False)
+        # There already: marked used now (its last write is what `gpuferry gc` ages it by).
+        rc, _, _ = self.run(
+            ["sh", "-c", 'test -f "$1" && exec touch -c -- "$1"', "sh", f"{target}/.complete"], check=False
+        )
         if rc != 0:
             data = Path(code.archive).read_bytes()
             self.run(["sh", "-c", UNPACK_SH, "sh", target, code.sha256], stdin=data)
@@ -92,7 +100,7 @@ class SlurmSubmit(SlurmHost):
                 target,
             )
         with self._lock:
-            self._shipped_code.setdefault(self._cluster_key, set()).add(target)
+            self._shipped_code.setdefault(self._cluster_key, {})[target] = time.monotonic()
         return target
 
     # ---- submit and adopt: the job key is the job's name (and in its comment) ----------------------------
