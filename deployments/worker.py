@@ -106,6 +106,8 @@ def standby(preload: list[str]) -> None:
     from prefect.context import SettingsContext, get_settings_context
     from prefect.settings import Settings
 
+    _reuse_preloaded_scripts(files)
+
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [sys.argv[0]]
@@ -113,6 +115,31 @@ def standby(preload: list[str]) -> None:
     with SettingsContext(profile=get_settings_context().profile, settings=Settings()), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*found in sys.modules.*")
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+
+
+def _reuse_preloaded_scripts(files: dict[str, float]) -> None:
+    """Let Prefect's engine take a flow's module from those the standby imported (unchanged: checked above)
+    instead of executing its file again: a deployment's entrypoint is a file (``flows/deploy_model.py:deploy_model``),
+    which Prefect loads by executing it as a new module, and a flow's definition computes its parameters' JSON
+    schema (for the Stack parameter, every block's fields), about a second of the run's start. A file that is no
+    preloaded module's is loaded as Prefect loads it."""
+    from prefect.utilities import importtools
+
+    preloaded = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path in files:
+            preloaded[str(Path(path).resolve())] = module
+    load = importtools.load_script_as_module
+
+    def load_script_as_module(path: str) -> Any:
+        module = preloaded.get(str(Path(path).resolve()))
+        if module is None:
+            return load(path)
+        print(f"standby process {os.getpid()}: {path}: the module it preloaded", file=sys.stderr, flush=True)
+        return module
+
+    importtools.load_script_as_module = load_script_as_module  # import_object looks it up here when called
 
 
 # ---- the worker ----
@@ -313,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--limit", type=int, default=None, help="most flow runs at once")
     parser.add_argument(
+        "--query-seconds",
+        type=float,
+        default=float(os.environ.get("PREFECT_WORKER_QUERY_SECONDS") or 1.0),
+        help="how often it asks the server for runs to start: the most a new run waits for it (default: "
+        "$PREFECT_WORKER_QUERY_SECONDS, else 1; Prefect's own default is 10)",
+    )
+    parser.add_argument(
         "--respawn-delay",
         type=float,
         default=3.0,
@@ -329,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
 
     worker_class = _standby_worker_class()
 
+    if args.query_seconds <= 0:
+        parser.error(f"--query-seconds {args.query_seconds:g}: give a number of seconds above 0")
+    from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
+
     async def serve() -> None:
         worker = worker_class(
             work_pool_name=args.pool,
@@ -340,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         await worker.start()
 
-    anyio.run(serve)
+    with temporary_settings({PREFECT_WORKER_QUERY_SECONDS: args.query_seconds}):
+        anyio.run(serve)
     return 0
 
 

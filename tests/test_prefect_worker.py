@@ -121,6 +121,8 @@ def test_a_run_starts_in_the_standby_process_and_a_new_one_replaces_it(world: Wo
     replacement = private_worker.wait_until("the next standby process", w.standbys, timeout=120)
     assert replacement != standby
     assert "starting a fresh engine" not in w.log.read_text()
+    # The flow's file is not executed again: the engine takes the module the standby imported.
+    assert f"standby process {standby[0]}: flows/provision.py: the module it preloaded" in w.log.read_text()
 
 
 @pytest.mark.integration
