@@ -52,7 +52,7 @@ _API_VERSION_PREFERENCE = {
 }
 
 
-class KubernetesCluster(KubernetesCanary, KubernetesRolling, ServingBackend):
+class KubernetesCluster(KubernetesRolling, KubernetesCanary, ServingBackend):
     """Serves the model as a Deployment + Service on a Kubernetes cluster."""
 
     needs_image: ClassVar[bool] = True
