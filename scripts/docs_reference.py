@@ -601,6 +601,11 @@ ENVIRONMENT: list[tuple[str, str, str]] = [
         "The Prefect server `stack apply`, `check`, `deploy` and `run` talk to; unset, "
         "`run --local` starts a temporary one.",
     ),
+    (
+        "PREFECT_WORKER_QUERY_SECONDS",
+        "`gpuferry worker`",
+        "How often the worker asks the server for runs to start (`--query-seconds`); unset: every second.",
+    ),
     ("PREFECT_SERVER_ANALYTICS_ENABLED", "`gpuferry`, `flows.demo`", "Set to `false` when not set."),
     (
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
