@@ -12,8 +12,12 @@
   queued job carries and the code directories no queued job runs in, last written (or used) longer ago than
   the limit.
 
-``garbage`` lists them (a dry run: nothing is touched), ``collect`` frees what it is given. The images of a
-registry are not collected here.
+* **Images** of the stack's image builder's repository (``ImageBuilder.stored_images``: a registry's, one per
+  digest) that no registered version was trained in and no training run started within the limit uses (a run
+  tags its MLflow run with its image when it starts, so a run in flight keeps its image), built longer ago than
+  the limit. A content tag deleted is built again when a workload needs it.
+
+``garbage`` lists them (a dry run: nothing is touched), ``collect`` frees what it is given.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from blocks.home import gpuferry_cache
-from blocks.records import Garbage
+from blocks.records import IMAGE_TAG, RUN_IMAGE_TAG, Garbage
 from blocks.stack import Stack
 
 DAY = 86400.0
@@ -47,6 +51,13 @@ def garbage(blocks: Stack, older_than_days: float, now: float | None = None) -> 
         holds_a_version = any(Path(p).is_relative_to(Path(job.where).resolve()) for p in referenced_paths)
         if job.modified < cutoff and not holds_a_version:
             found.append(job)
+    images = blocks.images.stored_images()
+    if images:
+        used = blocks.tracking.registered_tag_values(IMAGE_TAG) | blocks.tracking.recent_run_tag_values(
+            RUN_IMAGE_TAG, cutoff
+        )
+        used_digests = {reference.rpartition("@")[2] for reference in used if "@" in reference}
+        found += [i for i in images if i.where.rpartition("@")[2] not in used_digests and i.modified < cutoff]
     archives = gpuferry_cache() / "code"
     for archive in sorted(archives.glob("*.tar.gz")) if archives.is_dir() else []:
         info = archive.stat()
@@ -65,6 +76,8 @@ def collect(blocks: Stack, items: list[Garbage]) -> int:
             blocks.storage.remove(item.where)
         elif item.kind in ("job directory", "code directory"):
             blocks.compute.remove_job(item.where)
+        elif item.kind == "image":
+            blocks.images.remove_image(item.where)
         else:
             Path(item.where).unlink(missing_ok=True)
         freed += item.size_bytes

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, SecretStr
 from blocks.base.mlflow_model import ModelInfo, NoModel
 from blocks.base.secrets import check_job_secrets
 from blocks.errors import ConfigurationError
-from blocks.records import ImageRef, ServerSpec, TrainingJob
+from blocks.records import IMAGE_TAG, ImageRef, ServerSpec, TrainingJob
 from blocks.specs import PromotionPolicy, Resources, ServingSpec, TrainingSpec
 from blocks.workload.source import Workload
 from runtime import contract
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 TAG_PREFIX = "gpuferry."
 SERVICE_TAG = "gpuferry.service"
 SERVER_TAG = "gpuferry.server"
-IMAGE_TAG = "gpuferry.image"
 IMAGE_WORKDIR_TAG = "gpuferry.image.workdir"
 SERVING_TAG = "gpuferry.serving"  # the service's shape (ServingShape as JSON): replicas, GPUs, CPU, memory, URL
 INPUT_EXAMPLE_TAG = "gpuferry.input_example"

@@ -36,6 +36,12 @@ class Node(_Record):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
+# The image a model version was trained in (a reference by digest), on the registered version; and on a training
+# run's MLflow run from the moment it starts (``flows/ship.run_tags``). ``gpuferry gc`` keeps the images they name.
+IMAGE_TAG = "gpuferry.image"
+RUN_IMAGE_TAG = "image"
+
+
 class ImageRef(_Record):
     """What the training job and the server run in."""
 

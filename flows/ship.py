@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from blocks.base.serving import DeployOutcome, Release
 from blocks.plan import RunPlan, server_of
 from blocks.records import (
+    RUN_IMAGE_TAG,
     CheckpointRef,
     Endpoint,
     ImageRef,
@@ -168,7 +169,7 @@ def run_tags(blocks: Stack, image: ImageRef, run_key: str, run: RunPlan) -> dict
         {
             "gpuferry.git_sha": git_sha(),
             "prefect.flow_run_id": run_key,
-            "image": image.reference or image.note,
+            RUN_IMAGE_TAG: image.reference or image.note,
             "image.content_tag": image.content_tag,
             "image.built": str(image.built).lower(),
             "image.note": image.note,

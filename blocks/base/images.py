@@ -14,7 +14,8 @@ from prefect.blocks.core import Block
 from pydantic import Field
 
 from blocks.checks import CheckRow, Probe
-from blocks.records import ImageRef
+from blocks.errors import ConfigurationError
+from blocks.records import Garbage, ImageRef
 
 if TYPE_CHECKING:
     from blocks.workload.source import Workload
@@ -45,3 +46,15 @@ class ImageBuilder(Block, ABC):
     @abstractmethod
     def build(self, workload: Workload) -> ImageRef:
         """Build (or find already built) and push the workload's image; return it pinned by digest."""
+
+    # ---- housekeeping (``gpuferry gc``) ----
+
+    def stored_images(self) -> list[Garbage]:
+        """The images this builder pushed that its registry still holds, one per digest (``where``: the
+        reference by digest, ``modified``: when it was built), for ``gpuferry gc`` to weigh. None here: a
+        builder that pushes says (``blocks/docker/image.py``)."""
+        return []
+
+    def remove_image(self, where: str) -> None:
+        """Delete an image ``stored_images`` listed from its registry."""
+        raise ConfigurationError(f"{type(self).__name__} stores no images to remove")

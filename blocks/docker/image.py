@@ -27,7 +27,8 @@ import io
 import re
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
@@ -42,7 +43,7 @@ from blocks.checks import CheckRow, Probe
 from blocks.docker.context import BuildContext, build_context
 from blocks.docker.registry import RegistryClient, _classify_push_error, registry_base_url
 from blocks.errors import ConfigurationError, GpuferryError, TransientError
-from blocks.records import ImageRef
+from blocks.records import Garbage, ImageRef
 from blocks.values import REPOSITORY, registry_parts
 
 if TYPE_CHECKING:
@@ -272,9 +273,69 @@ class DockerImageBuilder(ImageBuilder):
         finally:
             registry.close()
 
+    # ---- housekeeping (``gpuferry gc``) ----
+
+    def stored_images(self) -> list[Garbage]:
+        """Every image of ``repository`` in the registry, one per digest whatever its tags, with its size (its
+        layers and configuration, every platform's of an index) and when it was built (its configuration's
+        ``created``; an image that does not say counts as built now, so it is never old)."""
+        registry = self.registry()
+        try:
+            digests = {registry.manifest_digest(self.repository, tag) for tag in registry.tags(self.repository)}
+            found = []
+            for digest in sorted(d for d in digests if d):
+                size, built = self._weigh(registry, digest)
+                found.append(
+                    Garbage(kind="image", where=f"{self.image_name()}@{digest}", size_bytes=size, modified=built)
+                )
+            return found
+        finally:
+            registry.close()
+
+    def _weigh(self, registry: RegistryClient, digest: str) -> tuple[int, float]:
+        _, manifest = registry.manifest(self.repository, digest)
+        parts = [registry.manifest(self.repository, m["digest"])[1] for m in manifest.get("manifests", [])]
+        parts = parts or [manifest]
+        size = sum(
+            int((part.get("config") or {}).get("size", 0))
+            + sum(int(layer.get("size", 0)) for layer in part.get("layers", []))
+            for part in parts
+        )
+        config = parts[0].get("config") or {}
+        built = (
+            _created(registry.blob_json(self.repository, config["digest"]).get("created"))
+            if config.get("digest")
+            else None
+        )
+        return size, built if built is not None else time.time()
+
+    def remove_image(self, where: str) -> None:
+        """Delete an image ``stored_images`` listed (``<registry>/<repository>@sha256:...``) from the registry: its
+        tags go with it; the registry frees its layers when it collects its own garbage."""
+        name, _, digest = where.rpartition("@")
+        if name != self.image_name() or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+            raise ConfigurationError(f"{where} is not an image of {self.image_name()} by digest")
+        registry = self.registry()
+        try:
+            registry.delete_manifest(self.repository, digest)
+        finally:
+            registry.close()
+
     def self_check(self, probe: Probe) -> list[CheckRow]:
         """The engine, the registry's login and push permission (``blocks/checks.py``)."""
         from blocks.docker.check import check_docker_builder
 
         check_docker_builder(self, probe)
         return probe.rows
+
+
+def _created(value: Any) -> float | None:
+    """An image configuration's ``created`` (RFC 3339, nanoseconds allowed) as epoch seconds."""
+    if not isinstance(value, str):
+        return None
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", value.strip())
+    if match is None:
+        return None
+    fraction = (match[2] or ".0")[:7]
+    zone = "+00:00" if match[3] == "Z" else match[3]
+    return datetime.fromisoformat(f"{match[1]}{fraction}{zone}").timestamp()

@@ -125,6 +125,61 @@ class RegistryClient:
             response = self._send(method, url, headers=headers, **kwargs)
         return response
 
+    def tags(self, repository: str) -> list[str]:
+        """Every tag of ``repository`` (none when the registry does not know it), its pages read to the end."""
+        url: str | None = f"{self.base_url}/v2/{repository}/tags/list?n=1000"
+        found: list[str] = []
+        while url:
+            response = self._authorized("GET", url, repository)
+            if response.status_code == 404:
+                return found
+            if response.status_code in (401, 403):
+                raise self._refused(response)
+            self._raise_for_status(response, f"GET {repository} tags")
+            found += response.json().get("tags") or []
+            link = re.search(r"<([^>]+)>", response.headers.get("link", ""))
+            url = None if link is None else (link[1] if "://" in link[1] else f"{self.base_url}{link[1]}")
+        return found
+
+    def manifest(self, repository: str, reference: str) -> tuple[str, dict[str, Any]]:
+        """The digest and the parsed manifest (or index) of ``repository`` at a tag or digest."""
+        url = f"{self.base_url}/v2/{repository}/manifests/{reference}"
+        response = self._authorized("GET", url, repository, headers={"Accept": MANIFEST_TYPES})
+        if response.status_code in (401, 403):
+            raise self._refused(response)
+        self._raise_for_status(response, f"GET {repository}:{reference}")
+        digest = (
+            response.headers.get("docker-content-digest") or "sha256:" + hashlib.sha256(response.content).hexdigest()
+        )
+        return digest, response.json()
+
+    def blob_json(self, repository: str, digest: str) -> dict[str, Any]:
+        """A small JSON blob of ``repository`` (an image's configuration), following the registry's redirect."""
+        response = self._authorized("GET", f"{self.base_url}/v2/{repository}/blobs/{digest}", repository)
+        if response.is_redirect and response.headers.get("location"):
+            response = self._send("GET", response.headers["location"])
+        self._raise_for_status(response, f"GET {repository} blob {digest[:19]}")
+        return dict(response.json())
+
+    def delete_manifest(self, repository: str, digest: str) -> None:
+        """Delete the manifest ``digest`` of ``repository`` and so every tag on it (the registry frees the layers
+        no manifest uses when it collects its own garbage)."""
+        url = f"{self.base_url}/v2/{repository}/manifests/{digest}"
+        response = self._authorized("DELETE", url, repository)
+        if response.status_code == 404:
+            return
+        if response.status_code == 405:
+            raise ConfigurationError(
+                f"registry {self.base_url} does not allow deleting images (HTTP 405): enable it (distribution's "
+                "storage.delete.enabled: true; a hosted registry's retention policy otherwise)"
+            )
+        if response.status_code in (401, 403):
+            raise ConfigurationError(
+                f"registry {self.base_url} does not let {self._username!r} delete from {repository} "
+                f"(HTTP {response.status_code}): grant the user delete on the repository"
+            )
+        self._raise_for_status(response, f"DELETE {repository}@{digest}")
+
     def check_login(self, repository: str = "library/gpuferry-check") -> str:
         """The registry answers its API and takes the credentials (``GET /v2/``)."""
         response = self._authorized("GET", f"{self.base_url}/v2/", repository)

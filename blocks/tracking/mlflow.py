@@ -307,6 +307,41 @@ class MlflowTracking(Block):
     def model_source(self, model_name: str, version: str) -> str:
         return self.client.get_model_version(model_name, version).source
 
+    def registered_tag_values(self, key: str) -> set[str]:
+        """The values of tag ``key`` on every version of every registered model (the images versions were
+        trained in, for ``gpuferry gc``); the registry's pages read to the end."""
+        values: set[str] = set()
+        token = None
+        while True:
+            page = self.client.search_model_versions(max_results=1000, page_token=token)
+            values.update(v.tags[key] for v in page if (v.tags or {}).get(key))
+            token = page.token
+            if not token:
+                return values
+
+    def recent_run_tag_values(self, key: str, since: float) -> set[str]:
+        """The values of tag ``key`` on every run of every experiment started at or after ``since`` (epoch
+        seconds): what runs still in flight, or lately ended, used."""
+        from mlflow.entities import ViewType
+
+        experiments = [e.experiment_id for e in self.client.search_experiments(view_type=ViewType.ALL)]
+        values: set[str] = set()
+        for start in range(0, len(experiments), 100):  # MLflow takes at most 100 experiments per search
+            token = None
+            while True:
+                page = self.client.search_runs(
+                    experiments[start : start + 100],
+                    filter_string=f"attributes.start_time >= {int(since * 1000)}",
+                    run_view_type=ViewType.ALL,
+                    max_results=1000,
+                    page_token=token,
+                )
+                values.update(r.data.tags[key] for r in page if r.data.tags.get(key))
+                token = page.token
+                if not token:
+                    break
+        return values
+
     def registered_sources(self) -> set[str]:
         """The checkpoint URI of every version of every registered model (what ``gpuferry gc`` never frees),
         without a trailing slash; the registry's pages read to the end."""
