@@ -337,7 +337,7 @@ def gc(
     apply: Annotated[bool, typer.Option("--apply", help="Free it (without: list what would be freed).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
 ) -> None:
-    """Free what no registered version and no running job uses: stored checkpoints, job directories, code archives.
+    """Free what no registered version and no running job uses: stored checkpoints, job directories, code, images.
 
     A dry run by default: it lists what it would free; `--apply` frees it. Example: `gpuferry gc --stack hpc
     --older-than 14`, then `gpuferry gc --stack hpc --older-than 14 --apply`.
