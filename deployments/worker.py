@@ -259,6 +259,31 @@ def _worker_classes() -> tuple[type, type]:
             self._standby_group = anyio.create_task_group()
             await self._standby_group.__aenter__()
             self._standbys.ready = await self._standbys.spawn()
+            self._standby_group.start_soon(self._wake_on_scheduled_runs)
+
+        async def _wake_on_scheduled_runs(self) -> None:
+            """Ask for runs the moment the server schedules one on this pool (its event stream), not at the next
+            poll; polling goes on beside it, so a lost stream costs only the wait for the poll."""
+            from prefect.events.clients import get_events_subscriber
+            from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
+            from prefect.types._datetime import now
+
+            while True:
+                wanted = EventFilter(
+                    event=EventNameFilter(name=["prefect.flow-run.Scheduled"]),
+                    occurred=EventOccurredFilter(since=now("UTC")),
+                )
+                try:
+                    async with get_events_subscriber(filter=wanted) as events:
+                        async for event in events:
+                            if any(
+                                r.role == "work-pool" and r.get("prefect.resource.name") == self._work_pool_name
+                                for r in event.related
+                            ):
+                                await self.get_and_submit_flow_runs()
+                except Exception as exc:  # noqa: BLE001 - the poll still finds every run; try the stream again
+                    self._logger.warning("the server's event stream: %s; polling only, for 30 s", exc)
+                await anyio.sleep(30)
 
         async def teardown(self, *exc_info: Any) -> None:
             try:

@@ -141,3 +141,22 @@ def test_a_standby_whose_code_changed_runs_the_new_code_in_a_fresh_engine(world:
         os.utime(source, (before.st_atime, before.st_mtime))
     assert run.state.is_completed(), w.log.read_text()[-3000:]
     assert "project files changed since its preload: starting a fresh engine" in w.log.read_text()
+
+
+@pytest.mark.integration
+def test_a_run_starts_when_the_server_schedules_it_not_at_the_next_poll(world: World) -> None:
+    """A worker that polls every 600 s (Prefect jitters the interval by up to 30 %: the poll after its first comes
+    420 s later at the earliest) starts a run created after its first poll within seconds: the server's event for
+    the scheduled run wakes it."""
+    w = world
+    private_worker.stop(w.worker)
+    env = {**w.env, "PREFECT_WORKER_QUERY_SECONDS": "600"}
+    w.worker = private_worker.start_worker(w.pool, f"woken-{w.uid}", env, w.log)  # it polls once, now
+    standby = private_worker.wait_until("a standby process", w.standbys, timeout=60)
+    private_worker.wait_until(
+        "the standby's imports", lambda: f"standby process {standby[0]}: ready" in w.log.read_text(), timeout=300
+    )
+    run = w.run(count=1, key=f"woken-{w.uid}")
+    assert run.state.is_completed(), w.log.read_text()[-3000:]
+    waited = (run.start_time - run.created).total_seconds()
+    assert waited < 120, (waited, w.log.read_text()[-3000:])  # far from the 420 s a poll would take
