@@ -5,6 +5,9 @@ ClusterIP, from inside the node, runs during each window."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ from tests.private_worker import wait_until
 from tests.pyfunc_models import canary_models
 from tests.test_kubernetes import admin
 
+REPO = Path(__file__).resolve().parent.parent
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 SMOKE = {"dataframe_records": [{"x": 1.0}]}
@@ -35,18 +40,33 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
     return root, {name: f"file:///models/{Path(uri).name}" for name, uri in uris.items()}
 
 
-@pytest.fixture
-def block(k8s: dict[str, str], k8s_namespace: str, models: tuple[Path, dict[str, str]]) -> KubernetesCluster:
+def canary_block(k8s: dict[str, str], namespace: str, models_root: str) -> KubernetesCluster:
     return admin(
         k8s,
-        namespace=k8s_namespace,
+        namespace=namespace,
         rollout_timeout_seconds=240,
         cpu_request="10m",
         memory_request="64Mi",
         image_pull_secret=PULL_SECRET,
-        host_path_mounts={str(models[0]): "/models"},
+        host_path_mounts={models_root: "/models"},
         env={"WARMUP_ITERATIONS": "1", "MODEL_DEVICE": "cpu"},
     )
+
+
+@pytest.fixture
+def block(k8s: dict[str, str], k8s_namespace: str, models: tuple[Path, dict[str, str]]) -> KubernetesCluster:
+    return canary_block(k8s, k8s_namespace, str(models[0]))
+
+
+# A deploy in a process of its own (killed during its window by the test): argv namespace, models, image, model URI.
+DEPLOY_IN_A_PROCESS = """
+import sys
+from tests.stacks import stack_env
+from tests.test_kubernetes_canary import canary_block, policy, release, spec
+namespace, models, image, uri = sys.argv[1:]
+long = policy("canary", 0.5).model_copy(update={"window_seconds": 600})
+canary_block(stack_env("k8s"), namespace, models).deploy(spec(long), release(image, "2", uri))
+"""
 
 
 def spec(rollout: RolloutPolicy | None) -> ServingSpec:
@@ -173,3 +193,47 @@ def test_a_window_is_seen_and_promoted_by_hand(
     assert block.rollout_status("canary") is None and block._candidate("canary-canary") is None
     with pytest.raises(ConfigurationError, match="no canary or shadow window is under way"):
         block.decide_rollout("canary", "abort")
+
+
+def test_a_window_left_by_a_killed_deploy_is_ended_by_the_next_deploy(
+    k8s: dict[str, str], block: KubernetesCluster, models: tuple[Path, dict[str, str]], workload_image: str
+) -> None:
+    """The deploy's process killed during its window leaves the canary routed to and running; the service's next
+    deploy turns the route off and removes the canary before it rolls out, and no client request fails."""
+    uris = models[1]
+    block.deploy(spec(None), release(workload_image, "1", uris["good"]))
+    load = load_on(block, k8s, 1.0).start()
+    try:
+        wait_until("answers", lambda: len(load.answers) >= 20, timeout=120, interval=0.2)
+        argv = [
+            sys.executable,
+            "-c",
+            DEPLOY_IN_A_PROCESS,
+            block.namespace,
+            str(models[0]),
+            workload_image,
+            uris["good"],
+        ]
+        deploying = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_until("the window to start", lambda: block.rollout_status("canary") is not None, timeout=300)
+        finally:
+            deploying.kill()
+            _, err = deploying.communicate(timeout=60)
+        assert block.rollout_status("canary") is not None, err.decode()[-3000:]  # left as it was
+        assert "canary" in route(block)
+        third = block.deploy(spec(None), release(workload_image, "3", uris["good"]))
+        mark = len(load.answers)
+        wait_until("answers after", lambda: len(load.answers) >= mark + 20, timeout=120, interval=0.2)
+    finally:
+        answers = load.stop()
+    assert third.model_version == "3" and third.previous_version == "1"
+    assert block.rollout_status("canary") is None and block._candidate("canary-canary") is None
+    assert "canary" not in route(block)
+    assert {a.status for a in answers} == {200}, [a for a in answers if a.status != 200][:5]
+
+
+def route(block: KubernetesCluster) -> dict[str, Any]:
+    """The route file the serving pods read (the ConfigMap's key): {} when there is none."""
+    config = block._api().read_or_none("v1", "ConfigMap", "canary-route", namespace=block.namespace)
+    return dict(json.loads((config or {}).get("data", {}).get("route.json", "{}")))
