@@ -13,7 +13,8 @@ endpoint as the pods reach it in the block's ``env``. The test reaches the pod t
 proxy.
 
 Both examples go this way. For the digits MLP, a first retrain serves v1; a second one whose server cannot
-start rolls back to v1, fails the flow, and MLflow says so on the run and on the model version. The
+start rolls back to v1, fails the flow, and MLflow says so on the run and on the model version; v2, made champion
+and served, is rolled back with `gpuferry rollback` (v1 with its shape, the alias with it). The
 regressor is served and answers its own input example's columns.
 """
 
@@ -21,6 +22,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 from prefect.artifacts import Artifact
+from prefect.settings import PREFECT_API_URL
 from pydantic import SecretStr
 
 from blocks.base.provider import ClusterManaged
@@ -40,6 +45,7 @@ from blocks.specs import Resources, ServingSpec, TrainingSpec
 from blocks.stack import Stack
 from blocks.storage.s3 import S3CheckpointStore
 from blocks.tracking.mlflow import MlflowTracking
+from flows.deploy_model import deploy_model
 from flows.retrain import retrain
 from tests.examples import DIABETES, DIGITS, example_module
 from tests.k8s_node import PULL_SECRET, ready_pods
@@ -47,6 +53,7 @@ from tests.stacks import mlflow_server, stack_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_server")]
 
+REPO = Path(__file__).resolve().parent.parent
 SECRET = "model-store"  # the Secret holding the pod's S3 endpoint and credentials
 
 
@@ -183,6 +190,28 @@ def test_retrain_serves_on_kubernetes_and_a_bad_release_rolls_back(
     pod = ready_pod(block, "digits")
     assert block.pod_request(pod, "/readyz")[1]["model"]["checkpoint_sha256"] == first.checkpoint.sha256
     assert block.pod_request(pod, "/invocations", {"inputs": [[0.0] * 64]})[0] == 200
+
+    # ---- `gpuferry rollback`: v2 made champion and served (as the alias's trigger would), then back to v1 -------
+    client.set_registered_model_alias(model, "champion", "2")
+    served = deploy_model(model_name=model, alias="champion", stack=stack)
+    assert served is not None and served.model_version == "2"
+    assert client.get_model_version(model, "2").tags["deploy.previous_version"] == "1"
+    done = subprocess.run(
+        [sys.executable, "-c", "from deployments.cli import main; main()", "rollback", "digits", "--stack", stack],
+        cwd=REPO,
+        env={**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())},  # the test's Prefect server
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "alias 'champion' points at v1" in done.stdout
+    dep = block._api().get(f"/apis/apps/v1/namespaces/{k8s_namespace}/deployments/digits")
+    assert dep["metadata"]["annotations"][m.MODEL_VERSION_ANNOTATION] == "1"
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["template"]["spec"]["containers"][0]["image"] == image
+    assert ready_pod(block, "digits") and block.current("digits")["version"] == "1"
+    assert client.get_model_version_by_alias(model, "champion").version == "1"
+    assert client.get_model_version(model, "2").tags["rollback.to"] == "1"
     block.undeploy("digits")
 
 
