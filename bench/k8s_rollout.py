@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +182,34 @@ class Side:
         }
 
 
+@contextmanager
+def bench_namespace(
+    k8s: dict[str, str], reg: dict[str, str], models: Path, **fields: Any
+) -> Iterator[KubernetesCluster]:
+    """A namespace of its own on the k8s stack, with the registry stack's pull secret, and a block serving there
+    with ``models`` mounted at /models in every pod (``fields`` over the block's settings); deleted at the end."""
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    kubeconfig = SecretStr(Path(k8s["KUBECONFIG"]).read_text())
+    api = KubernetesCluster(kubeconfig=kubeconfig)._api()
+    api.request(
+        "POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    )
+    try:
+        api.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body=pull_secret(reg))
+        settings: dict[str, Any] = {
+            "cpu_request": "10m",
+            "memory_request": "64Mi",
+            "image_pull_secret": PULL_SECRET,
+            "host_path_mounts": {str(models): "/models"},
+            "env": {"WARMUP_ITERATIONS": "1"},
+            "rollout_timeout_seconds": 300,
+            **fields,
+        }
+        yield KubernetesCluster(kubeconfig=kubeconfig, namespace=namespace, **settings)
+    finally:
+        api.delete(f"/api/v1/namespaces/{namespace}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second of each load")
@@ -202,32 +232,13 @@ def main() -> None:
         .build(load_workload(str(DIGITS)))
         .reference
     )
-    namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    kubeconfig = SecretStr(Path(k8s["KUBECONFIG"]).read_text())
-    api = KubernetesCluster(kubeconfig=kubeconfig)._api()
-    api.request(
-        "POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
-    )
     with tempfile.TemporaryDirectory(prefix="gpuferry-bench-k8s-") as tmp:
         work = Path(tmp)
         (work / "models").mkdir()
         MODELS.update(write_test_models(work / "models", tuple(HIDDEN.values())))
         Path(tmp).chmod(0o755)
-        try:
-            api.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body=pull_secret(reg))
-            block = KubernetesCluster(
-                kubeconfig=kubeconfig,
-                namespace=namespace,
-                cpu_request="10m",
-                memory_request="64Mi",
-                image_pull_secret=PULL_SECRET,
-                host_path_mounts={str(work / "models"): "/models"},
-                env={"WARMUP_ITERATIONS": "1"},
-                rollout_timeout_seconds=300,
-            )
+        with bench_namespace(k8s, reg, work / "models") as block:
             results = {side: Side(side, block, k8s, image, args.rate).run(work) for side in ("ours", "peer")}
-        finally:
-            api.delete(f"/api/v1/namespaces/{namespace}")
     for side, r in results.items():
         print(f"RESULT K1_{side}_deploy_s {r['deploy_s']:.2f}")
         print(f"RESULT K1_{side}_serving_s {r['serving_s']:.2f}")
