@@ -61,9 +61,7 @@ class RegistryClient:
         key = f"{realm} {params}"
         if key not in self._tokens:
             response = self._send("GET", realm, auth=self._basic, params=params)
-            if response.status_code in (401, 403):
-                raise self._refused(response)
-            self._raise_for_status(response, "token")
+            self._check(response, "token")
             body = response.json()
             self._tokens[key] = body.get("token") or body.get("access_token") or ""
         return self._tokens[key]
@@ -84,6 +82,12 @@ class RegistryClient:
             "fix credentials.username / credentials.password or the user's permissions on the repository"
         )
 
+    def _check(self, response: httpx.Response, what: str) -> None:
+        """Refused credentials or permission (401, 403) as a configuration error, else as ``_raise_for_status``."""
+        if response.status_code in (401, 403):
+            raise self._refused(response)
+        self._raise_for_status(response, what)
+
     def _raise_for_status(self, response: httpx.Response, what: str) -> None:
         if response.status_code == 429 or response.status_code >= 500:
             raise TransientError(f"registry {self.base_url} answered HTTP {response.status_code} to {what}")
@@ -95,25 +99,14 @@ class RegistryClient:
     def manifest_digest(self, repository: str, tag: str) -> str | None:
         """The digest the registry holds for ``repository:tag``, or None when the tag is not there."""
         url = f"{self.base_url}/v2/{repository}/manifests/{tag}"
-        headers = {"Accept": MANIFEST_TYPES}
-        response = self._send("HEAD", url, headers=headers, auth=self._basic)
-        challenge = response.headers.get("www-authenticate", "")
-        if response.status_code == 401 and challenge.lower().startswith("bearer"):
-            token = self._token(challenge[len("bearer") :].strip(), repository)
-            headers["Authorization"] = f"Bearer {token}"
-            response = self._send("HEAD", url, headers=headers)
+        response = self._authorized("HEAD", url, repository, headers={"Accept": MANIFEST_TYPES})
         if response.status_code == 404:
             return None
-        if response.status_code in (401, 403):
-            raise self._refused(response)
-        self._raise_for_status(response, f"HEAD {repository}:{tag}")
+        self._check(response, f"HEAD {repository}:{tag}")
         digest = response.headers.get("docker-content-digest")
         if digest:
             return digest
-        # Registries need not send the header: the digest is the sha256 of the manifest's bytes.
-        body = self._send("GET", url, headers=headers, auth=None if "Authorization" in headers else self._basic)
-        self._raise_for_status(body, f"GET {repository}:{tag}")
-        return "sha256:" + hashlib.sha256(body.content).hexdigest()
+        return self.manifest(repository, tag)[0]  # registries need not send the header: the manifest's sha256
 
     def _authorized(self, method: str, url: str, repository: str, **kwargs: Any) -> httpx.Response:
         """``method url`` with Basic auth, again with a Bearer token when the registry asks for one."""
@@ -133,9 +126,7 @@ class RegistryClient:
             response = self._authorized("GET", url, repository)
             if response.status_code == 404:
                 return found
-            if response.status_code in (401, 403):
-                raise self._refused(response)
-            self._raise_for_status(response, f"GET {repository} tags")
+            self._check(response, f"GET {repository} tags")
             found += response.json().get("tags") or []
             link = re.search(r"<([^>]+)>", response.headers.get("link", ""))
             url = None if link is None else (link[1] if "://" in link[1] else f"{self.base_url}{link[1]}")
@@ -145,9 +136,7 @@ class RegistryClient:
         """The digest and the parsed manifest (or index) of ``repository`` at a tag or digest."""
         url = f"{self.base_url}/v2/{repository}/manifests/{reference}"
         response = self._authorized("GET", url, repository, headers={"Accept": MANIFEST_TYPES})
-        if response.status_code in (401, 403):
-            raise self._refused(response)
-        self._raise_for_status(response, f"GET {repository}:{reference}")
+        self._check(response, f"GET {repository}:{reference}")
         digest = (
             response.headers.get("docker-content-digest") or "sha256:" + hashlib.sha256(response.content).hexdigest()
         )
@@ -183,9 +172,7 @@ class RegistryClient:
     def check_login(self, repository: str = "library/gpuferry-check") -> str:
         """The registry answers its API and takes the credentials (``GET /v2/``)."""
         response = self._authorized("GET", f"{self.base_url}/v2/", repository)
-        if response.status_code in (401, 403):
-            raise self._refused(response)
-        self._raise_for_status(response, "GET /v2/")
+        self._check(response, "GET /v2/")
         return f"{self.base_url} takes the login of {self._username!r}"
 
     def check_push(self, repository: str) -> str:

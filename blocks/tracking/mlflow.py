@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import cached_property
 from typing import Any
 
@@ -309,15 +309,8 @@ class MlflowTracking(Block):
 
     def registered_tag_values(self, key: str) -> set[str]:
         """The values of tag ``key`` on every version of every registered model (the images versions were
-        trained in, for ``gpuferry gc``); the registry's pages read to the end."""
-        values: set[str] = set()
-        token = None
-        while True:
-            page = self.client.search_model_versions(max_results=1000, page_token=token)
-            values.update(v.tags[key] for v in page if (v.tags or {}).get(key))
-            token = page.token
-            if not token:
-                return values
+        trained in, for ``gpuferry gc``)."""
+        return {v.tags[key] for v in self._every_version() if (v.tags or {}).get(key)}
 
     def recent_run_tag_values(self, key: str, since: float) -> set[str]:
         """The values of tag ``key`` on every run of every experiment started at or after ``since`` (epoch
@@ -344,15 +337,18 @@ class MlflowTracking(Block):
 
     def registered_sources(self) -> set[str]:
         """The checkpoint URI of every version of every registered model (what ``gpuferry gc`` never frees),
-        without a trailing slash; the registry's pages read to the end."""
-        sources: set[str] = set()
+        without a trailing slash."""
+        return {str(v.source).rstrip("/") for v in self._every_version() if v.source}
+
+    def _every_version(self) -> Iterator[Any]:
+        """Every version of every registered model, the registry's pages read to the end."""
         token = None
         while True:
             page = self.client.search_model_versions(max_results=1000, page_token=token)
-            sources.update(str(v.source).rstrip("/") for v in page if v.source)
+            yield from page
             token = page.token
             if not token:
-                return sources
+                return
 
     def version_tags(self, model_name: str, version: str) -> dict[str, str]:
         return dict(self.client.get_model_version(model_name, version).tags)
