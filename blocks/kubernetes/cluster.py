@@ -381,32 +381,6 @@ class KubernetesCluster(KubernetesRolling, KubernetesCanary, ServingBackend):
             or f"http://{name}.{self.namespace}.svc.cluster.local:{self.service_port}"
         )
 
-    def _endpoint(
-        self,
-        spec: ServingSpec,
-        version: str,
-        previous_version: str | None,
-        *,
-        changed: bool,
-        state: rollout.RolloutState,
-    ) -> Endpoint:
-        name = manifests.service_object_name(spec)
-        return Endpoint(
-            service=spec.service,
-            url=self._url(name, spec),
-            model_version=version,
-            backend=self.get_block_type_slug(),
-            previous_version=previous_version,
-            detail={
-                "changed": changed,
-                "namespace": self.namespace,
-                "deployment": name,
-                "revision": state.revision,
-                "available_replicas": state.available,
-                "replicas": state.desired,
-            },
-        )
-
     # ---- checks ------------------------------------------------------------------------------
 
     def self_check(self, probe: Probe) -> list[CheckRow]:

@@ -37,15 +37,10 @@ class RollingCluster(Protocol):
 
     def _api(self) -> KubeApi: ...
 
-    def _endpoint(
-        self,
-        spec: ServingSpec,
-        version: str,
-        previous_version: str | None,
-        *,
-        changed: bool,
-        state: rollout.RolloutState,
-    ) -> Endpoint: ...
+    def _url(self, name: str, spec: ServingSpec | None = None) -> str: ...
+
+    @classmethod
+    def get_block_type_slug(cls) -> str: ...
 
 
 if TYPE_CHECKING:
@@ -129,6 +124,33 @@ class KubernetesRolling(_Base):
             failed_version=release.version,
             rolled_back_to=old_version,
             reason=reason,
+        )
+
+    def _endpoint(
+        self,
+        spec: ServingSpec,
+        version: str,
+        previous_version: str | None,
+        *,
+        changed: bool,
+        state: rollout.RolloutState,
+    ) -> Endpoint:
+        """Where the rolled-out version serves, and how the rollout ended."""
+        name = manifests.service_object_name(spec)
+        return Endpoint(
+            service=spec.service,
+            url=self._url(name, spec),
+            model_version=version,
+            backend=self.get_block_type_slug(),
+            previous_version=previous_version,
+            detail={
+                "changed": changed,
+                "namespace": self.namespace,
+                "deployment": name,
+                "revision": state.revision,
+                "available_replicas": state.available,
+                "replicas": state.desired,
+            },
         )
 
     def _watch(self, name: str, timeout: float) -> rollout.RolloutState:
