@@ -11,7 +11,6 @@
 * On a Slurm cluster (``blocks/slurm/housekeeping.py``), over the block's connection: the job directories no
   queued job carries and the code directories no queued job runs in, last written (or used) longer ago than
   the limit.
-
 * **Images** of the stack's image builder's repository (``ImageBuilder.stored_images``: a registry's, one per
   digest) that no registered version was trained in and no training run started within the limit uses (a run
   tags its MLflow run with its image when it starts, so a run in flight keeps its image), built longer ago than

@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds after a hand-off before the next standby starts importing",
     )
     args = parser.parse_args(argv)
+    if args.query_seconds <= 0:
+        parser.error(f"--query-seconds {args.query_seconds:g}: give a number of seconds above 0")
     code_dir = Path(args.code_dir).resolve()
     if not (code_dir / "flows").is_dir():
         parser.error(f"--code-dir {code_dir}: no flows/ in it; give the checkout the flows are loaded from")
@@ -387,9 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     import anyio
 
     worker_class = _standby_worker_class()
-
-    if args.query_seconds <= 0:
-        parser.error(f"--query-seconds {args.query_seconds:g}: give a number of seconds above 0")
     from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
 
     async def serve() -> None:

@@ -269,12 +269,12 @@ def run_window(
     **observing: Any,
 ) -> tuple[dict[str, Any], list[str]]:
     """One canary or shadow window as a deploy runs it, whatever routes the traffic: its state published for
-        ``gpuferry rollout status`` (``publish``; None at the end), a decision by hand read every second
-        (``decision``), the progress logged every 10 s and shown on the Prefect run as the progress artifact
+    ``gpuferry rollout status`` (``publish``; None at the end), a decision by hand read every second
+    (``decision``), the progress logged every 10 s and shown on the Prefect run as the progress artifact
     ``rollout-<service>`` (the share of the window gone, the new version's answers and failures). ``observing`` goes
-    to ``observe`` (a clock, a sleep). Returns what was measured (with ``window_ended``, a monotonic
-        time: ``decided`` turns it into how long applying the verdict took) and the gates failed (none: it passed).
-        ``candidate`` raising ``CandidateGone``: the new version stopped answering, which fails it."""
+    to ``observe`` (a clock, a sleep). Returns what was measured (with ``window_ended``, a monotonic time:
+    ``decided`` turns it into how long applying the verdict took) and the gates failed (none: it passed).
+    ``candidate`` raising ``CandidateGone``: the new version stopped answering, which fails it."""
     kind = policy.strategy
     numbers: dict[str, Any] = {"strategy": kind, "share": policy.share}
     state: dict[str, Any] = {
@@ -332,9 +332,19 @@ def run_window(
     return numbers, reasons
 
 
+_SHOWN = (
+    "candidate_requests",
+    "candidate_error_rate",
+    "current_error_rate",
+    "candidate_p99_ms",
+    "current_p99_ms",
+    "agreement",
+)
+
+
 def _shown(numbers: dict[str, Any]) -> str:
-    keys = ("candidate_requests", "candidate_error_rate", "current_error_rate", "candidate_p99_ms", "current_p99_ms")
-    return ", ".join(f"{k}={numbers[k]}" for k in (*keys, "agreement") if numbers.get(k) is not None)
+    """The verdict's main numbers, as the progress artifact shows them."""
+    return ", ".join(f"{k}={numbers[k]}" for k in _SHOWN if numbers.get(k) is not None)
 
 
 def decided(numbers: dict[str, Any]) -> None:
