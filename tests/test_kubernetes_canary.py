@@ -6,6 +6,7 @@ ClusterIP, from inside the node, runs during each window."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from blocks.base.serving import Release
-from blocks.errors import CanaryFailed, ConfigurationError
+from blocks.errors import CanaryFailed
 from blocks.kubernetes.cluster import KubernetesCluster
 from blocks.records import ImageRef
 from blocks.specs import RolloutPolicy, ServingSpec
@@ -160,39 +161,106 @@ def test_a_shadow_that_disagrees_is_not_promoted_and_no_client_gets_its_answers(
     assert got == {(6.0,)}, got  # v1's answer to x = 3, never the shadow's 9
 
 
-def test_a_window_is_seen_and_promoted_by_hand(
-    block: KubernetesCluster, models: tuple[Path, dict[str, str]], workload_image: str
+@pytest.mark.usefixtures("prefect_server")
+def test_the_cli_decides_a_window_and_the_alias_follows_the_verdict(
+    block: KubernetesCluster, models: tuple[Path, dict[str, str]], workload_image: str, tmp_path: Path
 ) -> None:
-    """What `gpuferry rollout status` and `promote` call: the state on the canary's Deployment, the decision read
-    back within the window's next second."""
-    uris = models[1]
-    block.deploy(spec(None), release(workload_image, "1", uris["good"]))
-    long = policy("canary", 0.5).model_copy(update={"window_seconds": 600})
-    outcome: dict[str, Any] = {}
+    """As a retrain ships a version that beat the champion (flows/ship.py), on the Kubernetes node: registered
+    without the alias, its window seen with `gpuferry rollout status` and ended with `gpuferry rollout abort` (the
+    champion stays, the version carries the verdict) or `promote` (the alias moves to it), the installed command
+    against a saved stack."""
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL
 
-    def deploy() -> None:
+    from blocks.local.compute import LocalProcesses
+    from blocks.local.images import CurrentEnvironment
+    from blocks.local.provider import LocalMachine
+    from blocks.local.storage import LocalCheckpointStore
+    from blocks.records import CheckpointRef
+    from blocks.specs import PromotionPolicy
+    from blocks.stack import Stack
+    from blocks.tracking.mlflow import MlflowTracking
+    from flows.ship import serve_version
+    from tasks.track import register_model
+
+    uris = models[1]
+    tracking = MlflowTracking(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    stack_name = f"k8s-canary-{block.namespace}"
+    Stack(
+        provider=LocalMachine(),
+        images=CurrentEnvironment(),
+        compute=LocalProcesses(),
+        storage=LocalCheckpointStore(),
+        tracking=tracking,
+        serving=block,
+    ).save(stack_name)
+    promotion = PromotionPolicy(metric="m", direction="maximize")
+    long = policy("canary", 0.5).model_copy(update={"window_seconds": 600})
+
+    @flow(name="k8s-canary-ship-probe")
+    def ship_one(value: float, rollout: RolloutPolicy | None) -> str:
+        run_id = tracking.start_run("k8s-canary-ship", f"m={value}", {})
+        judged = rollout is not None
+        checkpoint = CheckpointRef(uri=uris["good"], sha256="0" * 64, size_bytes=1, files=1)
+        version = register_model(tracking, run_id, "canary", checkpoint, promotion, value, {}, move_alias=not judged)
+        serve_version(
+            Stack.named(stack_name),
+            spec(rollout),
+            release(workload_image, version.version, uris["good"]),
+            version,
+            promotion.alias,
+        )
+        return version.version
+
+    def gpuferry(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}  # the test's Prefect server
+        command = [str(REPO / ".venv/bin/gpuferry"), "rollout", *args, "canary", "--stack", stack_name]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    assert ship_one(0.5, None) == "1"
+
+    def ship(value: float, outcome: dict[str, Any]) -> None:
         try:
-            outcome["endpoint"] = block.deploy(spec(long), release(workload_image, "2", uris["good"]))
+            outcome["version"] = ship_one(value, long)
         except BaseException as exc:  # noqa: BLE001 - asserted below
             outcome["error"] = exc
 
-    worker = threading.Thread(target=deploy)
-    worker.start()
-    try:
-        wait_until("the window to start", lambda: block.rollout_status("canary") is not None, timeout=300)
-        state = block.rollout_status("canary")
-        assert state is not None and state["version"] == "2" and state["serving_version"] == "1"
-        assert state["strategy"] == "canary" and state["share"] == 0.5
-        block.decide_rollout("canary", "promote")
-    finally:
-        worker.join(600)
-    assert "error" not in outcome, outcome
-    endpoint = outcome["endpoint"]
-    assert endpoint.model_version == "2" and endpoint.detail["rollout"]["decided_by_hand"] == "promote"
-    assert endpoint.detail["rollout"]["window_seconds"] < 300
-    assert block.rollout_status("canary") is None and block._candidate("canary-canary") is None
-    with pytest.raises(ConfigurationError, match="no canary or shadow window is under way"):
-        block.decide_rollout("canary", "abort")
+    for value, decision in ((0.8, "abort"), (0.9, "promote")):
+        outcome: dict[str, Any] = {}
+        worker = threading.Thread(target=ship, args=(value, outcome))
+        worker.start()
+        try:
+            wait_until("the window to start", lambda: block.rollout_status("canary") is not None, timeout=300)
+            shown = gpuferry("status", "--json")
+            assert shown.returncode == 0, shown.stderr
+            state = json.loads(shown.stdout)
+            assert state["serving_version"] == "1" and state["strategy"] == "canary" and state["share"] == 0.5
+            words = gpuferry("status")
+            assert f"canary: v{state['version']} in a canary at 0.5 against v1" in words.stdout, words.stderr
+            decided = gpuferry(decision)
+            assert decided.returncode == 0 and f"{decision} asked" in decided.stdout, decided.stderr
+        finally:
+            worker.join(600)
+        assert not worker.is_alive() and block.rollout_status("canary") is None
+        assert block._candidate("canary-canary") is None
+        tags = tracking.version_tags("canary", state["version"])
+        assert tags["deploy.rollout.decided_by_hand"] == decision
+        if decision == "abort":
+            assert isinstance(outcome.get("error"), CanaryFailed), outcome
+            assert tags["deploy.status"] == "canary_failed" and tags["promotion"] == "candidate"
+            assert tracking.version_by_alias("canary", "champion") == "1"  # the champion stays
+            assert block.current("canary")["version"] == "1"
+        else:
+            assert outcome.get("version") == state["version"] == "3", outcome
+            assert tags["deploy.status"] == "deployed" and tags["promotion"] == "promoted"
+            assert float(tags["deploy.rollout.window_seconds"]) < 300
+            assert tracking.version_by_alias("canary", "champion") == "3"  # the alias followed the verdict
+            assert block.current("canary")["version"] == "3"
+    after = gpuferry("status")
+    assert after.returncode == 0 and "canary: no canary or shadow window is under way" in after.stdout
+    refused = gpuferry("abort")
+    assert refused.returncode != 0 and "no canary or shadow window is under way" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_a_window_left_by_a_killed_deploy_is_ended_by_the_next_deploy(
