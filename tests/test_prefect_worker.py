@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from deployments.worker import _project_files, _stale
+from deployments.worker import _project_files, _stale, direct_entrypoint
 from tests import private_worker
 from tests.stacks import stack_env
 
@@ -45,6 +45,40 @@ def test_project_files_are_the_checkouts_modules_not_the_environments() -> None:
     files = _project_files(REPO)
     assert str(REPO / "flows" / "provision.py") in files
     assert not any(Path(f).resolve().is_relative_to(Path(sys.prefix).resolve()) for f in files)
+
+
+def test_a_deployment_that_only_enters_the_code_dir_is_loaded_from_its_entrypoint(tmp_path: Path) -> None:
+    """prefect.yaml's pull step, resolved as the flow-run process would resolve it, names the worker's code
+    directory: the run may load ``path.py:flow`` at once. Anything else keeps the pull steps."""
+    import yaml
+
+    pull = yaml.safe_load((REPO / "prefect.yaml").read_text())["pull"]
+    env = {"GPUFERRY_CODE_DIR": str(REPO)}
+    entry = "flows/provision.py:provision"
+    assert direct_entrypoint(entry, pull, env, REPO) == entry
+    assert direct_entrypoint(entry, pull, {"GPUFERRY_CODE_DIR": str(tmp_path)}, REPO) is None  # another checkout
+    assert direct_entrypoint(entry, pull, {}, REPO) is None  # unresolved
+    assert direct_entrypoint("flows.provision.provision", pull, env, REPO) is None  # a module path
+    assert direct_entrypoint(entry, None, env, REPO) is None  # no pull step: Prefect's own storage
+    more = [*pull, {"prefect.deployments.steps.run_shell_script": {"script": "true"}}]
+    assert direct_entrypoint(entry, more, env, REPO) is None
+    variable = [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ prefect.variables.dir }}"}}]
+    assert direct_entrypoint(entry, variable, env, REPO) is None
+    literal = [{"prefect.deployments.steps.pull.set_working_directory": {"directory": str(REPO / "flows" / "..")}}]
+    assert direct_entrypoint(entry, literal, {}, REPO) == entry
+
+
+def run_logs(w: World, run_id: Any) -> list[str]:
+    """The run's log lines on the server, once its last one ("Finished in state ...") arrived."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    def read() -> list[str] | None:
+        with w.client() as client:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), limit=200)
+        lines = [log.message for log in logs]
+        return lines if any(line.startswith("Finished in state") for line in lines) else None
+
+    return list(private_worker.wait_until("the run's logs", read, timeout=120, interval=1))
 
 
 class World:
@@ -118,11 +152,26 @@ def test_a_run_starts_in_the_standby_process_and_a_new_one_replaces_it(world: Wo
     run = w.run(count=1, key=f"standby-{w.uid}")
     assert run.state.is_completed(), w.log.read_text()[-3000:]
     assert run.infrastructure_pid == str(standby[0]), (run.infrastructure_pid, standby)
-    replacement = private_worker.wait_until("the next standby process", w.standbys, timeout=120)
-    assert replacement != standby
+    replacement = private_worker.wait_until(
+        "the next standby process", lambda: [pid for pid in w.standbys() if pid not in standby], timeout=120
+    )
     assert "starting a fresh engine" not in w.log.read_text()
     # The flow's file is not executed again: the engine takes the module the standby imported.
     assert f"standby process {standby[0]}: flows/provision.py: the module it preloaded" in w.log.read_text()
+    # prefect.yaml's pull step only enters the worker's code directory: the run did not run it.
+    assert not [line for line in run_logs(w, run.id) if "pull step" in line]
+
+    # A deployment with a pull step of its own runs every step, in the next standby.
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    with w.client() as client:
+        dep = client.read_deployment_by_name(w.deployment)
+        steps = [*(dep.pull_steps or []), {"prefect.deployments.steps.run_shell_script": {"script": "true"}}]
+        client.update_deployment(dep.id, DeploymentUpdate(pull_steps=steps))
+    again = w.run(count=1, key=f"steps-{w.uid}")
+    assert again.state.is_completed(), w.log.read_text()[-3000:]
+    assert again.infrastructure_pid == str(replacement[0])
+    assert "Running 2 deployment pull step(s)" in run_logs(w, again.id)
 
 
 @pytest.mark.integration
