@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from runtime.watched import WatchedFile, replace_file
+
 PORT_ENV = "FRONT_PORT"
 TARGET_ENV = "FRONT_TARGET"
 TARGET_FILE_ENV = "FRONT_TARGET_FILE"
@@ -117,28 +119,22 @@ class Target:
     def __init__(self, path: str, fallback: str | None) -> None:
         self.path = path
         self.fallback: list[Weighted] | None = [(parse_target(fallback), 1.0)] if fallback else None
-        self._seen: tuple[int, int, int] | None = None
+        self._file = WatchedFile(path)
         self._value: list[Weighted] | None = None
         self._credit: dict[Address, float] = {}
 
     def get(self) -> list[Weighted] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return self._value or self.fallback
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self._seen:
+        if self._file.changed():
             try:
-                with open(self.path) as handle:
-                    value = parse_targets(handle.read())
+                text = self._file.read()
+                value = parse_targets(text) if text is not None else self._value  # gone: the last ones stay
             except (OSError, ValueError) as exc:  # keep the last good one
                 log.error("target file %s: %s", self.path, exc)
             else:
-                if value != self._value:
+                if value != self._value and value is not None:
                     log.info("forwarding to %s", ", ".join(f"{h}:{p} ({w:g})" for (h, p), w in value))
                     self._credit = {}
                 self._value = value
-            self._seen = key
         return self._value or self.fallback
 
     def pick(self) -> Address | None:
@@ -160,19 +156,6 @@ class Target:
         return any(target == t for t, _ in self.get() or [])
 
 
-def replace_file(path: str, data: bytes, *, sync: bool = False) -> None:
-    """Replace ``path`` at once (write a sibling, then rename it over: a reader never sees half of it); ``sync``:
-    on disk before the rename."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        if sync:
-            handle.flush()
-            os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
 def write_target(path: str, *targets: str) -> None:
     """Replace the target file at once; each of ``targets`` is ``host:port`` or ``host:port=weight``."""
     lines = [t.strip().replace("=", " ", 1) for t in targets]
@@ -187,37 +170,32 @@ class ShadowTarget:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._seen: tuple[int, int, int] | None = None
+        self._file = WatchedFile(path)
         self.shadow: Any = None  # runtime.shadow.Shadow while a shadow is set
         self._written = b""
 
     def get(self) -> Any:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            if self.shadow is not None:
-                log.info("no more copies to the shadow")
-                self._retire()
-            self._seen = None
-            return None
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self._seen:
-            self._seen = key
-            from runtime.shadow import Shadow, ShadowSettings  # only a front with a shadow needs them
+        if not self._file.changed():
+            return self.shadow
+        from runtime.shadow import Shadow, ShadowSettings  # only a front with a shadow needs them
 
-            try:
-                with open(self.path) as handle:
-                    wanted = json.load(handle)
-                settings = ShadowSettings.from_fields(
-                    {k: v for k, v in wanted.items() if k in ("url", "share", "rtol", "atol")}
-                )
-            except (OSError, ValueError) as exc:  # keep the last good one
-                log.error("shadow file %s: %s", self.path, exc)
-            else:
-                self._retire()
-                if settings is not None:
-                    log.info("copying %g of the requests to the shadow %s", settings.share, settings.url)
-                    self.shadow = Shadow(settings)
+        try:
+            text = self._file.read()
+            wanted = json.loads(text) if text is not None else None
+            settings = (
+                ShadowSettings.from_fields({k: v for k, v in wanted.items() if k in ("url", "share", "rtol", "atol")})
+                if wanted is not None
+                else None
+            )
+        except (OSError, ValueError, AttributeError) as exc:  # keep the last good one
+            log.error("shadow file %s: %s", self.path, exc)
+            return self.shadow
+        if text is None and self.shadow is not None:
+            log.info("no more copies to the shadow")
+        self._retire()
+        if settings is not None:
+            log.info("copying %g of the requests to the shadow %s", settings.share, settings.url)
+            self.shadow = Shadow(settings)
         return self.shadow
 
     def _retire(self) -> None:

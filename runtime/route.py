@@ -27,13 +27,13 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.shadow import Poster, Shadow, ShadowSettings
+from runtime.watched import WatchedFile
 
 log = logging.getLogger("runtime.route")
 
@@ -114,32 +114,23 @@ class Route:
         self._static = Shadow(static) if static is not None else None
         self.shadow: Shadow | None = self._static
         self.canary: Canary | None = None
-        self._seen: tuple[int, int, int] | None = None
+        self._file = WatchedFile(path) if path is not None else None
         self._checked = -math.inf
         self._retired: list[Shadow | Canary] = []
 
     def refresh(self, force: bool = False) -> None:
         """Read the file again when it changed (at most every ``CHECK_EVERY_S`` unless ``force``)."""
-        if self.path is None:
+        if self._file is None:
             return
         now = time.monotonic()
         if not force and now - self._checked < CHECK_EVERY_S:
             return
         self._checked = now
-        try:
-            st = os.stat(self.path)  # follows the symlink a ConfigMap volume swaps
-        except OSError:
-            if self._seen is not None:
-                self._seen = None
-                self._apply(0, None, None)
+        if not self._file.changed():  # a ConfigMap volume swaps a symlink: a change too
             return
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key == self._seen:
-            return
-        self._seen = key
         try:
-            with open(self.path) as handle:
-                generation, canary, shadow = parse(json.load(handle))
+            text = self._file.read()
+            generation, canary, shadow = parse(json.loads(text)) if text is not None else (0, None, None)
         except (OSError, ValueError) as exc:  # keep the last good one
             log.error("route file %s: %s", self.path, exc)
             return

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from runtime.route import parse
+from runtime.watched import WatchedFile, replace_file
 from tests.test_serve import Server, _free_port, start, wait_for
 from tests.test_shadow import PROBE, Pair, models  # noqa: F401 - a fixture: the serving and the candidate model
 
@@ -28,6 +29,22 @@ def routed(models: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[Pair, Pa
     finally:
         codes = {"serving": serving.terminate(), "candidate": candidate.terminate()}
         assert codes == {"serving": 0, "candidate": 0}, serving.log()[-3000:] + candidate.log()[-3000:]
+
+
+def test_a_watched_file_reports_each_change_once(tmp_path: Path) -> None:
+    """What the front's target and shadow files and the server's route file are read again on: the file appearing,
+    replaced by a rename (even with the same bytes: a ConfigMap volume's swap is one), and going."""
+    path = tmp_path / "route.json"
+    watched = WatchedFile(str(path))
+    assert not watched.changed() and watched.read() is None  # no file yet: nothing changed
+    replace_file(str(path), b'{"generation": 1}')
+    assert watched.changed() and watched.read() == '{"generation": 1}'
+    assert not watched.changed()
+    replace_file(str(path), b'{"generation": 1}')  # the same bytes, a new file
+    assert watched.changed() and not watched.changed()
+    path.unlink()
+    assert watched.changed() and watched.read() is None
+    assert not watched.changed()
 
 
 class Busy:
