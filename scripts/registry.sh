@@ -183,7 +183,7 @@ start_registry() {
     die "port $PORT already answers but not as this stack's registry: set GPUFERRY_REGISTRY_PORT to a free port"
   fi
   log "starting docker-registry on 127.0.0.1:$PORT"
-  setsid nohup docker-registry serve "$RUN/registry.yml" >"$RUN/registry.log" 2>&1 </dev/null &
+  (cd "$RUN" && exec setsid nohup docker-registry serve "$RUN/registry.yml" >"$RUN/registry.log" 2>&1 </dev/null) &
   echo $! >"$RUN/registry.pid"
   wait_for "docker-registry" 30 "$RUN/registry.log" registry_answers
 }
@@ -194,7 +194,9 @@ start_podman() {
   fi
   log "starting podman system service on $SOCKET"
   rm -f "$SOCKET"
-  setsid nohup podman system service --time=0 "unix://$SOCKET" >"$RUN/podman.log" 2>&1 </dev/null &
+  # Started from its run directory: the conmon of a container the kernel killed for memory writes a file named
+  # "oom" into its working directory, which would otherwise be the checkout's.
+  (cd "$RUN" && exec setsid nohup podman system service --time=0 "unix://$SOCKET" >"$RUN/podman.log" 2>&1 </dev/null) &
   echo $! >"$RUN/podman.pid"
   wait_for "podman system service" 60 "$RUN/podman.log" podman_answers
 }
