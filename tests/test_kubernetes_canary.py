@@ -96,7 +96,7 @@ def policy(strategy: str, share: float) -> RolloutPolicy:
         {
             "strategy": strategy,
             "share": share,
-            "window_seconds": 40,
+            "window_seconds": 25,
             "min_requests": 20,
             "max_p99_ratio": 5,
             "p99_slack_ms": 200,
