@@ -338,11 +338,6 @@ def _worker_classes() -> tuple[type, type]:
                 return await super().run(flow_run, configuration, task_status)
             if task_status is None:
                 task_status = anyio.TASK_STATUS_IGNORED
-            working_dir_ctx = (
-                tempfile.TemporaryDirectory(suffix="prefect")
-                if not configuration.working_dir
-                else contextlib.nullcontext(configuration.working_dir)
-            )
             entrypoint = None
             if flow_run.deployment_id is not None:
                 deployment = await self.client.read_deployment(flow_run.deployment_id)
@@ -350,13 +345,21 @@ def _worker_classes() -> tuple[type, type]:
                 entrypoint = direct_entrypoint(
                     deployment.entrypoint, deployment.pull_steps, process_env, self._standbys.cwd
                 )
+            # The run starts where its pull step would have taken it, or (as Prefect's worker) where the steps run.
+            working_dir_ctx: contextlib.AbstractContextManager[Any] = (
+                contextlib.nullcontext(self._standbys.cwd)
+                if entrypoint
+                else tempfile.TemporaryDirectory(suffix="prefect")
+                if not configuration.working_dir
+                else contextlib.nullcontext(configuration.working_dir)
+            )
             execution = None
             with working_dir_ctx as working_dir:
                 async with FlowRunExecutorContext() as ctx:
                     starter = StandbyStarter(
                         self._standbys,
                         self._standby_group,
-                        self._standbys.cwd if entrypoint else Path(working_dir).resolve(),
+                        Path(working_dir).resolve(),
                         configuration.env,
                         ctx.control_channel,
                         entrypoint,

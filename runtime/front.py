@@ -127,14 +127,14 @@ class Target:
         if self._file.changed():
             try:
                 text = self._file.read()
-                value = parse_targets(text) if text is not None else self._value  # gone: the last ones stay
+                value = parse_targets(text) if text is not None else None
             except (OSError, ValueError) as exc:  # keep the last good one
                 log.error("target file %s: %s", self.path, exc)
             else:
-                if value != self._value and value is not None:
+                if value is not None and value != self._value:  # None: the file went, the last targets stay
                     log.info("forwarding to %s", ", ".join(f"{h}:{p} ({w:g})" for (h, p), w in value))
                     self._credit = {}
-                self._value = value
+                    self._value = value
         return self._value or self.fallback
 
     def pick(self) -> Address | None:
@@ -181,13 +181,13 @@ class ShadowTarget:
 
         try:
             text = self._file.read()
-            wanted = json.loads(text) if text is not None else None
-            settings = (
-                ShadowSettings.from_fields({k: v for k, v in wanted.items() if k in ("url", "share", "rtol", "atol")})
-                if wanted is not None
-                else None
+            wanted = json.loads(text) if text is not None else {}
+            if not isinstance(wanted, dict):
+                raise ValueError("the shadow file must hold a JSON object")
+            settings = ShadowSettings.from_fields(
+                {k: v for k, v in wanted.items() if k in ("url", "share", "rtol", "atol")}
             )
-        except (OSError, ValueError, AttributeError) as exc:  # keep the last good one
+        except (OSError, ValueError) as exc:  # keep the last good one
             log.error("shadow file %s: %s", self.path, exc)
             return self.shadow
         if text is None and self.shadow is not None:
